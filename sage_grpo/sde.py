@@ -1,0 +1,229 @@
+"""One SDE step for GRPO rollouts and re-scoring: the five samplers of algorithm.md section 2.
+
+dance_grpo, flow_grpo and sage_grpo are the same Euler-Maruyama step of the marginal-preserving reverse SDE and
+differ only in the variance V_t of the noise injected over the step:
+
+    mean_t  = x + v * dt - V_t / (2 * sigma_t) * x1_hat,   x1_hat = x + (1 - sigma_t) * v,   dt = sigma_{t+1} - sigma_t
+    x_{t+1} = mean_t + sqrt(V_t) * xi
+
+cps (Wang and Yu, 2025) is a different family that recombines the predicted data and noise:
+
+    mean_t  = (1 - sigma_{t+1}) * x0_hat + sqrt(sigma_{t+1}^2 - s_t^2) * x1_hat,   s_t = sigma_{t+1} * sin(eta * pi / 2)
+
+and ode is the deterministic Euler step x + v * dt (eta = 0 of every SDE reduces to it).
+
+Everything is a pure tensor function: no scheduler object, no globals, fp32 math whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SAGE_SIGMA_CLAMP",
+    "SAMPLERS",
+    "LOGPROB_REDUCTIONS",
+    "CPS_LOGPROB_MODES",
+    "SDEStepOutput",
+    "check_sampler",
+    "step_variance",
+    "mean_sensitivity",
+    "sde_step",
+    "gaussian_log_prob",
+]
+
+# sage_grpo clamps sigma_t to at most 1 - 3e-3 inside the log so that step 0 (sigma = 1) stays finite
+# (paper App. A.3 regime (c)). Overridable per call through `sage_clamp`.
+SAGE_SIGMA_CLAMP = 1.0 - 3e-3
+
+SAMPLERS = ("ode", "dance_grpo", "flow_grpo", "sage_grpo", "cps")
+LOGPROB_REDUCTIONS = ("mean", "sum")
+# "peer": -(x' - mean)^2 averaged, as every CPS implementation does; "normalized": the full Gaussian log-density.
+CPS_LOGPROB_MODES = ("peer", "normalized")
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def check_sampler(sde_type: str) -> str:
+    """Return `sde_type` if it names a sampler, else fail listing the valid names."""
+    if sde_type not in SAMPLERS:
+        raise ValueError(f"unknown sde_type {sde_type!r}; valid samplers: {', '.join(SAMPLERS)}")
+    return sde_type
+
+
+@dataclass
+class SDEStepOutput:
+    """Result of one step. B = batch size."""
+
+    prev_sample: Tensor  # [B, ...] x_{t+1}, in the dtype of the input sample (the storage dtype)
+    log_prob: Tensor  # [B] fp32: mean over non-batch elements, or their sum with reduction="sum"
+    mean: Tensor  # [B, ...] fp32 mean of x_{t+1} given x_t
+    std: Tensor  # [B] fp32 sqrt(V_t), one value per sample
+    log_prob_count: int  # non-batch elements per sample that `log_prob` reduced over
+
+
+def _as_batch_tensor(value: float | Tensor, batch: int, device: torch.device) -> Tensor:
+    """A float or per-sample sigma -> fp32 [B]."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=device)
+    if t.ndim == 0:
+        return t.expand(batch).clone()
+    t = t.reshape(-1)
+    if t.numel() != batch:
+        raise ValueError(f"per-sample sigma has {t.numel()} entries for a batch of {batch}")
+    return t
+
+
+def _bcast(v: Tensor, ndim: int) -> Tensor:
+    """[B] -> [B, 1, ..., 1] with `ndim` dims in all, so it broadcasts over 4-D or 5-D latents."""
+    return v.reshape(v.shape[0], *([1] * (ndim - 1)))
+
+
+def step_variance(
+    sde_type: str,
+    sigma: Tensor,
+    sigma_next: Tensor,
+    eta: float,
+    *,
+    sigma_max: float | Tensor | None = None,
+    sage_clamp: float = SAGE_SIGMA_CLAMP,
+) -> Tensor:
+    """Variance V_t of the noise injected over the step sigma -> sigma_next (same shape as sigma, fp32 or fp64).
+
+    dance_grpo: eta^2 * delta
+    flow_grpo:  eta^2 * sigma / (1 - sigma') * delta, sigma' = sigma_max where sigma == 1 (FlowGRPO's rule)
+    sage_grpo:  eta^2 * [log((1 - sigma_next) / (1 - min(sigma, clamp))) - delta]   (paper Eq. 5, exact integral)
+    cps:        (sigma_next * sin(eta * pi / 2))^2
+    ode:        0
+    """
+    check_sampler(sde_type)
+    sigma = torch.as_tensor(sigma)
+    sigma_next = torch.as_tensor(sigma_next, dtype=sigma.dtype, device=sigma.device)
+    delta = sigma - sigma_next
+    if sde_type == "ode":
+        return torch.zeros_like(sigma)
+    if sde_type == "dance_grpo":
+        return eta**2 * delta
+    if sde_type == "flow_grpo":
+        at_one = sigma >= 1.0
+        if bool(at_one.any()):
+            if sigma_max is None:
+                raise ValueError(
+                    "flow_grpo at sigma = 1 needs sigma_max (the schedule's second value, sigmas[1])"
+                )
+            sigma_max = torch.as_tensor(sigma_max, dtype=sigma.dtype, device=sigma.device)
+        denom_sigma = torch.where(at_one, sigma_max, sigma) if bool(at_one.any()) else sigma
+        return eta**2 * sigma / (1.0 - denom_sigma) * delta
+    if sde_type == "sage_grpo":
+        sigma_bar = sigma.clamp(max=sage_clamp)
+        return eta**2 * (torch.log((1.0 - sigma_next) / (1.0 - sigma_bar)) - delta)
+    # cps
+    s = sigma_next * math.sin(eta * math.pi / 2.0)
+    return s * s
+
+
+def mean_sensitivity(sde_type: str, sigma: Tensor, sigma_next: Tensor, variance: Tensor) -> Tensor:
+    """d mean_t / d v, the sensitivity of the step mean to the network output (algorithm.md section 5)."""
+    check_sampler(sde_type)
+    dt = sigma_next - sigma
+    if sde_type == "cps":
+        s_sq = variance
+        return -sigma * (1.0 - sigma_next) + (1.0 - sigma) * torch.sqrt((sigma_next**2 - s_sq).clamp(min=0.0))
+    safe_sigma = torch.where(sigma > 0, sigma, torch.ones_like(sigma))
+    return dt - variance / 2.0 * (1.0 - sigma) / safe_sigma
+
+
+def gaussian_log_prob(x: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
+    """Elementwise log N(x; mean, variance) in fp32; 0 where variance == 0 (a deterministic step carries no
+    policy gradient). `variance` broadcasts against x."""
+    var = variance.float()
+    pos = var > 0
+    safe_var = torch.where(pos, var, torch.ones_like(var))
+    lp = -((x.float() - mean.float()) ** 2) / (2.0 * safe_var) - 0.5 * torch.log(safe_var) - _LOG_SQRT_2PI
+    return torch.where(pos, lp, torch.zeros_like(lp))
+
+
+def _draw_noise(shape: torch.Size, device: torch.device, generator) -> Tensor:
+    """Standard normal noise [B, ...] in fp32; `generator` is None, one generator, or one per sample."""
+    if isinstance(generator, Sequence) and not isinstance(generator, torch.Generator):
+        if len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}")
+        return torch.stack(
+            [torch.randn(shape[1:], generator=g, device=device, dtype=torch.float32) for g in generator]
+        )
+    return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+
+
+def sde_step(
+    sde_type: str,
+    model_output: Tensor,
+    sample: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    eta: float,
+    *,
+    sigma_max: float | Tensor | None = None,
+    prev_sample: Tensor | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    noise: Tensor | None = None,
+    logprob_reduction: str = "mean",
+    cps_logprob: str = "peer",
+    sage_clamp: float = SAGE_SIGMA_CLAMP,
+) -> SDEStepOutput:
+    """One sampler step from x_t = `sample` with velocity `model_output`.
+
+    Rollout: leave `prev_sample` None; x_{t+1} is drawn with `noise` or from `generator` (one, or one per sample),
+    then cast to sample.dtype (the storage dtype) *before* its log-prob is taken, so that re-scoring the stored
+    sample reproduces the rollout log-prob exactly. Re-scoring: pass the stored `prev_sample`.
+
+    sigma / sigma_next: Python floats or per-sample tensors [B]. Latents: [B, C, H, W] or [B, C, F, H, W].
+    sigma_max: the schedule's second value, used by flow_grpo where sigma = 1.
+    logprob_reduction: "mean" over non-batch elements (peer-compatible) or "sum" (with `log_prob_count`, for
+    sequence-parallel shards that all-reduce sum and count before dividing).
+    cps_logprob: "peer" (-(x' - mean)^2, what every CPS implementation uses) or "normalized" (Gaussian density).
+    """
+    check_sampler(sde_type)
+    if logprob_reduction not in LOGPROB_REDUCTIONS:
+        raise ValueError(f"logprob_reduction must be one of {LOGPROB_REDUCTIONS}, got {logprob_reduction!r}")
+    if cps_logprob not in CPS_LOGPROB_MODES:
+        raise ValueError(f"cps_logprob must be one of {CPS_LOGPROB_MODES}, got {cps_logprob!r}")
+    if sample.ndim < 2:
+        raise ValueError(f"sample must have a batch dim and at least one more, got shape {tuple(sample.shape)}")
+    batch, ndim, device = sample.shape[0], sample.ndim, sample.device
+    x = sample.float()  # [B, ...]
+    v = model_output.float()  # [B, ...]
+    s = _as_batch_tensor(sigma, batch, device)  # [B]
+    s_next = _as_batch_tensor(sigma_next, batch, device)  # [B]
+    var = step_variance(sde_type, s, s_next, eta, sigma_max=sigma_max, sage_clamp=sage_clamp).float()  # [B]
+    var = var.clamp(min=0.0)
+    sb, snb, vb = _bcast(s, ndim), _bcast(s_next, ndim), _bcast(var, ndim)  # [B, 1, ...]
+
+    if sde_type == "cps":
+        x0_hat = x - sb * v  # predicted data
+        x1_hat = x + (1.0 - sb) * v  # predicted noise
+        mean = (1.0 - snb) * x0_hat + torch.sqrt((snb**2 - vb).clamp(min=0.0)) * x1_hat
+    else:
+        mean = x + v * (snb - sb)
+        if sde_type != "ode":
+            safe_sb = torch.where(sb > 0, sb, torch.ones_like(sb))
+            mean = mean - vb / (2.0 * safe_sb) * (x + (1.0 - sb) * v)  # + (V/2) * score
+
+    std = var.sqrt()  # [B]
+    if prev_sample is None:
+        if noise is None:
+            noise = _draw_noise(sample.shape, device, generator)
+        prev_sample = (mean + _bcast(std, ndim) * noise.float()).to(sample.dtype)  # storage round trip
+    x_next = prev_sample.float()
+
+    if sde_type == "cps" and cps_logprob == "peer":
+        elementwise = -((x_next - mean) ** 2)
+    else:
+        elementwise = gaussian_log_prob(x_next, mean, vb)
+    count = elementwise[0].numel()
+    log_prob = elementwise.reshape(batch, -1).sum(dim=1)  # [B]
+    if logprob_reduction == "mean":
+        log_prob = log_prob / count
+    return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std, log_prob_count=count)
