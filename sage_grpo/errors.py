@@ -1,0 +1,2 @@
+class SageGRPOError(Exception):
+    """A user error: the message says what to change."""

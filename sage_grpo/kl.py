@@ -1,0 +1,126 @@
+"""Dual trust region (paper Eq. 11-15, 40-42; algorithm.md section 6).
+
+Two references constrain the policy:
+- position: the anchor pi_ref_N, a frozen copy refreshed every N optimizer updates (never refreshed = fixed KL to
+  pi_0). KL_pos is the closed-form KL of the two Gaussian steps taken from the same x_t, which share the variance
+  V_t of the active sampler: mean over elements of (mean_theta - mean_ref)^2 / (2 (V_t + 1e-6)).
+- velocity: the previous policy pi_{k-1} that produced the rollout; KL_vel is the k1 estimate on its samples,
+  mean(logp_old - logp_new).
+The total L_KL = beta_pos * KL_pos + beta_vel * KL_vel is scaled by the adaptive coefficient lambda_KL.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import Tensor
+
+__all__ = ["KL_VAR_EPS", "kl_position", "kl_velocity", "dual_kl", "AdaptiveKLController", "ADAPT_DIRECTIONS"]
+
+KL_VAR_EPS = 1e-6  # keeps KL_pos finite on deterministic steps (V_t = 0)
+ADAPT_DIRECTIONS = ("paper", "classic")
+
+
+def kl_position(mean_theta: Tensor, mean_ref: Tensor, variance: Tensor) -> Tensor:
+    """Closed-form KL(N(mean_theta, V) || N(mean_ref, V)) per sample -> [B] (mean over non-batch elements).
+
+    mean_theta, mean_ref: [B, ...]; variance: V_t as [B] or a scalar (the same for both Gaussians).
+    """
+    diff = mean_theta.float() - mean_ref.float()  # [B, ...]
+    var = torch.as_tensor(variance, dtype=torch.float32, device=diff.device)
+    if var.ndim == 1:
+        var = var.reshape(-1, *([1] * (diff.ndim - 1)))  # [B, 1, ...]
+    return (diff**2 / (2.0 * (var + KL_VAR_EPS))).reshape(diff.shape[0], -1).mean(dim=1)
+
+
+def kl_velocity(logp_old: Tensor, logp_new: Tensor) -> Tensor:
+    """k1 estimate of KL(pi_{k-1} || pi_theta) on rollout samples, per sample -> logp_old - logp_new."""
+    return logp_old.detach() - logp_new
+
+
+def dual_kl(
+    kl_pos: Tensor | None, kl_vel: Tensor | None, *, beta_pos: float = 1.0, beta_vel: float = 0.1
+) -> Tensor:
+    """L_KL = beta_pos * mean(KL_pos) + beta_vel * mean(KL_vel); a missing term counts as 0."""
+    terms = []
+    if kl_pos is not None:
+        terms.append(beta_pos * kl_pos.mean())
+    if kl_vel is not None:
+        terms.append(beta_vel * kl_vel.mean())
+    if not terms:
+        raise ValueError("dual_kl needs at least one of kl_pos, kl_vel")
+    return torch.stack(terms).sum()
+
+
+class AdaptiveKLController:
+    """The adaptive lambda_KL of paper App. A.6, counted in optimizer updates.
+
+    Warm-up for the first `warmup_updates` updates: lambda(k) = init + (lambda_max - init) * k / K (the paper's
+    Eq. 41 with init = lambda_min, the authors' default kl_coef = kl_min_coef = 1e-7). Afterwards, with D the mean
+    of the last `history` observed KL values: D > 1.5 target -> lambda *= 0.9 and D < 0.5 target -> lambda *= 1.1
+    (direction "paper": a KL far above target relaxes the constraint, as the paper states), or the opposite
+    (direction "classic": a large KL tightens it, as in PPO's adaptive KL), clipped to [lambda_min, lambda_max].
+
+    Call `update(kl)` once per optimizer update with a KL value that is identical on every rank (all-reduce it
+    first), so that the coefficient stays in lockstep; `state_dict` / `load_state_dict` carry it across resumes.
+    """
+
+    def __init__(
+        self,
+        *,
+        init: float = 1e-7,
+        lambda_min: float = 1e-7,
+        lambda_max: float = 1e-5,
+        target: float = 1e-5,
+        warmup_updates: int = 100,
+        history: int = 10,
+        direction: str = "paper",
+    ) -> None:
+        if direction not in ADAPT_DIRECTIONS:
+            raise ValueError(f"direction must be one of {ADAPT_DIRECTIONS}, got {direction!r}")
+        if not 0.0 <= lambda_min <= lambda_max:
+            raise ValueError(f"need 0 <= lambda_min <= lambda_max, got {lambda_min}, {lambda_max}")
+        if history < 1 or warmup_updates < 0:
+            raise ValueError("history must be >= 1 and warmup_updates >= 0")
+        self.init, self.lambda_min, self.lambda_max = init, lambda_min, lambda_max
+        self.target, self.warmup_updates, self.history, self.direction = target, warmup_updates, history, direction
+        self.num_updates = 0
+        self.value = self._warmup_value(0)
+        self._kl_history: deque[float] = deque(maxlen=history)
+
+    def _warmup_value(self, k: int) -> float:
+        if self.warmup_updates == 0:
+            return self.lambda_max
+        return self.init + (self.lambda_max - self.init) * min(k, self.warmup_updates) / self.warmup_updates
+
+    @property
+    def kl_mean(self) -> float:
+        """Mean of the recorded KL history (nan when empty)."""
+        return sum(self._kl_history) / len(self._kl_history) if self._kl_history else float("nan")
+
+    def update(self, observed_kl: float) -> float:
+        """Record the KL of the update just taken and move to the coefficient of the next update."""
+        self._kl_history.append(float(observed_kl))
+        self.num_updates += 1
+        if self.num_updates <= self.warmup_updates:
+            self.value = self._warmup_value(self.num_updates)
+            return self.value
+        d = self.kl_mean
+        up, down = (1.1, 0.9) if self.direction == "paper" else (0.9, 1.1)
+        if d > 1.5 * self.target:
+            self.value *= down
+        elif d < 0.5 * self.target:
+            self.value *= up
+        self.value = min(max(self.value, self.lambda_min), self.lambda_max)
+        return self.value
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly (plain Python types: safe to store as JSON)."""
+        return {"value": self.value, "num_updates": self.num_updates, "kl_history": list(self._kl_history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output."""
+        self.value = float(state["value"])
+        self.num_updates = int(state["num_updates"])
+        self._kl_history = deque((float(x) for x in state["kl_history"]), maxlen=self.history)
