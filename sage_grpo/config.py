@@ -1,0 +1,576 @@
+"""Configuration: dataclasses are the single source of defaults; a YAML file and `--flag value` CLI go on top.
+
+Layering: defaults < YAML file (`--config path.yaml`, grouped sections as in `dump_yaml`) < CLI flags. Flag names
+are the authors' (snake_case, one namespace across groups), so their launch scripts run unchanged. Booleans accept
+`--flag` alone or `--flag True|False|1|0|yes|no|on|off`; lists are space separated.
+
+`validate(cfg, world_size)` rejects impossible batch geometry with messages that say what to change. The resolved
+config is written into the output directory by `dump_yaml` and loads back identically with `load_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import math
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import SageGRPOError
+from .sde import CPS_LOGPROB_MODES, LOGPROB_REDUCTIONS, SAGE_SIGMA_CLAMP, SAMPLERS
+
+__all__ = [
+    "ModelConfig",
+    "ParallelConfig",
+    "DataConfig",
+    "RolloutConfig",
+    "RewardConfig",
+    "KLConfig",
+    "OptimConfig",
+    "ValidationConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "Config",
+    "GROUPS",
+    "build_parser",
+    "load_config",
+    "config_to_dict",
+    "config_from_dict",
+    "dump_yaml",
+    "validate",
+    "parse_bool",
+    "parse_size",
+    "dp_degree",
+]
+
+DTYPES = ("bf16", "fp16", "fp32")
+_TRUE = {"true", "1", "yes", "on", "y", "t"}
+_FALSE = {"false", "0", "no", "off", "n", "f"}
+
+
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A dataclass field with help text (and allowed values) for the CLI and the docs."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """The HunyuanVideo-1.5 policy: where its weights are and how it is trained."""
+
+    pretrained_model_root: str = opt("ckpts", "Root of the authors' checkpoint layout (`hf download tencent/HunyuanVideo-1.5`); also the default home of VideoReward and Qwen2-VL-2B-Instruct.")
+    model_path: str = opt("", "A diffusers-layout HunyuanVideo-1.5 directory (model_index.json, transformer/, vae/, ...). Empty: use pretrained_model_root in the authors' layout.")
+    pretrained_transformer_version: str = opt("480p_t2v", "Sub-folder of <pretrained_model_root>/transformer to load in the authors' layout.")
+    dtype: str = opt("bf16", "Compute dtype of the transformer forward (autocast) and of the frozen parts.", DTYPES)
+    master_weight_type: str = opt("fp32", "Dtype of the trained (master) weights and optimizer state.", DTYPES)
+    enable_gradient_checkpointing: bool = opt(True, "Recompute transformer block activations in backward (saves memory, ~30% slower).")
+    use_lora: bool = opt(False, "Train LoRA adapters (peft) instead of the full transformer.")
+    lora_r: int = opt(8, "LoRA rank.")
+    lora_alpha: int = opt(16, "LoRA alpha (scale = alpha / r).")
+    lora_dropout: float = opt(0.0, "LoRA dropout.")
+    lora_target_modules: list[str] = opt([], "Module names that get LoRA adapters; empty = every linear layer of the transformer blocks.")
+    pretrained_lora_path: str = opt("", "A LoRA adapter (safetensors file or peft directory) to load before training or generation.")
+    offload_text_encoder: bool = opt(True, "Move the text encoders off the GPU once every prompt is encoded and cached (the authors keep the 7B encoder resident).")
+    text_embedding_cache_dir: str = opt("", "Directory of an on-disk text-embedding cache keyed by prompt and encoder; empty = in memory only.")
+
+
+@dataclass
+class ParallelConfig:
+    """Distributed layout: dp_degree = world_size / sp_size."""
+
+    enable_fsdp: bool = opt(True, "Shard the policy with FSDP2 (per transformer block, then the root).")
+    sp_size: int = opt(1, "Ulysses sequence-parallel degree; must divide world_size and the head count (16). The authors' argparse default is 8 and their launch scripts use 2; ours is 1 so that one process runs out of the box (the paper configs set 2).")
+    dp_replicate: int = opt(1, "HSDP replication degree (FSDP shards within groups of dp_degree / dp_replicate ranks).")
+
+
+@dataclass
+class DataConfig:
+    """Prompts and GRPO grouping."""
+
+    train_video_csv: str = opt("", "Training prompts: CSV with column `prompt` (optional `index`, `seed`, `ref_image_path`), .txt one per line, or .jsonl.")
+    batch_size: int = opt(2, "Videos per data-parallel rank per rollout.")
+    num_generations: int = opt(4, "Group size G: rollouts per prompt. A group may span consecutive data-parallel ranks.")
+    num_workers: int = opt(2, "Prompt data-loader worker processes.")
+
+
+@dataclass
+class RolloutConfig:
+    """The SDE rollout: sampler, schedule, guidance, sizes."""
+
+    sde_type: str = opt("sage_grpo", "Rollout sampler. Log-probs of different samplers are on different scales (cps drops the Gaussian constants by default), so clip ranges do not transfer between them.", SAMPLERS[1:])
+    eta: float = opt(0.5, "Noise level of the SDE (the variance scales with eta^2; for cps s_t = sigma_{t+1} sin(eta pi / 2)).")
+    cfg_scale: float = opt(6.0, "Classifier-free guidance scale in rollout and training forwards; 1 turns CFG off.")
+    neg_prompt: str = opt("", "Negative prompt for CFG.")
+    flow_shift: float = opt(5.0, "Shift s of the rollout sigma schedule sigma = s u / (1 + (s - 1) u).")
+    grpo_sampling_steps: int = opt(20, "Number of SDE steps T per rollout.")
+    sample_n_frames: int = opt(81, "Frames per rollout video (4k + 1; 81 -> 21 latent frames).")
+    height: int = opt(352, "Rollout video height in pixels (multiple of 16; 352x624 is the authors' '480' bucket).")
+    width: int = opt(624, "Rollout video width in pixels (multiple of 16).")
+    use_same_noise: bool = opt(False, "One initial noise per group (the G rollouts of a prompt differ only by SDE noise).")
+    video_fps: int = opt(24, "Frame rate of decoded videos (rewards sample frames relative to it; mp4 files use it).")
+    logprob_reduction: str = opt("mean", "Log-prob reduction over latent elements: mean (peer-compatible) or sum (as (sum, count) for sequence-parallel shards; all-reduced before dividing).", LOGPROB_REDUCTIONS)
+    cps_logprob: str = opt("peer", "cps log-prob: peer = -(x' - mean)^2 averaged (what every CPS implementation uses), normalized = Gaussian log-density.", CPS_LOGPROB_MODES)
+    sage_sigma_clamp: float = opt(SAGE_SIGMA_CLAMP, "sage_grpo clamps sigma_t to at most this value inside the log so that the first step stays finite (paper App. A.3).")
+
+
+@dataclass
+class RewardConfig:
+    """The reward: VideoAlign (VideoReward) or a built-in reward, and the composite weights."""
+
+    reward_model: str = opt("videoalign_local", "Reward name (videoalign_local, or a built-in / metric reward; see README).")
+    reward_model_path: str = opt("", "VideoReward checkpoint directory; empty = <pretrained_model_root>/VideoReward.")
+    reward_base_model_path: str = opt("", "Local Qwen2-VL-2B-Instruct directory (config and processor); empty = <pretrained_model_root>/Qwen2-VL-2B-Instruct. Never fetched at run time.")
+    reward_weights: str = opt('{"VQ":0.5,"MQ":0.5,"TA":1.0}', "JSON weights of the composite reward (case-insensitive keys). Setting A: {\"VQ\":1,\"MQ\":1,\"TA\":1}; Setting B (default, best): VQ 0.5, MQ 0.5, TA 1.0.")
+    reward_checkpoint_mode: str = opt("v3", "Key remapping of the VideoReward state dict: v1/v2 older layouts, v3 current transformers.", ("v1", "v2", "v3"))
+    reward_max_pixels: int = opt(200704, "Max pixels per frame fed to VideoAlign (resized to multiples of 28 within it).")
+    reward_sample_fps: float = opt(2.0, "Frames per second sampled from the video for VideoAlign (81 frames at 24 fps -> 6 frames).")
+    reward_batch_size: int = opt(0, "Videos per reward forward; 0 = all videos of the rank at once.")
+    reward_dtype: str = opt("bf16", "Dtype of the reward model.", DTYPES)
+
+
+@dataclass
+class KLConfig:
+    """Dual trust region and the adaptive KL coefficient (paper Sec. 3.2.2, App. A.6)."""
+
+    kl_weight: float = opt(1e-5, "Switches the KL term on when > 0; also lambda_max of the adaptive coefficient and, unless kl_target is set, its target.")
+    kl_coef: float = opt(1e-7, "Initial KL coefficient (start of the linear warm-up).")
+    kl_min_coef: float = opt(1e-7, "Lower bound lambda_min of the adaptive KL coefficient.")
+    kl_target: float | None = opt(None, "Target KL D_target of the adaptive controller; unset = kl_weight (the authors' mapping).")
+    kl_warmup_updates: int = opt(100, "Optimizer updates of linear warm-up from kl_coef to kl_weight (K in paper Eq. 41).")
+    kl_history: int = opt(10, "Number H of recent KL values the controller averages.")
+    kl_adapt_direction: str = opt("paper", "paper: KL above 1.5x target multiplies the coefficient by 0.9 (as the paper states); classic: by 1.1 (PPO-style tightening).", ("paper", "classic"))
+    use_moving_KL: bool = opt(True, "Refresh the anchor from the policy every update_ref_model_step updates (False: fixed anchor = the initial model).")
+    update_ref_model_step: int = opt(10, "Optimizer updates between anchor refreshes.")
+    use_dual_kl: bool = opt(True, "Add the step-wise term KL(pi_theta || pi_{k-1}) to the anchor term (dual trust region). Step-wise only: --use_dual_kl --dual_kl_moving_weight 0.")
+    dual_kl_moving_weight: float = opt(1.0, "beta_pos: weight of the anchor (position) term in the dual KL.")
+    dual_kl_step_weight: float = opt(0.1, "beta_vel: weight of the step-wise (velocity) term in the dual KL.")
+    kl_compute_mode: str = opt("rollout_phase", "rollout_phase: anchor means computed right after the rollout and kept on CPU; training_phase: inside the update.", ("rollout_phase", "training_phase"))
+    reference_mode_offload: bool = opt(False, "Keep the anchor model on CPU when it is not in use.")
+
+
+@dataclass
+class OptimConfig:
+    """The policy update: optimizer, PPO clipping, timestep selection, equalizer."""
+
+    learning_rate: float = opt(1e-5, "Peak learning rate.")
+    weight_decay: float = opt(0.01, "Decoupled weight decay.")
+    max_steps: int = opt(10000, "Training steps (rollout + update rounds).")
+    warmup_steps: int = opt(0, "Linear learning-rate warm-up in optimizer updates.")
+    gradient_accumulation_steps: int = opt(1, "Rollout batches whose gradients are accumulated before one optimizer update.")
+    max_grad_norm: float = opt(1.0, "Gradient-norm clip; <= 0 disables it.")
+    use_muon: bool = opt(True, "Muon for >= 2-D weight matrices and AdamW for the rest; False = AdamW everywhere.")
+    seed: int = opt(42, "Base seed; rank seeds are seed + dp_rank.")
+    clip_range: float = opt(1e-4, "PPO clip range of the ratio (tiny because log-probs are averaged over latent elements).")
+    adv_clip_max: float = opt(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max].")
+    timestep_fraction: float = opt(1.0, "Fraction of the T steps trained per sample: ceil(T * fraction).")
+    enable_timestep_permutation: bool = opt(True, "Train the selected steps of each sample in a random order (else in sampling order).")
+    use_grad_balancing: bool = opt(True, "Weight each step's policy loss by the gradient-norm equalizer S_t (paper Eq. 9).")
+    mini_batch_size_per_update: int = opt(1, "Samples per forward/backward micro-step of the update.")
+
+
+@dataclass
+class ValidationConfig:
+    """Validation videos during training."""
+
+    validation_interval: int = opt(100, "Steps between validation runs; 0 disables validation.")
+    validate_at_step0: bool = opt(False, "Run validation before the first step.")
+    valid_video_csv: str = opt("", "Validation prompts file (same formats as train_video_csv).")
+    validation_prompts: list[str] = opt([], "Validation prompts given on the command line (used when valid_video_csv is empty).")
+    validate_video_length: int = opt(81, "Frames of validation videos (4k + 1; the authors' scripts use 121).")
+    validation_timestep_shift: float = opt(5.0, "Schedule shift for validation sampling.")
+    validation_fixed_size: str = opt("480x864", "Validation video size HxW (multiples of 16).")
+    validation_num_inference_steps: int = opt(40, "ODE steps of validation sampling.")
+    validation_guidance_scale: float = opt(6.0, "CFG scale of validation sampling.")
+    validation_seed: int = opt(930, "Seed of validation sampling.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Output directory and resumable checkpoints."""
+
+    output_dir: str = opt("./outputs", "Run directory: checkpoints, samples, logs and the resolved config (used as given).")
+    save_interval: int = opt(100, "Steps between checkpoints (a final one is always written).")
+    resume_from_checkpoint: str = opt("", "Checkpoint directory to resume from, or 'latest' for the newest complete one in output_dir.")
+    checkpoints_total_limit: int = opt(0, "Keep at most this many checkpoints (oldest deleted first); 0 keeps all.")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics."""
+
+    log_interval: int = opt(1, "Steps between metric records (metrics.jsonl is always written).")
+    report_to: str = opt("tensorboard", "Metric sink besides metrics.jsonl.", ("tensorboard", "wandb", "none"))
+    wandb_project: str = opt("sage-grpo", "Weights & Biases project (with --report_to wandb).")
+    run_name: str = opt("", "Run name for the metric sinks; empty = the output_dir name.")
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "kl": KLConfig,
+    "optim": OptimConfig,
+    "validation": ValidationConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class Config:
+    """The whole resolved configuration, one attribute per group."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ---------------------------------------------------------------------------------------------- value coercion
+
+
+def parse_bool(value: Any, name: str = "value") -> bool:
+    """True/False/1/0/yes/no/on/off (any case) -> bool."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise SageGRPOError(f"{name}: {value!r} is not a boolean; use True/False, 1/0, yes/no or on/off")
+
+
+def parse_size(value: str, name: str = "size") -> tuple[int, int]:
+    """'480x864' -> (480, 864)."""
+    try:
+        h, w = (int(x) for x in str(value).lower().split("x"))
+    except ValueError:
+        raise SageGRPOError(f"{name}: {value!r} is not a size; write HEIGHTxWIDTH, e.g. 480x864") from None
+    return h, w
+
+
+def _field_types() -> dict[str, tuple[str, dataclasses.Field, Any]]:
+    """flag name -> (group, dataclass field, resolved type)."""
+    out: dict[str, tuple[str, dataclasses.Field, Any]] = {}
+    for group, cls in GROUPS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in out:
+                raise RuntimeError(f"flag {f.name} is defined in two groups")  # a bug in this file, not a user error
+            out[f.name] = (group, f, hints[f.name])
+    return out
+
+
+FIELDS = _field_types()
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Convert a YAML or CLI value to the field's type, failing with a message naming the key."""
+    _, f, tp = FIELDS[name]
+    optional = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional, tp = True, args[0]
+    if optional and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", ""))):
+        return None
+    choices = f.metadata.get("choices")
+    try:
+        if tp is bool:
+            out: Any = parse_bool(value, f"--{name}")
+        elif tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            out = int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        elif tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+            if not math.isfinite(out):
+                raise ValueError
+        elif typing.get_origin(tp) is list:
+            if isinstance(value, str):
+                value = value.split()
+            if not isinstance(value, list | tuple):
+                raise ValueError
+            out = [str(v) for v in value]
+        else:
+            if isinstance(value, list | dict):
+                raise ValueError
+            out = "" if value is None else str(value)
+    except (ValueError, TypeError):
+        kind = getattr(tp, "__name__", str(tp))
+        raise SageGRPOError(f"--{name}: {value!r} is not a valid {kind}") from None
+    if choices and out not in choices:
+        raise SageGRPOError(f"--{name}: {out!r} is not allowed; choose one of: {', '.join(map(str, choices))}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- dict / YAML
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Grouped plain dict (the YAML layout)."""
+    return {group: dataclasses.asdict(getattr(cfg, group)) for group in GROUPS}
+
+
+def _unknown(key: str, known: list[str], where: str) -> SageGRPOError:
+    close = difflib.get_close_matches(key, known, n=3)
+    if close:
+        hint = f"; did you mean {', '.join(close)}?"
+    elif len(known) > 25:
+        hint = "; run with --help to list the flags"
+    else:
+        hint = f"; known keys: {', '.join(sorted(known))}"
+    return SageGRPOError(f"unknown {where} {key!r}{hint}")
+
+
+def _apply(cfg: Config, values: dict[str, Any]) -> None:
+    """Set flat flag values on cfg (coerced)."""
+    for name, value in values.items():
+        if name not in FIELDS:
+            raise _unknown(name, list(FIELDS), "key")
+        group = FIELDS[name][0]
+        setattr(getattr(cfg, group), name, _coerce(name, value))
+
+
+def _flatten_yaml(data: Any, source: str) -> dict[str, Any]:
+    """Grouped YAML mapping -> flat {flag: value}; a flag may also appear at top level."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SageGRPOError(f"{source}: the top level must be a mapping of groups ({', '.join(GROUPS)})")
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in GROUPS:
+            if not isinstance(value, dict):
+                raise SageGRPOError(f"{source}: section {key!r} must be a mapping of keys to values")
+            for name, v in value.items():
+                if name not in FIELDS or FIELDS[name][0] != key:
+                    allowed = [f.name for f in dataclasses.fields(GROUPS[key])]
+                    raise _unknown(name, allowed, f"key in section {key!r} of {source}:")
+                flat[name] = v
+        elif key in FIELDS:
+            flat[key] = value
+        else:
+            raise _unknown(key, list(GROUPS) + list(FIELDS), f"section or key in {source}:")
+    return flat
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
+    """Defaults updated with a grouped (or flat) dict."""
+    cfg = Config()
+    _apply(cfg, _flatten_yaml(data, source))
+    return cfg
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Load a YAML config file as a flat {flag: value} dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise SageGRPOError(f"--config: file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise SageGRPOError(f"--config: {p} is not valid YAML: {e}") from None
+    return _flatten_yaml(data, str(p))
+
+
+def dump_yaml(cfg: Config, path: str | Path | None = None) -> str:
+    """The resolved config as grouped YAML (written to `path` when given)."""
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False, width=120)
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises SageGRPOError (one clear message, close-match hints) instead of exiting."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        if "unrecognized arguments" in message:
+            bad = [a for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            if bad:
+                raise _unknown(bad[0][2:].split("=")[0], list(FIELDS), "flag")
+        raise SageGRPOError(message)
+
+
+def build_parser(prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+    """A parser with `--config` and one flag per config field (defaults shown, values coerced later)."""
+    parser = _Parser(
+        prog=prog,
+        description=description,
+        argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", help="YAML config file (grouped sections); CLI flags override it.")
+    defaults = config_to_dict(Config())
+    for group, cls in GROUPS.items():
+        g = parser.add_argument_group(group, (cls.__doc__ or "").strip())
+        for f in dataclasses.fields(cls):
+            tp = FIELDS[f.name][2]
+            default = defaults[group][f.name]
+            choices = f.metadata.get("choices")
+            help_text = f.metadata["help"] + (f" Choices: {', '.join(map(str, choices))}." if choices else "")
+            help_text += f" (default: {default!r})"
+            kwargs: dict[str, Any] = {"help": help_text.replace("%", "%%"), "dest": f.name}
+            if tp is bool:
+                kwargs.update(nargs="?", const="true", metavar="BOOL")
+            elif typing.get_origin(tp) is list:
+                kwargs.update(nargs="*", metavar="ITEM")
+            else:
+                kwargs.update(metavar=f.name.upper())
+            g.add_argument(f"--{f.name}", **kwargs)
+    # ArgumentDefaultsHelpFormatter would print "==SUPPRESS==": the default is already in the help text.
+    parser.formatter_class = argparse.HelpFormatter
+    return parser
+
+
+def load_config(argv: list[str] | None = None, *, prog: str | None = None, description: str | None = None) -> Config:
+    """defaults < `--config` YAML < CLI flags -> Config (not yet validated against a world size)."""
+    parser = build_parser(prog=prog, description=description)
+    args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    cfg = Config()
+    path = args.pop("config", None)
+    if path:
+        _apply(cfg, read_yaml(path))
+    _apply(cfg, args)
+    check_values(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def dp_degree(cfg: Config, world_size: int) -> int:
+    """Data-parallel degree = world_size / sp_size."""
+    return world_size // cfg.parallel.sp_size
+
+
+def check_values(cfg: Config) -> None:
+    """Value checks that need no world size: ranges, sizes, frame counts, JSON."""
+    r, o, v, d, k = cfg.rollout, cfg.optim, cfg.validation, cfg.data, cfg.kl
+    positive = {
+        "batch_size": d.batch_size,
+        "num_generations": d.num_generations,
+        "grpo_sampling_steps": r.grpo_sampling_steps,
+        "sp_size": cfg.parallel.sp_size,
+        "dp_replicate": cfg.parallel.dp_replicate,
+        "gradient_accumulation_steps": o.gradient_accumulation_steps,
+        "mini_batch_size_per_update": o.mini_batch_size_per_update,
+        "update_ref_model_step": k.update_ref_model_step,
+        "kl_history": k.kl_history,
+        "validation_num_inference_steps": v.validation_num_inference_steps,
+        "lora_r": cfg.model.lora_r,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise SageGRPOError(f"--{name} must be >= 1, got {value}")
+    if d.num_generations < 2:
+        raise SageGRPOError(f"--num_generations must be >= 2 for group-relative advantages, got {d.num_generations}")
+    nonneg = {
+        "max_steps": o.max_steps,
+        "warmup_steps": o.warmup_steps,
+        "num_workers": d.num_workers,
+        "save_interval": cfg.checkpoint.save_interval,
+        "validation_interval": v.validation_interval,
+        "checkpoints_total_limit": cfg.checkpoint.checkpoints_total_limit,
+        "kl_warmup_updates": k.kl_warmup_updates,
+        "reward_batch_size": cfg.reward.reward_batch_size,
+        "eta": r.eta,
+        "kl_weight": k.kl_weight,
+        "kl_coef": k.kl_coef,
+        "kl_min_coef": k.kl_min_coef,
+        "learning_rate": o.learning_rate,
+        "weight_decay": o.weight_decay,
+    }
+    for name, value in nonneg.items():
+        if value < 0:
+            raise SageGRPOError(f"--{name} must be >= 0, got {value}")
+    if not 0.0 < o.timestep_fraction <= 1.0:
+        raise SageGRPOError(f"--timestep_fraction must be in (0, 1], got {o.timestep_fraction}")
+    if o.clip_range <= 0:
+        raise SageGRPOError(f"--clip_range must be > 0, got {o.clip_range}")
+    if r.flow_shift <= 0 or v.validation_timestep_shift <= 0:
+        raise SageGRPOError("--flow_shift and --validation_timestep_shift must be > 0")
+    if not 0.0 < r.sage_sigma_clamp < 1.0:
+        raise SageGRPOError(f"--sage_sigma_clamp must be in (0, 1), got {r.sage_sigma_clamp}")
+    if r.sde_type == "cps" and r.eta > 1.0:
+        raise SageGRPOError(f"--eta must be <= 1 for cps (s_t = sigma_next sin(eta pi/2) <= sigma_next), got {r.eta}")
+    if k.kl_weight > 0 and k.kl_min_coef > k.kl_weight:
+        raise SageGRPOError(
+            f"--kl_min_coef ({k.kl_min_coef}) must be <= --kl_weight ({k.kl_weight}), the coefficient's upper bound"
+        )
+    for name, frames in (("sample_n_frames", r.sample_n_frames), ("validate_video_length", v.validate_video_length)):
+        if frames < 1 or (frames - 1) % 4 != 0:
+            lo = max(1, 4 * ((frames - 1) // 4) + 1)
+            raise SageGRPOError(
+                f"--{name} must be 4k + 1 (the VAE compresses time 4x), got {frames}; use {lo} or {lo + 4}"
+            )
+    vh, vw = parse_size(v.validation_fixed_size, "--validation_fixed_size")
+    for name, px in (("height", r.height), ("width", r.width), ("validation_fixed_size height", vh),
+                     ("validation_fixed_size width", vw)):
+        if px < 16 or px % 16 != 0:
+            near = max(16, 16 * round(px / 16))
+            raise SageGRPOError(f"--{name} must be a positive multiple of 16 (VAE 16x and patch size), got {px}; try {near}")
+    try:
+        weights = json.loads(cfg.reward.reward_weights)
+        if not isinstance(weights, dict) or not all(isinstance(x, int | float) for x in weights.values()):
+            raise ValueError
+    except (ValueError, TypeError):
+        raise SageGRPOError(
+            f"--reward_weights must be a JSON object of numbers like '{{\"VQ\":0.5,\"MQ\":0.5,\"TA\":1.0}}', "
+            f"got {cfg.reward.reward_weights!r}"
+        ) from None
+    if cfg.checkpoint.resume_from_checkpoint and not cfg.checkpoint.output_dir:
+        raise SageGRPOError("--resume_from_checkpoint needs --output_dir")
+
+
+def validate(cfg: Config, world_size: int, num_heads: int = 16) -> None:
+    """All checks, including the distributed batch geometry for `world_size` processes and `num_heads` heads."""
+    check_values(cfg)
+    sp, bs, g = cfg.parallel.sp_size, cfg.data.batch_size, cfg.data.num_generations
+    if world_size % sp != 0:
+        divisors = [x for x in range(1, world_size + 1) if world_size % x == 0]
+        raise SageGRPOError(
+            f"--sp_size {sp} must divide the world size {world_size}; use one of {divisors}"
+        )
+    if num_heads % sp != 0:
+        ok = [x for x in range(1, num_heads + 1) if num_heads % x == 0]
+        raise SageGRPOError(f"--sp_size {sp} must divide the attention head count {num_heads}; use one of {ok}")
+    dp = dp_degree(cfg, world_size)
+    if (bs * dp) % g != 0:
+        raise SageGRPOError(
+            f"batch_size * dp_degree = {bs} * {dp} = {bs * dp} videos per step is not a multiple of "
+            f"--num_generations {g}; change --batch_size, --num_generations or --sp_size so that "
+            f"(batch_size * world_size / sp_size) % num_generations == 0"
+        )
+    if dp % cfg.parallel.dp_replicate != 0:
+        raise SageGRPOError(
+            f"--dp_replicate {cfg.parallel.dp_replicate} must divide dp_degree = world_size / sp_size = {dp}"
+        )
