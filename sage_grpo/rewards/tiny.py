@@ -96,9 +96,14 @@ def write_tiny_base(out: str | Path, seed: int = 0) -> Path:
     (out / "preprocessor_config.json").write_text(
         json.dumps(
             {
-                "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
-                "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor",
+                "min_pixels": 3136,
+                "max_pixels": 12845056,
+                "patch_size": 14,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "image_processor_type": "Qwen2VLImageProcessor",
                 "processor_class": "Qwen2VLProcessor",
             },  # fmt: skip
             indent=2,

@@ -87,7 +87,7 @@ def chat_text(prompt: str, n_video_tokens: int) -> str:
 
 
 def pick_attn_implementation(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> flash_attention_2 when flash-attn is importable on a CUDA half-precision model, else sdpa."""
+    """ "auto" -> flash_attention_2 when flash-attn is importable on a CUDA half-precision model, else sdpa."""
     if requested != "auto":
         return requested
     fa_ok = importlib.util.find_spec("flash_attn") is not None
@@ -181,7 +181,9 @@ class VideoAlignReward:
         """Token ids of ``text`` without BOS/EOS additions."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def build_input_ids(self, prompts: Sequence[str], n_video_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def build_input_ids(
+        self, prompts: Sequence[str], n_video_tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ``input_ids`` and ``attention_mask`` [B, L] with each video placeholder expanded.
 
         Tokenised piecewise (prefix, N x <|video_pad|>, suffix): special tokens split the text before BPE anyway,
@@ -245,8 +247,14 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     """'bf16' | 'fp16' | 'fp32' (or a torch dtype) -> torch dtype."""
     if isinstance(name, torch.dtype):
         return name
-    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-             "fp32": torch.float32, "float32": torch.float32}
+    table = {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+    }
     if name not in table:
         raise SageGRPOError(f"unknown reward dtype {name!r}; valid: bf16, fp16, fp32")
     return table[name]

@@ -126,7 +126,9 @@ def merge_lora(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, tor
         w0 = out[wkey]
         a, b = ab["A"].float(), ab["B"].float()  # A [r, in], B [out, r]
         if a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != tuple(w0.shape):
-            raise SageGRPOError(f"LoRA shapes of {mod} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not fit {tuple(w0.shape)}")
+            raise SageGRPOError(
+                f"LoRA shapes of {mod} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not fit {tuple(w0.shape)}"
+            )
         out[wkey] = (w0.float() + scale * (b @ a)).to(w0.dtype)  # [out, in]
     return out
 
@@ -301,7 +303,9 @@ def load_state_strict(net: nn.Module, state: Mapping[str, torch.Tensor], mode: s
             f"(e.g. {missing[:3]}), {len(unexpected)} unexpected keys (e.g. {unexpected[:3]}). Check that "
             "--reward_base_model_path is Qwen2-VL-2B-Instruct and try --reward_checkpoint_mode v3"
         )
-    wrong = [(k, tuple(v.shape), tuple(want[k].shape)) for k, v in state.items() if tuple(v.shape) != tuple(want[k].shape)]
+    wrong = [
+        (k, tuple(v.shape), tuple(want[k].shape)) for k, v in state.items() if tuple(v.shape) != tuple(want[k].shape)
+    ]
     if wrong:
         raise SageGRPOError(
             f"VideoReward checkpoint shapes do not match the base config: {wrong[:3]} (checkpoint, model); "
