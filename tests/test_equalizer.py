@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from sage_grpo.equalizer import equalizer_weights, gradient_scale
+from sage_grpo.schedule import sigma_schedule
+from sage_grpo.sde import sde_step
+
+SIG = sigma_schedule(20, 5.0)
+# algorithm.md section 5, T = 20, shift 5, eta = 0.5, sage_grpo
+SAGE_S = [8.15, 5.30, 3.73, 2.90, 2.35, 1.95, 1.64, 1.39, 1.18, 1.00, .846, .712, .594, .490, .397, .315, .241,
+          .175, .115, .055]
+
+
+def test_sage_weights_match_algorithm_table():
+    s = equalizer_weights("sage_grpo", SIG, 0.5)
+    assert s.shape == (20,)
+    assert s.tolist() == pytest.approx(SAGE_S, abs=6e-3)
+
+
+def _autograd_scale(sde, i, eta):
+    """N_t from autograd: d mean / d v through sde_step (the mean is linear in v), over the step's std."""
+    v = torch.zeros(1, 1, dtype=torch.float32, requires_grad=True)
+    x = torch.ones(1, 1)
+    out = sde_step(sde, v, x, SIG[i].item(), SIG[i + 1].item(), eta, sigma_max=SIG[1].item(), noise=torch.zeros(1, 1))
+    (grad,) = torch.autograd.grad(out.mean.sum(), v)
+    return grad.abs().item() / out.std.item() if out.std.item() > 0 else 1.0
+
+
+@pytest.mark.parametrize("sde", ["dance_grpo", "flow_grpo", "sage_grpo", "cps"])
+def test_gradient_scale_equals_autograd_sensitivity(sde):
+    n = gradient_scale(sde, SIG, 0.5)
+    ref = [_autograd_scale(sde, i, 0.5) for i in range(20)]
+    assert n.tolist() == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.mark.parametrize("sde", ["dance_grpo", "flow_grpo", "sage_grpo", "cps"])
+def test_weights_are_median_over_scale(sde):
+    n = gradient_scale(sde, SIG, 0.5)
+    s = equalizer_weights(sde, SIG, 0.5)
+    lower_median = sorted(n.tolist())[(len(n) - 1) // 2]  # even count: the lower middle value
+    torch.testing.assert_close(s.double(), lower_median / (n + 1e-8), rtol=1e-6, atol=0)
+    assert (s * n.float()).tolist() == pytest.approx([lower_median] * 20, rel=1e-5)
+
+
+def test_guards_give_unit_scale():
+    n = gradient_scale("sage_grpo", SIG, 0.0)  # V = 0 everywhere
+    assert torch.all(n == 1)
+    assert equalizer_weights("sage_grpo", SIG, 0.0).tolist() == pytest.approx([1.0] * 20)
+    assert gradient_scale("cps", SIG, 0.5)[-1] == 1  # cps injects no noise on the last step
+    assert torch.all(gradient_scale("ode", SIG, 0.5) == 1)
+
+
+def test_weights_equalize_a_spread_of_more_than_an_order_of_magnitude():
+    n = gradient_scale("flow_grpo", SIG, 0.5)
+    s = equalizer_weights("flow_grpo", SIG, 0.5)
+    assert n.max() / n.min() > 10
+    balanced = s.double() * n
+    assert balanced.max() / balanced.min() < 1.0 + 1e-6

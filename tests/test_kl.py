@@ -1,0 +1,86 @@
+import json
+
+import pytest
+import torch
+from torch.distributions import Normal, kl_divergence
+
+from sage_grpo.kl import KL_VAR_EPS, AdaptiveKLController, dual_kl, kl_position, kl_velocity
+
+
+def test_kl_position_is_the_gaussian_kl():
+    g = torch.Generator().manual_seed(0)
+    m1, m2 = torch.randn(3, 4, 2, 5, 5, generator=g), torch.randn(3, 4, 2, 5, 5, generator=g)
+    var = torch.tensor([0.3, 0.01, 0.0])
+    ours = kl_position(m1, m2, var)
+    std = (var + KL_VAR_EPS).sqrt().reshape(3, 1, 1, 1, 1)
+    ref = kl_divergence(Normal(m1, std), Normal(m2, std)).mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert torch.all(ours >= 0)
+    assert torch.all(kl_position(m1, m1, var) == 0)
+    torch.testing.assert_close(kl_position(m1, m2, 0.3), kl_position(m1, m2, torch.full((3,), 0.3)))
+
+
+def test_kl_velocity_and_dual_combination():
+    old = torch.tensor([0.1, 0.2])
+    new = torch.tensor([0.05, 0.3], requires_grad=True)
+    vel = kl_velocity(old, new)
+    torch.testing.assert_close(vel, torch.tensor([0.05, -0.1]))
+    pos = torch.tensor([2.0, 4.0])
+    total = dual_kl(pos, vel, beta_pos=1.0, beta_vel=0.1)
+    assert total.item() == pytest.approx(3.0 + 0.1 * (-0.025))
+    assert dual_kl(None, vel, beta_vel=0.1).item() == pytest.approx(-0.0025)
+    assert dual_kl(pos, None).item() == pytest.approx(3.0)
+    total.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([-0.05, -0.05]))
+    with pytest.raises(ValueError):
+        dual_kl(None, None)
+
+
+def test_controller_warmup_is_linear_in_updates():
+    c = AdaptiveKLController(init=1e-7, lambda_min=1e-7, lambda_max=1e-5, target=1e-5, warmup_updates=100)
+    assert c.value == pytest.approx(1e-7)
+    seen = [c.update(0.0) for _ in range(100)]
+    for k, v in enumerate(seen, start=1):
+        assert v == pytest.approx(1e-7 + (1e-5 - 1e-7) * k / 100)
+    assert c.value == pytest.approx(1e-5)
+
+
+@pytest.mark.parametrize("direction,high,low", [("paper", 0.9, 1.1), ("classic", 1.1, 0.9)])
+def test_controller_feedback_rule_and_bounds(direction, high, low):
+    c = AdaptiveKLController(init=1e-7, lambda_min=1e-7, lambda_max=1e-5, target=1e-3, warmup_updates=2,
+                             history=3, direction=direction)
+    c.update(0.0)
+    c.update(0.0)
+    start = c.value  # = lambda_max after warm-up
+    c.update(1.0)  # history mean (0 + 0 + 1) / 3 = 0.33 > 1.5 target
+    assert c.value == pytest.approx(min(start * high, 1e-5))
+    c2 = AdaptiveKLController(init=1e-6, lambda_min=1e-7, lambda_max=1e-5, target=1e-3, warmup_updates=0,
+                              history=3, direction=direction)
+    v0 = c2.value
+    c2.update(1e-3)  # inside [0.5, 1.5] target: unchanged
+    assert c2.value == v0
+    c2.update(-1.0)  # mean (1e-3 - 1) / 2 < 0.5 target
+    assert c2.value == pytest.approx(min(max(v0 * low, 1e-7), 1e-5))
+    for _ in range(200):
+        c2.update(5.0 if direction == "paper" else -5.0)
+    assert c2.value == pytest.approx(1e-7)  # clipped at lambda_min
+
+
+def test_controller_state_round_trip_continues_identically():
+    a = AdaptiveKLController(warmup_updates=3, history=4, target=1e-4)
+    kls = [1e-3, 2e-4, 5e-5, 1e-6, 3e-3, 3e-3, 1e-7, 1e-7, 2e-4]
+    for x in kls[:5]:
+        a.update(x)
+    state = json.loads(json.dumps(a.state_dict()))
+    b = AdaptiveKLController(warmup_updates=3, history=4, target=1e-4)
+    b.load_state_dict(state)
+    for x in kls[5:]:
+        assert a.update(x) == b.update(x)
+    assert a.state_dict() == b.state_dict()
+
+
+def test_controller_rejects_bad_settings():
+    with pytest.raises(ValueError, match="direction"):
+        AdaptiveKLController(direction="sideways")
+    with pytest.raises(ValueError, match="lambda_min"):
+        AdaptiveKLController(lambda_min=1e-3, lambda_max=1e-5)
