@@ -1,0 +1,220 @@
+"""Load HunyuanVideo-1.5 from a local directory in either layout, into diffusers' HunyuanVideo15Pipeline.
+
+Diffusers layout (primary; e.g. hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v):
+    model_index.json, transformer/, vae/, text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/, scheduler/
+Authors' layout (`hf download tencent/HunyuanVideo-1.5` into --pretrained_model_root):
+    transformer/<version>/*.safetensors   (authors' keys; converted with sage_grpo.models.convert)
+    vae/config.json + *.safetensors       (authors' keys)
+    text_encoder/llm/                     (Qwen2.5-VL-7B-Instruct; its text tower is used)
+    text_encoder/byt5-small/              (config + tokenizer of google/byt5-small)
+    text_encoder/Glyph-SDXL-v2/           (checkpoints/byt5_model.pt + assets/*.json: the glyph ByT5 weights)
+
+The pipeline object is only a container here: the rollout loop (sage_grpo.rollout) drives the transformer itself
+and calls `encode_prompt`; keeping diffusers' class means its text handling (chat template, crop, glyph
+extraction) is used as is. Nothing is downloaded: a missing piece raises SageGRPOError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.models.tiny import TEXT_LENGTHS_FILE, TextLengths
+
+__all__ = [
+    "DTYPES",
+    "ModelLocation",
+    "resolve_dtype",
+    "locate_model",
+    "missing_pieces",
+    "load_pipeline",
+    "apply_text_lengths",
+    "freeze",
+]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_DOWNLOAD_HINT = (
+    "Download the weights with ./download_weights.sh (see README 'Weights'), or build a tiny random model for a "
+    "CPU smoke test with: python scripts/make_tiny_checkpoint.py --out outputs/tiny_ckpts/hunyuanvideo15"
+)
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise SageGRPOError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """Where the weights are and in which layout."""
+
+    root: Path
+    layout: str  # "diffusers" | "authors"
+    version: str  # e.g. "480p_t2v" (the authors' transformer sub-folder)
+
+
+def _has_weights(d: Path) -> bool:
+    return d.is_dir() and any(f.name.endswith(_WEIGHT_SUFFIXES) for f in d.iterdir())
+
+
+def _has_tokenizer(d: Path) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json")
+    return d.is_dir() and any((d / n).exists() for n in names)
+
+
+def missing_pieces(loc: ModelLocation) -> list[str]:
+    """Paths (relative to the root) that a complete checkpoint of `loc.layout` needs and that are absent."""
+    r = loc.root
+    checks: list[tuple[str, bool]]
+    if loc.layout == "diffusers":
+        checks = [("model_index.json", (r / "model_index.json").is_file())]
+        for sub in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+            checks.append((f"{sub}/ (config.json + weights)", (r / sub / "config.json").is_file() and _has_weights(r / sub)))
+        for sub in ("tokenizer", "tokenizer_2"):
+            checks.append((f"{sub}/", _has_tokenizer(r / sub)))
+    else:
+        t = r / "transformer" / loc.version
+        glyph = r / "text_encoder" / "Glyph-SDXL-v2"
+        checks = [
+            (f"transformer/{loc.version}/ (weights)", _has_weights(t)),
+            ("vae/ (config.json + weights)", (r / "vae" / "config.json").is_file() and _has_weights(r / "vae")),
+            ("text_encoder/llm/ (config.json + weights)", (r / "text_encoder/llm/config.json").is_file() and _has_weights(r / "text_encoder/llm")),
+            ("text_encoder/llm/ (tokenizer)", _has_tokenizer(r / "text_encoder/llm")),
+            ("text_encoder/byt5-small/config.json", (r / "text_encoder/byt5-small/config.json").is_file()),
+            ("text_encoder/Glyph-SDXL-v2/checkpoints/byt5_model.pt", (glyph / "checkpoints/byt5_model.pt").is_file()),
+            ("text_encoder/Glyph-SDXL-v2/assets/color_idx.json", (glyph / "assets/color_idx.json").is_file()),
+            ("text_encoder/Glyph-SDXL-v2/assets/multilingual_10-lang_idx.json", (glyph / "assets/multilingual_10-lang_idx.json").is_file()),
+        ]
+    return [name for name, ok in checks if not ok]
+
+
+def locate_model(pretrained_model_root: str = "ckpts", model_path: str = "", version: str = "480p_t2v") -> ModelLocation:
+    """Find the checkpoint and its layout.
+
+    `model_path` (if set) must be a diffusers-layout directory or an authors' root. Otherwise, under
+    `pretrained_model_root`: a diffusers layout at the root, then `HunyuanVideo-1.5-Diffusers-<version>/` (where
+    download_weights.sh puts it), then the authors' layout (`transformer/<version>`). Fails listing what is
+    missing from the most likely candidate.
+    """
+    candidates: list[Path] = []
+    if model_path:
+        candidates.append(Path(model_path))
+    else:
+        root = Path(pretrained_model_root)
+        candidates += [root, root / f"HunyuanVideo-1.5-Diffusers-{version}"]
+    for c in candidates:
+        if (c / "model_index.json").is_file():
+            loc = ModelLocation(c, "diffusers", version)
+            break
+        if (c / "transformer" / version).is_dir() or (c / "text_encoder" / "llm").is_dir():
+            loc = ModelLocation(c, "authors", version)
+            break
+    else:
+        where = model_path or pretrained_model_root
+        raise SageGRPOError(
+            f"no HunyuanVideo-1.5 checkpoint found at {where!r}: expected a diffusers layout (model_index.json, "
+            f"transformer/, vae/, text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/) or the authors' layout "
+            f"(transformer/{version}/, vae/, text_encoder/llm/, text_encoder/byt5-small/, "
+            f"text_encoder/Glyph-SDXL-v2/). {_DOWNLOAD_HINT}"
+        )
+    missing = missing_pieces(loc)
+    if missing:
+        raise SageGRPOError(
+            f"incomplete HunyuanVideo-1.5 checkpoint ({loc.layout} layout) at {str(loc.root)!r}; missing:\n  - "
+            + "\n  - ".join(missing)
+            + f"\n{_DOWNLOAD_HINT}"
+        )
+    return loc
+
+
+def read_text_lengths(root: Path) -> TextLengths:
+    """Real defaults, or the overrides a tiny checkpoint stores next to its weights."""
+    f = Path(root) / TEXT_LENGTHS_FILE
+    if f.is_file():
+        return TextLengths(**json.loads(f.read_text()))
+    return TextLengths()
+
+
+def apply_text_lengths(pipe, lengths: TextLengths) -> None:
+    """Set the pipeline's plain text-length attributes (save_pretrained does not store them)."""
+    for name, value in lengths.to_dict().items():
+        setattr(pipe, name, value)
+
+
+def freeze(*modules: torch.nn.Module | None) -> None:
+    """requires_grad_(False) and eval() on frozen parts (text encoders, VAE, reference copies)."""
+    for m in modules:
+        if m is not None:
+            m.requires_grad_(False).eval()
+
+
+def load_pipeline(
+    pretrained_model_root: str = "ckpts",
+    model_path: str = "",
+    version: str = "480p_t2v",
+    *,
+    dtype: str | torch.dtype = "bf16",
+    transformer_dtype: str | torch.dtype | None = None,
+    vae_dtype: str | torch.dtype | None = None,
+    load_text_encoders: bool = True,
+    device: str | torch.device = "cpu",
+):
+    """-> diffusers.HunyuanVideo15Pipeline with every part frozen except the transformer (trainable, train mode off).
+
+    dtype: frozen parts (text encoders; the VAE unless vae_dtype). transformer_dtype: the policy weights (e.g. fp32
+    master weights with bf16 autocast; default = dtype). load_text_encoders=False leaves them None (prompt
+    embeddings all cached on disk).
+    """
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+
+    loc = locate_model(pretrained_model_root, model_path, version)
+    dt = resolve_dtype(dtype)
+    tdt = resolve_dtype(transformer_dtype) if transformer_dtype is not None else dt
+    vdt = resolve_dtype(vae_dtype) if vae_dtype is not None else dt
+    if loc.layout == "diffusers":
+        parts = _load_diffusers_parts(loc.root, tdt, vdt, dt, load_text_encoders)
+    else:
+        from sage_grpo.models.authors_layout import load_authors_parts
+
+        parts = load_authors_parts(loc.root, loc.version, tdt, vdt, dt, load_text_encoders)
+    scheduler_dir = loc.root / "scheduler"
+    if (scheduler_dir / "scheduler_config.json").is_file():
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_dir)
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=9.0 if version.startswith("720p") else 5.0)
+    pipe = HunyuanVideo15Pipeline(
+        scheduler=scheduler, guider=ClassifierFreeGuidance(guidance_scale=6.0), **parts
+    )
+    apply_text_lengths(pipe, read_text_lengths(loc.root))
+    freeze(pipe.vae, pipe.text_encoder, pipe.text_encoder_2)
+    pipe.transformer.eval()
+    pipe.to(device)
+    pipe.sage_grpo_location = loc  # for provenance (generate.py's config dump, the text cache identity)
+    return pipe
+
+
+def _load_diffusers_parts(root: Path, tdt, vdt, dt, load_text_encoders: bool) -> dict:
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+    from transformers import AutoTokenizer, ByT5Tokenizer, Qwen2_5_VLTextModel, T5EncoderModel
+
+    parts = dict(
+        transformer=HunyuanVideo15Transformer3DModel.from_pretrained(root / "transformer", torch_dtype=tdt),
+        vae=AutoencoderKLHunyuanVideo15.from_pretrained(root / "vae", torch_dtype=vdt),
+        tokenizer=AutoTokenizer.from_pretrained(os.fspath(root / "tokenizer")),
+        tokenizer_2=ByT5Tokenizer.from_pretrained(os.fspath(root / "tokenizer_2")),
+        text_encoder=None,
+        text_encoder_2=None,
+    )
+    if load_text_encoders:
+        parts["text_encoder"] = Qwen2_5_VLTextModel.from_pretrained(os.fspath(root / "text_encoder"), dtype=dt)
+        parts["text_encoder_2"] = T5EncoderModel.from_pretrained(os.fspath(root / "text_encoder_2"), dtype=dt)
+    return parts

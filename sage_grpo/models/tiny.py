@@ -1,0 +1,195 @@
+"""Tiny random HunyuanVideo-1.5 components: the same classes as the real model, configs small enough for CPU tests.
+
+Everything is built in-process (no hub, no files): a byte-level Qwen2 tokenizer (256 byte tokens + the Qwen chat
+special tokens, no merges), `ByT5Tokenizer()` (needs no files), a 3-layer Qwen2.5-VL text tower (the pipeline reads
+hidden_states[-3]), a 1-layer T5 encoder, a 4x spatial / 4x temporal VAE and a 1-block transformer. The real
+pipeline keeps its text lengths (1000 tokens, crop 108, ByT5 256, 729 image tokens) as plain attributes that
+`save_pretrained` does not store, so tiny checkpoints write them to `TEXT_LENGTHS_FILE` and the loader applies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+from transformers import (
+    ByT5Tokenizer,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
+    Qwen2Tokenizer,
+    T5Config,
+    T5EncoderModel,
+)
+
+__all__ = [
+    "TEXT_LENGTHS_FILE",
+    "TextLengths",
+    "QWEN_CHAT_TEMPLATE",
+    "tiny_transformer_config",
+    "tiny_vae_config",
+    "build_tiny_tokenizer",
+    "build_tiny_components",
+    "default_system_message",
+    "tiny_crop_start",
+]
+
+# Written next to model_index.json (or the authors' root) by scripts/make_tiny_checkpoint.py; absent for real weights.
+TEXT_LENGTHS_FILE = "sage_grpo_text_lengths.json"
+
+# Qwen's chat format (what the real Qwen2.5-VL tokenizer's template renders for text-only messages).
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TextLengths:
+    """Text lengths that HunyuanVideo15Pipeline keeps as attributes (defaults = the real model's)."""
+
+    tokenizer_max_length: int = 1000  # Qwen tokens kept after the crop
+    prompt_template_encode_start_idx: int = 108  # system-prompt tokens cropped from the front
+    tokenizer_2_max_length: int = 256  # ByT5 glyph tokens
+    vision_num_semantic_tokens: int = 729  # SigLIP image tokens (zeros for t2v)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+# Tiny transformer sizes: 2 heads x 32 = 64 wide; rope axes (4, 14, 14) sum to the head dim.
+TINY_HEADS, TINY_HEAD_DIM, TINY_LATENT = 2, 32, 4
+TINY_TEXT_DIM, TINY_BYT5_DIM, TINY_IMAGE_DIM = 32, 16, 16
+
+
+def tiny_transformer_config() -> dict:
+    return dict(
+        in_channels=2 * TINY_LATENT + 1,  # latent + condition latent + mask (zeros for t2v)
+        out_channels=TINY_LATENT,
+        num_attention_heads=TINY_HEADS,
+        attention_head_dim=TINY_HEAD_DIM,
+        num_layers=1,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        qk_norm="rms_norm",
+        text_embed_dim=TINY_TEXT_DIM,
+        text_embed_2_dim=TINY_BYT5_DIM,
+        image_embed_dim=TINY_IMAGE_DIM,
+        rope_theta=256.0,
+        rope_axes_dim=(4, 14, 14),
+        target_size=64,
+        task_type="t2v",
+        use_meanflow=False,
+    )
+
+
+def tiny_vae_config() -> dict:
+    # 3 levels -> 4x spatial; temporal ratio 4 like the real VAE (9 frames -> 3 latent frames).
+    return dict(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=TINY_LATENT,
+        block_out_channels=(16, 32, 32),
+        layers_per_block=1,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=4,
+        downsample_match_channel=True,
+        upsample_match_channel=True,
+        scaling_factor=1.03682,
+    )
+
+
+def build_tiny_tokenizer() -> Qwen2Tokenizer:
+    """Byte-level Qwen2 tokenizer: 256 byte tokens, no merges, Qwen's chat special tokens and template."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())  # transformers 5 dropped bytes_to_unicode; this is the same map
+    tok = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(alphabet)}, merges=[])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.padding_side = "right"
+    return tok
+
+
+def tiny_crop_start(tokenizer, system_message: str) -> int:
+    """Number of template tokens before the user's text (the real model's 108), measured on `tokenizer`."""
+    ids = tokenizer.apply_chat_template(
+        [[{"role": "system", "content": system_message}, {"role": "user", "content": "\x01"}]],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"][0]
+    marker = tokenizer("\x01", add_special_tokens=False)["input_ids"][0]
+    return ids.index(marker)
+
+
+def build_tiny_components(seed: int = 0) -> dict:
+    """Random tiny components keyed like HunyuanVideo15Pipeline's modules (plus `text_lengths`)."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(seed)
+    tokenizer = build_tiny_tokenizer()
+    text_encoder = Qwen2_5_VLTextModel(
+        Qwen2_5_VLTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=TINY_TEXT_DIM,
+            intermediate_size=64,
+            num_hidden_layers=3,  # embeddings come from hidden_states[-3]
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        )
+    ).eval()
+    tokenizer_2 = ByT5Tokenizer()
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=TINY_BYT5_DIM,
+            d_kv=8,
+            d_ff=32,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+        )
+    ).eval()
+    transformer = HunyuanVideo15Transformer3DModel(**tiny_transformer_config()).eval()
+    vae = AutoencoderKLHunyuanVideo15(**tiny_vae_config()).eval()
+    # The transformer and VAE initialise some layers to zero (e.g. proj_out): perturb every parameter so that the
+    # tiny model's output depends on all of its weights and the parity tests can fail.
+    with torch.no_grad():
+        for module in (transformer, vae):
+            for p in module.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+    lengths = TextLengths(
+        tokenizer_max_length=64,
+        prompt_template_encode_start_idx=tiny_crop_start(tokenizer, default_system_message()),
+        tokenizer_2_max_length=16,
+        vision_num_semantic_tokens=4,
+    )
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+        text_lengths=lengths,
+    )
+
+
+def default_system_message() -> str:
+    """The pipeline's system prompt (the default of its static `_get_mllm_prompt_embeds`, same text as `__init__`)."""
+    import inspect
+
+    from diffusers import HunyuanVideo15Pipeline
+
+    return inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default

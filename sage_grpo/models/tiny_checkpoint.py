@@ -1,0 +1,34 @@
+"""Write a tiny random HunyuanVideo-1.5 checkpoint in either layout (used by scripts/make_tiny_checkpoint.py,
+generate.py's tiny default and the tests). It loads through exactly the code path of real weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sage_grpo.models.tiny import TEXT_LENGTHS_FILE, build_tiny_components
+
+__all__ = ["TINY_CHECKPOINT_DIR", "write_tiny_checkpoint"]
+
+# Where configs/tiny_cpu.yaml and scripts/demo.sh expect the diffusers-layout tiny model.
+TINY_CHECKPOINT_DIR = "outputs/tiny_ckpts/hunyuanvideo15"
+
+
+def write_tiny_checkpoint(out: str | Path, layout: str = "diffusers", seed: int = 0, version: str = "480p_t2v") -> Path:
+    """Build tiny components from `seed` and save them under `out` -> `out`. Same seed = same weights."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    comps = build_tiny_components(seed)
+    lengths = comps.pop("text_lengths")
+    if layout == "diffusers":
+        HunyuanVideo15Pipeline(**comps).save_pretrained(out, safe_serialization=True)
+    elif layout == "authors":
+        from sage_grpo.models.authors_layout import save_authors_layout
+
+        save_authors_layout(comps, out, version)
+    else:
+        raise ValueError(f"layout must be 'diffusers' or 'authors', got {layout!r}")
+    (out / TEXT_LENGTHS_FILE).write_text(json.dumps(lengths.to_dict(), indent=1) + "\n")
+    return out

@@ -1,0 +1,35 @@
+#!/usr/bin/env python
+"""Write a tiny random HunyuanVideo-1.5 (same classes, tiny configs, in-process tokenizers) for CPU smoke tests.
+
+    python scripts/make_tiny_checkpoint.py --out outputs/tiny_ckpts/hunyuanvideo15               # diffusers layout
+    python scripts/make_tiny_checkpoint.py --out outputs/tiny_ckpts/authors --layout authors     # authors' layout
+
+It loads through exactly the code path of the real weights (sage_grpo.models.loading.load_pipeline); the text
+lengths the pipeline keeps as attributes are stored in sage_grpo_text_lengths.json next to the weights.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sage_grpo.models.tiny_checkpoint import TINY_CHECKPOINT_DIR, write_tiny_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=TINY_CHECKPOINT_DIR, help=f"output directory (default: {TINY_CHECKPOINT_DIR})")
+    p.add_argument("--layout", choices=("diffusers", "authors"), default="diffusers")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (same seed = same weights in both layouts)")
+    p.add_argument("--version", default="480p_t2v", help="authors' transformer sub-folder name")
+    a = p.parse_args()
+    t0 = time.time()
+    out = write_tiny_checkpoint(a.out, a.layout, a.seed, a.version)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+    print(f"wrote tiny HunyuanVideo-1.5 ({a.layout} layout) to {out} ({size:.1f} MiB, {time.time() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
