@@ -143,7 +143,7 @@ def test_per_sample_sigmas_equal_separate_calls(sde):
     idx = [0, 6, 17]
     s, sn = SIG[idx].float(), SIG[[i + 1 for i in idx]].float()
     batched = sde_step(sde, v, x, s, sn, 0.5, sigma_max=SIG[1].item(), noise=noise)
-    for b, i in enumerate(idx):
+    for b in range(len(idx)):
         one = sde_step(sde, v[b:b + 1], x[b:b + 1], s[b].item(), sn[b].item(), 0.5, sigma_max=SIG[1].item(),
                        noise=noise[b:b + 1])
         torch.testing.assert_close(batched.prev_sample[b:b + 1], one.prev_sample)
