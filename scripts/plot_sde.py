@@ -1,0 +1,103 @@
+"""Per-step noise of the samplers (paper Fig. 9), the equalizer weights S_t, and the gradient-scale proxy N_t
+against sigma (paper Fig. 4), for one rollout schedule. Prints the tables and writes PNGs.
+
+    python scripts/plot_sde.py --steps 20 --shift 5 --eta 0.5 --out outputs/sde_plots
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from sage_grpo.equalizer import equalizer_weights, gradient_scale
+from sage_grpo.errors import SageGRPOError, run_cli
+from sage_grpo.schedule import sigma_schedule
+from sage_grpo.sde import step_variance
+
+SDES = ("sage_grpo", "flow_grpo", "dance_grpo", "cps")
+
+
+def tables(steps: int, shift: float, eta: float) -> dict[str, dict[str, list[float]]]:
+    """{sampler: {"std": [T], "N": [T], "S": [T]}} and the schedule under key "sigma"."""
+    sig = sigma_schedule(steps, shift)
+    out: dict[str, dict[str, list[float]]] = {"sigma": {"sigma": sig.tolist()}}
+    for sde in SDES:
+        var = step_variance(sde, sig[:-1], sig[1:], eta, sigma_max=sig[1])
+        out[sde] = {
+            "std": var.clamp(min=0).sqrt().tolist(),
+            "N": gradient_scale(sde, sig, eta).tolist(),
+            "S": equalizer_weights(sde, sig, eta).tolist(),
+        }
+    return out
+
+
+def print_tables(t: dict, steps: int, shift: float, eta: float) -> None:
+    """The std and S_t tables, one row per step."""
+    print(f"schedule: T = {steps}, shift = {shift}, eta = {eta}")
+    head = "step  sigma   " + "  ".join(f"{s:>10}" for s in SDES)
+    for key, title in (("std", "noise std sqrt(V_t) per step"), ("S", "equalizer weight S_t per step")):
+        print(f"\n{title}\n{head}")
+        for i in range(steps):
+            vals = "  ".join(f"{t[s][key][i]:>10.4f}" for s in SDES)
+            print(f"{i:>4}  {t['sigma']['sigma'][i]:.4f}  {vals}")
+
+
+def plot(t: dict, steps: int, shift: float, eta: float, out: Path) -> list[Path]:
+    """Write three PNGs into `out`; returns their paths."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SageGRPOError("plots need matplotlib: pip install -e '.[plot]' (tables were printed)") from None
+    out.mkdir(parents=True, exist_ok=True)
+    sig = t["sigma"]["sigma"][:-1]
+    x = list(range(steps))
+    paths = []
+    specs = [
+        ("sde_std.png", "std", "step", "noise std per step", f"Injected noise per step (T={steps}, shift={shift}, eta={eta})", x, "linear"),
+        ("equalizer_weights.png", "S", "step", "S_t", "Gradient-norm equalizer weights S_t", x, "log"),
+        ("gradient_scale.png", "N", "sigma_t", "N_t = |d mean/d v| / sqrt(V_t)", "Gradient-scale proxy against sigma", sig, "log"),
+    ]
+    for name, key, xlabel, ylabel, title, xs, yscale in specs:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for sde in SDES:
+            ax.plot(xs, t[sde][key], marker="o", ms=3, label=sde)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_yscale(yscale)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="rollout steps T (default 20)")
+    p.add_argument("--shift", type=float, default=5.0, help="schedule shift (default 5)")
+    p.add_argument("--eta", type=float, default=0.5, help="noise level eta (default 0.5)")
+    p.add_argument("--out", default="outputs/sde_plots", help="folder for the PNGs (default outputs/sde_plots)")
+    p.add_argument("--no-plots", action="store_true", help="print the tables only")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.shift <= 0 or args.eta < 0:
+        raise SageGRPOError("need --steps >= 1, --shift > 0 and --eta >= 0")
+    torch.set_printoptions(precision=4)
+    t = tables(args.steps, args.shift, args.eta)
+    print_tables(t, args.steps, args.shift, args.eta)
+    if not args.no_plots:
+        for path in plot(t, args.steps, args.shift, args.eta, Path(args.out)):
+            print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,25 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_plot_script_prints_tables_and_writes_pngs(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/plot_sde.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, check=True)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("0 ", "19 "))]
+    std0, std19 = [float(x) for x in rows[0][2:]], [float(x) for x in rows[1][2:]]  # first table: std
+    assert std0 == pytest.approx([.556, .500, .051, .700], abs=6e-4)  # algorithm.md, step 0
+    assert std19 == pytest.approx([.080, .117, .228, 0.0], abs=6e-4)
+    for name in ("sde_std.png", "equalizer_weights.png", "gradient_scale.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_script_bad_flags_give_one_message():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/plot_sde.py"), "--steps", "0", "--no-plots"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
