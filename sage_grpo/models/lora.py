@@ -1,0 +1,115 @@
+"""Trainable parts of the policy: LoRA adapters (peft, through diffusers' PeftAdapterMixin) or full fine-tuning,
+plus loading fine-tuned weights (LoRA safetensors, DCP `checkpoint-N/transformer` directories)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from sage_grpo.errors import SageGRPOError
+
+__all__ = [
+    "ADAPTER_NAME",
+    "default_lora_targets",
+    "setup_trainable",
+    "lora_state_dict",
+    "save_lora",
+    "load_lora",
+    "load_dcp_transformer",
+]
+
+ADAPTER_NAME = "default"
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def default_lora_targets(transformer) -> list[str]:
+    """Every nn.Linear inside the transformer blocks (full module names, so nothing outside them matches)."""
+    return [n for n, m in transformer.named_modules() if n.startswith("transformer_blocks.") and isinstance(m, torch.nn.Linear)]
+
+
+def setup_trainable(
+    transformer, *, use_lora: bool, lora_r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
+    lora_target_modules: list[str] | None = None, pretrained_lora_path: str = "",
+) -> list[torch.nn.Parameter]:
+    """Make the policy trainable -> the parameters to optimise.
+
+    LoRA: freeze the base weights and add peft adapters (r, alpha, dropout) on `lora_target_modules` (module
+    names or suffixes as peft matches them; empty = every linear of the transformer blocks); optionally load
+    `pretrained_lora_path`. Full fine-tuning: every transformer parameter is trainable.
+    """
+    if not use_lora:
+        if pretrained_lora_path:
+            raise SageGRPOError("--pretrained_lora_path needs --use_lora (or merge the adapter into the weights first)")
+        transformer.requires_grad_(True)
+        return [p for p in transformer.parameters()]
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    targets = list(lora_target_modules or []) or default_lora_targets(transformer)
+    config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets, init_lora_weights=True)
+    try:
+        transformer.add_adapter(config, adapter_name=ADAPTER_NAME)
+    except ValueError as e:  # peft: "Target modules ... not found in the base model"
+        raise SageGRPOError(f"--lora_target_modules {targets}: {e}") from e
+    if pretrained_lora_path:
+        load_lora(transformer, pretrained_lora_path)
+    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """The adapter weights in peft's key layout (`transformer_blocks.0.attn.to_q.lora_A.weight`, ...)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
+
+
+def save_lora(transformer, path: str | Path) -> Path:
+    """Write the adapter as safetensors (a file path, or a directory that gets adapter_model.safetensors)."""
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / ADAPTER_FILE
+    save_file({k: v.detach().contiguous().cpu() for k, v in lora_state_dict(transformer).items()}, path)
+    return path
+
+
+def load_lora(transformer, path: str | Path) -> None:
+    """Load adapter weights saved by `save_lora` (or a peft directory) into the transformer's adapter.
+    Accepts keys with a `transformer.` / `base_model.model.` prefix. Unknown or missing LoRA keys are an error."""
+    from peft import set_peft_model_state_dict
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / ADAPTER_FILE
+    if not path.is_file():
+        raise SageGRPOError(f"LoRA adapter not found: {path}")
+    state = load_file(path)
+    for prefix in ("base_model.model.", "transformer."):
+        state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    expected = set(lora_state_dict(transformer))
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise SageGRPOError(
+            f"LoRA adapter {path} does not fit the model (check --lora_r / --lora_target_modules): "
+            f"{len(missing)} missing (e.g. {sorted(missing)[:3]}), {len(unexpected)} unexpected (e.g. {sorted(unexpected)[:3]})"
+        )
+    set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER_NAME)
+
+
+def load_dcp_transformer(transformer, path: str | Path) -> None:
+    """Load `checkpoint-N/transformer` (a torch.distributed.checkpoint directory holding {"model": state_dict}, the
+    authors' layout) into `transformer`; works in a single process without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise SageGRPOError(f"--checkpoint_path {str(path)!r} is not a DCP directory (no .metadata); pass checkpoint-N/transformer")
+    state = {"model": get_model_state_dict(transformer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(transformer, state["model"])

@@ -1,0 +1,174 @@
+"""Text conditioning: encode each distinct prompt once, keep it in memory (and optionally on disk).
+
+The authors encode every prompt twice per rollout and keep the 7B text encoder on every GPU (their defect 12).
+Here `TextEmbeddingCache.get(prompts)` runs diffusers' `encode_prompt` (chat template, crop, glyph extraction for
+quoted text) once per distinct string, stores the four tensors on CPU, and `offload_encoders()` moves the text
+encoders off the accelerator once the prompt set is cached; an uncached prompt later still works (the encoders
+come back for it). The disk cache is keyed by sha256(prompt + encoder identity), one safetensors file per prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+__all__ = ["TextConditioning", "TextEmbeddingCache", "encoder_identity"]
+
+
+@dataclass
+class TextConditioning:
+    """Conditioning of N prompts, as HunyuanVideo15Transformer3DModel.forward takes it."""
+
+    prompt_embeds: Tensor  # [N, L, D_text] MLLM hidden_states[-3], system prompt cropped
+    prompt_mask: Tensor  # [N, L] 1 = valid token (right padding)
+    byt5_embeds: Tensor  # [N, L2, D_byt5] glyph embeddings (zeros when the prompt quotes no text)
+    byt5_mask: Tensor  # [N, L2]
+
+    def __len__(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def _map(self, fn) -> TextConditioning:
+        return TextConditioning(*(fn(t) for t in (self.prompt_embeds, self.prompt_mask, self.byt5_embeds, self.byt5_mask)))
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> TextConditioning:
+        """Move; `dtype` casts embeddings and masks alike (the pipeline hands masks in the transformer dtype)."""
+        return self._map(lambda t: t.to(device=device, dtype=dtype))
+
+    def index(self, idx: Tensor | list[int] | slice) -> TextConditioning:
+        return self._map(lambda t: t[idx])
+
+    @staticmethod
+    def cat(items: list[TextConditioning]) -> TextConditioning:
+        return TextConditioning(*(torch.cat(ts, dim=0) for ts in zip(*(_fields(c) for c in items))))
+
+
+def _fields(c: TextConditioning) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return c.prompt_embeds, c.prompt_mask, c.byt5_embeds, c.byt5_mask
+
+
+def encoder_identity(pipe) -> str:
+    """What the embeddings depend on besides the prompt: encoder classes and configs, a weight fingerprint, the
+    text lengths and the storage dtype. Different weights in the same path get a different identity."""
+    parts = []
+    for name in ("text_encoder", "text_encoder_2"):
+        enc = getattr(pipe, name)
+        if enc is None:
+            parts.append(f"{name}:none")
+            continue
+        emb = enc.get_input_embeddings().weight
+        fingerprint = emb.detach().flatten()[:4096].float().cpu()
+        parts.append(f"{name}:{type(enc).__name__}:{enc.config.to_json_string(use_diff=False)}:{fingerprint.sum().item():.10e}:{fingerprint.abs().sum().item():.10e}")
+    lengths = {k: getattr(pipe, k) for k in ("tokenizer_max_length", "prompt_template_encode_start_idx", "tokenizer_2_max_length")}
+    parts += [json.dumps(lengths, sort_keys=True), getattr(pipe, "system_message", "")]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+class TextEmbeddingCache:
+    """prompt -> TextConditioning [1, ...] on CPU in `dtype`; `get` batches them.
+
+    pipe: a HunyuanVideo15Pipeline (its encoders may be None if every prompt is on disk).
+    device: where the text encoders run. cache_dir: optional on-disk cache ("" / None = memory only).
+    """
+
+    def __init__(self, pipe, device: torch.device | str, dtype: torch.dtype, cache_dir: str | Path | None = None):
+        self.pipe = pipe
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self._memory: dict[str, TextConditioning] = {}
+        self._identity: str | None = None
+        self._offloaded = False
+        self.num_encoded = 0  # prompts run through the encoders (tests and logs)
+
+    @property
+    def identity(self) -> str:
+        if self._identity is None:
+            self._identity = encoder_identity(self.pipe) + f":{self.dtype}"
+        return self._identity
+
+    def _path(self, prompt: str) -> Path:
+        key = hashlib.sha256(f"{self.identity}\n{prompt}".encode()).hexdigest()
+        return self.cache_dir / f"{key}.safetensors"
+
+    def _load_disk(self, prompt: str) -> TextConditioning | None:
+        if self.cache_dir is None:
+            return None
+        path = self._path(prompt)
+        if not path.is_file():
+            return None
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("prompt") != prompt or meta.get("identity") != self.identity:
+            return None
+        t = load_file(path)
+        return TextConditioning(t["prompt_embeds"], t["prompt_mask"], t["byt5_embeds"], t["byt5_mask"])
+
+    def _save_disk(self, prompt: str, c: TextConditioning) -> None:
+        if self.cache_dir is None:
+            return
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        path = self._path(prompt)
+        tmp = path.with_suffix(".tmp")
+        tensors = dict(zip(("prompt_embeds", "prompt_mask", "byt5_embeds", "byt5_mask"), (t.contiguous() for t in _fields(c))))
+        save_file(tensors, tmp, metadata={"prompt": prompt, "identity": self.identity})
+        tmp.replace(path)  # atomic: concurrent ranks never read half a file
+
+    @torch.no_grad()
+    def _encode(self, prompt: str) -> TextConditioning:
+        pipe = self.pipe
+        if pipe.text_encoder is None or pipe.text_encoder_2 is None:
+            raise RuntimeError(f"prompt {prompt!r} is not cached and the text encoders were not loaded")
+        if self._offloaded:
+            pipe.text_encoder.to(self.device)
+            pipe.text_encoder_2.to(self.device)
+        try:
+            # batch of 1: padded to the fixed lengths anyway, and identical to what the pipeline computes.
+            pe, pm, be, bm = pipe.encode_prompt(prompt=[prompt], device=self.device, dtype=self.dtype, batch_size=1)
+        finally:
+            if self._offloaded:
+                self._move_encoders("cpu")
+        self.num_encoded += 1
+        return TextConditioning(pe, pm, be, bm).to("cpu")
+
+    def lookup(self, prompt: str) -> TextConditioning:
+        """One prompt -> [1, ...] on CPU (memory, then disk, then the encoders)."""
+        c = self._memory.get(prompt)
+        if c is None:
+            c = self._load_disk(prompt)
+            if c is None:
+                c = self._encode(prompt)
+                self._save_disk(prompt, c)
+            self._memory[prompt] = c
+        return c
+
+    def precompute(self, prompts: list[str]) -> None:
+        for p in dict.fromkeys(prompts):
+            self.lookup(p)
+
+    def get(self, prompts: list[str], device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TextConditioning:
+        """N prompts -> [N, ...] on `device` (default: the cache device) in `dtype` (default: the cache dtype)."""
+        c = TextConditioning.cat([self.lookup(p) for p in prompts])
+        return c.to(device or self.device, dtype or self.dtype)
+
+    def _move_encoders(self, device) -> None:
+        for enc in (self.pipe.text_encoder, self.pipe.text_encoder_2):
+            if enc is not None:
+                enc.to(device)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def offload_encoders(self) -> None:
+        """Move the text encoders to CPU (they come back only to encode a prompt that is not cached)."""
+        self._move_encoders("cpu")
+        self._offloaded = True
+
+    def __len__(self) -> int:
+        return len(self._memory)

@@ -1,0 +1,294 @@
+"""The GRPO rollout over the HunyuanVideo-1.5 policy, and the re-scoring the update calls.
+
+One rollout: N = prompts x G latents start from per-sample noise x_0 at sigma = 1 and take T steps of `sde_step`
+(algorithm.md section 2) down the shifted schedule. Each step runs the transformer once on 2N inputs when CFG is
+on ([cond..., uncond...], v = v_u + s * (v_c - v_u), the diffusers guider's formula) and keeps x_{t+1} in the
+storage dtype with its log-prob. `policy_step` recomputes the step for stored samples through the *same* function
+(`predict_velocity`: same CFG layout, input dtype and autocast), so re-scoring the stored x_{t+1} with unchanged
+weights gives the rollout log-prob back exactly (ratio 1).
+
+Randomness: every sample owns a generator per use, seeded from (base seed, prompt seed, generation index, step)
+by a hash, so a rollout is reproducible, independent of batch composition, and identical on every rank of a
+sequence-parallel group without RNG lockstep. `use_same_noise` gives the G samples of a prompt one initial noise
+(the SDE noise still differs, otherwise the group would be G copies).
+
+Time runs the pipeline's way here: x_0 is noise and x_T the clean sample (the paper's x_1 ... x_0 reversed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from sage_grpo.models.text_cache import TextConditioning
+from sage_grpo.schedule import sigma_schedule
+from sage_grpo.sde import SAGE_SIGMA_CLAMP, SDEStepOutput, check_sampler, sde_step
+
+__all__ = [
+    "SamplerSettings",
+    "Trajectory",
+    "derive_seed",
+    "initial_noise",
+    "predict_velocity",
+    "rollout",
+    "policy_step",
+    "decode_latents",
+    "latent_shape",
+]
+
+INIT_NOISE_STEP = -1  # the "step" of the initial noise in derive_seed
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """Everything that decides a step's numbers; the rollout stores it and the update reuses it."""
+
+    sde_type: str = "sage_grpo"
+    eta: float = 0.5
+    num_steps: int = 20  # T
+    shift: float = 5.0
+    cfg_scale: float = 6.0  # 1 = no CFG (a single forward of N)
+    logprob_reduction: str = "mean"
+    cps_logprob: str = "peer"
+    sage_clamp: float = SAGE_SIGMA_CLAMP
+    compute_dtype: torch.dtype | None = None  # transformer inputs; None = the transformer's parameter dtype
+    autocast: bool = False  # wrap the forward in torch.autocast(compute_dtype) (fp32 master weights)
+
+    def __post_init__(self):
+        check_sampler(self.sde_type)
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.cfg_scale != 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> SamplerSettings:
+        """From sage_grpo.config.Config (rollout + model groups); training forwards autocast to model.dtype."""
+        from sage_grpo.models.loading import resolve_dtype
+
+        r = cfg.rollout
+        return cls(
+            sde_type=r.sde_type,
+            eta=r.eta,
+            num_steps=r.grpo_sampling_steps,
+            shift=r.flow_shift,
+            cfg_scale=r.cfg_scale,
+            logprob_reduction=r.logprob_reduction,
+            cps_logprob=r.cps_logprob,
+            sage_clamp=getattr(r, "sage_sigma_clamp", SAGE_SIGMA_CLAMP),
+            compute_dtype=resolve_dtype(cfg.model.dtype),
+            autocast=resolve_dtype(cfg.model.dtype) != resolve_dtype(getattr(cfg.model, "master_weight_type", cfg.model.dtype)),
+        )
+
+
+@dataclass
+class Trajectory:
+    """A rollout of B = prompts x G samples over T steps. Latent shape [C, F, H, W] = (channels, latent frames,
+    latent height, latent width)."""
+
+    latents: Tensor  # [B, T+1, C, F, H, W] storage dtype; [:, 0] noise at sigma = 1, [:, T] the sample
+    log_probs: Tensor  # [B, T] fp32 log pi(x_{t+1} | x_t) of the rollout policy
+    sigmas: Tensor  # [T+1] fp64 schedule, 1 -> 0
+    step_indices: Tensor  # [T] long: diffusion index of each stored transition (0..T-1)
+    prompt_ids: Tensor  # [B] long: index into the caller's prompt list (the group id)
+    generation_ids: Tensor  # [B] long: index within the group, 0..G-1
+    prompt_seeds: Tensor  # [B] long: per-prompt seeds that, with generation_ids, seeded the noise
+    prompts: list[str]  # [B]
+    cond: TextConditioning  # [B, ...] prompt conditioning (device, compute dtype)
+    uncond: TextConditioning | None  # [B, ...] negative-prompt conditioning; None without CFG
+    settings: SamplerSettings = field(default_factory=SamplerSettings)
+
+    @property
+    def batch_size(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return self.latents.shape[1] - 1
+
+    @property
+    def final_latents(self) -> Tensor:
+        return self.latents[:, -1]  # [B, C, F, H, W]
+
+
+def derive_seed(*parts: int) -> int:
+    """Deterministic 63-bit seed from integers (the same on every process and platform)."""
+    data = struct.pack(f"<{len(parts)}q", *(int(p) for p in parts))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def _generators(seeds: list[int], device: torch.device) -> list[torch.Generator]:
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
+def latent_shape(vae_config, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+    """[C, F, H, W] of the latent of a num_frames x height x width video (as the pipeline's prepare_latents)."""
+    t, s = vae_config.temporal_compression_ratio, vae_config.spatial_compression_ratio
+    if (num_frames - 1) % t or height % s or width % s:
+        raise ValueError(f"video {num_frames}x{height}x{width} must be (k*{t}+1) frames and multiples of {s} pixels")
+    return vae_config.latent_channels, (num_frames - 1) // t + 1, height // s, width // s
+
+
+def initial_noise(
+    shape: tuple[int, ...], base_seed: int, prompt_seeds: Tensor, generation_ids: Tensor, *, same_noise: bool,
+    device: torch.device, dtype: torch.dtype,
+) -> tuple[Tensor, list[int]]:
+    """x_0 [B, *shape] in `dtype` (drawn fp32) and the per-sample seeds used; same_noise ignores the generation."""
+    seeds = [
+        derive_seed(base_seed, int(ps), 0 if same_noise else int(g), INIT_NOISE_STEP)
+        for ps, g in zip(prompt_seeds.tolist(), generation_ids.tolist())
+    ]
+    noise = torch.stack([torch.randn(shape, generator=g, device=device, dtype=torch.float32) for g in _generators(seeds, device)])
+    return noise.to(dtype), seeds
+
+
+def predict_velocity(
+    transformer, latents: Tensor, sigma: Tensor, cond: TextConditioning, uncond: TextConditioning | None,
+    settings: SamplerSettings, image_tokens: int,
+) -> Tensor:
+    """Guided velocity v [B, C, F, H, W] (fp32) at per-sample sigma [B]. The one place that calls the transformer,
+    used by the rollout and by the update, so both run the same layout, dtype and autocast.
+
+    latents: [B, C, F, H, W] any dtype (cast to the compute dtype, as the pipeline feeds transformer.dtype).
+    cond / uncond: [B, ...]; uncond is used iff settings.use_cfg. image_tokens: the pipeline's
+    vision_num_semantic_tokens (zeros for t2v).
+    """
+    param_dtype = next(transformer.parameters()).dtype
+    dtype = settings.compute_dtype or param_dtype
+    b = latents.shape[0]
+    x = latents.to(dtype)
+    zeros_cond = torch.zeros_like(x)  # t2v: no condition latent ...
+    zeros_mask = torch.zeros_like(x[:, :1])  # ... and a zero mask channel
+    model_in = torch.cat([x, zeros_cond, zeros_mask], dim=1)  # [B, 2C+1, F, H, W]
+    c = cond
+    if settings.use_cfg:
+        if uncond is None:
+            raise ValueError("cfg_scale != 1 needs the negative-prompt conditioning")
+        model_in = torch.cat([model_in, model_in], dim=0)  # [2B, 2C+1, F, H, W]: cond first, then uncond
+        c = TextConditioning.cat([cond, uncond])
+        sigma = torch.cat([sigma, sigma])
+    c = c.to(x.device, dtype)
+    timestep = (sigma.to(x.device, torch.float64) * 1000.0).to(dtype)  # [B'] t = 1000 sigma, as the pipeline
+    image_embeds = torch.zeros(model_in.shape[0], image_tokens, transformer.config.image_embed_dim, dtype=dtype, device=x.device)
+    ctx = torch.autocast(x.device.type, dtype=dtype) if settings.autocast else contextlib.nullcontext()
+    with ctx:
+        out = transformer(
+            hidden_states=model_in,
+            timestep=timestep,
+            encoder_hidden_states=c.prompt_embeds,
+            encoder_attention_mask=c.prompt_mask,
+            encoder_hidden_states_2=c.byt5_embeds,
+            encoder_attention_mask_2=c.byt5_mask,
+            image_embeds=image_embeds,
+            return_dict=False,
+        )[0].float()  # [B', C, F, H, W]
+    if not settings.use_cfg:
+        return out
+    v_cond, v_uncond = out[:b], out[b:]
+    return v_uncond + settings.cfg_scale * (v_cond - v_uncond)  # diffusers' ClassifierFreeGuidance
+
+
+def _step(settings: SamplerSettings, v: Tensor, x: Tensor, sigmas: Tensor, steps: Tensor, **kw) -> SDEStepOutput:
+    """sde_step at per-sample diffusion indices `steps` [B]."""
+    return sde_step(
+        settings.sde_type, v, x, sigmas[steps], sigmas[steps + 1], settings.eta,
+        sigma_max=float(sigmas[1]), logprob_reduction=settings.logprob_reduction,
+        cps_logprob=settings.cps_logprob, sage_clamp=settings.sage_clamp, **kw,
+    )
+
+
+@torch.no_grad()
+def rollout(
+    transformer,
+    cond: TextConditioning,
+    uncond: TextConditioning | None,
+    *,
+    prompts: list[str],
+    prompt_ids: Tensor,
+    generation_ids: Tensor,
+    prompt_seeds: Tensor,
+    latent_shape: tuple[int, int, int, int],
+    settings: SamplerSettings,
+    image_tokens: int,
+    base_seed: int = 0,
+    same_noise: bool = False,
+    storage_dtype: torch.dtype = torch.float32,
+    show_progress: bool = False,
+    initial_latents: Tensor | None = None,
+) -> Trajectory:
+    """Sample B trajectories (B = len(prompts); the caller repeats each prompt G times).
+
+    cond: [B, ...]; uncond: [B, ...] or [1, ...] (broadcast), ignored without CFG. prompt_ids / generation_ids /
+    prompt_seeds: [B] long. latent_shape: [C, F, H, W] (see `latent_shape`). storage_dtype: dtype of the stored
+    latents (every x_{t+1} is rounded to it before its log-prob is taken). initial_latents: [B, C, F, H, W] to
+    bypass the seeded noise (tests). show_progress: the caller passes rank == 0.
+    """
+    device = cond.prompt_embeds.device
+    b, t_steps = len(prompts), settings.num_steps
+    if settings.use_cfg and uncond is not None and len(uncond) == 1 and b > 1:
+        uncond = uncond.index([0] * b)
+    sigmas = sigma_schedule(t_steps, settings.shift).to(device)  # [T+1] fp64
+    if initial_latents is None:
+        x, _ = initial_noise(latent_shape, base_seed, prompt_seeds, generation_ids, same_noise=same_noise, device=device, dtype=storage_dtype)
+    else:
+        x = initial_latents.to(device, storage_dtype)
+    latents = torch.empty((b, t_steps + 1, *x.shape[1:]), dtype=storage_dtype, device=device)  # [B, T+1, C, F, H, W]
+    log_probs = torch.empty((b, t_steps), dtype=torch.float32, device=device)  # [B, T]
+    latents[:, 0] = x
+    for i in tqdm(range(t_steps), desc="rollout", disable=not show_progress, leave=False):
+        steps = torch.full((b,), i, dtype=torch.long, device=device)
+        v = predict_velocity(transformer, x, sigmas[steps], cond, uncond, settings, image_tokens)  # [B, C, F, H, W]
+        gens = _generators([derive_seed(base_seed, int(ps), int(g), i) for ps, g in zip(prompt_seeds.tolist(), generation_ids.tolist())], device)
+        out = _step(settings, v, x, sigmas, steps, generator=gens)
+        x = out.prev_sample  # storage dtype
+        latents[:, i + 1] = x
+        log_probs[:, i] = out.log_prob
+    return Trajectory(
+        latents=latents,
+        log_probs=log_probs,
+        sigmas=sigmas,
+        step_indices=torch.arange(t_steps, device=device),
+        prompt_ids=prompt_ids.to(device),
+        generation_ids=generation_ids.to(device),
+        prompt_seeds=prompt_seeds.to(device),
+        prompts=list(prompts),
+        cond=cond,
+        uncond=uncond if settings.use_cfg else None,
+        settings=settings,
+    )
+
+
+def policy_step(transformer, traj: Trajectory, indices: Tensor | list[int], steps: Tensor | int, image_tokens: int) -> SDEStepOutput:
+    """Re-score stored transitions x_t -> x_{t+1} of samples `indices` [b] at diffusion steps `steps` (int or
+    [b]) under `transformer` (the policy with grad, or the frozen anchor). Gradients flow when enabled by the
+    caller. -> SDEStepOutput: log_prob [b] (compare with traj.log_probs[indices, steps]), mean [b, C, F, H, W]
+    (fp32, for KL_pos), std [b], prev_sample = the stored x_{t+1}."""
+    idx = torch.as_tensor(indices, dtype=torch.long, device=traj.latents.device)
+    st = torch.as_tensor(steps, dtype=torch.long, device=idx.device).expand(idx.shape[0]).contiguous()
+    x_t = traj.latents[idx, st]  # [b, C, F, H, W] storage dtype
+    x_next = traj.latents[idx, st + 1]  # [b, C, F, H, W]
+    cond = traj.cond.index(idx)
+    uncond = traj.uncond.index(idx) if traj.uncond is not None else None
+    v = predict_velocity(transformer, x_t, traj.sigmas[st], cond, uncond, traj.settings, image_tokens)
+    return _step(traj.settings, v, x_t, traj.sigmas, st, prev_sample=x_next)
+
+
+@torch.no_grad()
+def decode_latents(vae, latents: Tensor, *, chunk: int = 1) -> Tensor:
+    """Latents [B, C, F, H, W] -> frames [B, F', 3, H', W'] fp32 in [0, 1].
+
+    Divides by the VAE scaling factor exactly once (the authors divide twice), and decodes `chunk` samples at a
+    time: diffusers 0.42.1's VAE fails on batches > 1 in its mid-block attention. Enable vae tiling for real sizes.
+    """
+    frames = []
+    for start in range(0, latents.shape[0], chunk):
+        z = latents[start : start + chunk].to(vae.dtype) / vae.config.scaling_factor
+        video = vae.decode(z, return_dict=False)[0]  # [b, 3, F', H', W'] in [-1, 1]
+        frames.append((video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4))  # [b, F', 3, H', W']
+    return torch.cat(frames)
