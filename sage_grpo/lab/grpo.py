@@ -1,0 +1,309 @@
+"""GRPO post-training of the toy flow with the package's math core (the same functions the video loop uses).
+
+One iteration = one rollout batch:
+1. rollout (no grad): num_groups x group_size samples from independent initial noise, T SDE steps of the chosen
+   sampler, storing x_0..x_T and the per-step log-probs;
+2. reward of the final samples, group-relative advantages (`group_advantages`);
+3. `updates_per_rollout` optimizer updates, each on a disjoint minibatch of samples, each sample trained on
+   ceil(T * timestep_fraction) steps (`select_timesteps`); per (sample, step) the stored x_{t+1} is re-scored
+   (`sde_step(prev_sample=...)`), the clipped surrogate (`clipped_policy_loss`) is weighted by the equalizer S_t
+   (`equalizer_weights`) and the KL variant adds lambda_KL * L_KL (`kl_position`, `kl_velocity`, `dual_kl`,
+   `AdaptiveKLController`).
+
+KL variants (algorithm.md section 6):
+    none      no KL term
+    fixed     KL_pos to the initial model (anchor never refreshed)
+    moving    KL_pos to an anchor copied from the policy every `kl_refresh_every` optimizer updates
+    stepwise  KL_vel only (k1 estimate against the rollout policy), with weight `kl_stepwise_beta_vel`
+    dual      moving KL_pos + kl_beta_vel * KL_vel (the paper's dual trust region)
+
+Steps whose injected variance is 0 (the last cps step) carry no policy gradient and would make KL_pos blow up
+through the 1e-6 variance guard, so the lab never trains them.
+
+Toy-scale defaults (why they differ from the video peers): the peers' clip range 1e-4 and lambda_KL in
+[1e-7, 1e-5] fit log-probs averaged over ~10^5-10^6 latent elements; here a log-prob averages 2-16 elements, so
+the per-update log-ratio is O(1e-3..1e-2) and KL_pos is O(1e-4..1e-2). Hence clip_range 0.01 (about 1% of the
+ratios clipped), Adam lr 3e-4, and lambda_KL warming from 0.01 to 1.0 over 20 updates with D_target = 3e-4, inside the
+observed KL range so that the adaptive rule actually moves (see LabConfig).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..advantage import group_advantages
+from ..equalizer import equalizer_weights, gradient_scale
+from ..kl import AdaptiveKLController, dual_kl, kl_position, kl_velocity
+from ..loss import clipped_policy_loss
+from ..schedule import select_timesteps, sigma_schedule
+from ..sde import check_sampler, sde_step
+from .data import RingManifold
+from .metrics import log_spread, per_step_grad_norms, sample_metrics
+from .model import ode_sample
+
+__all__ = ["KL_VARIANTS", "LAB_SAMPLERS", "LabConfig", "Trajectory", "RunResult", "rollout", "train_grpo", "summarize"]
+
+KL_VARIANTS = ("none", "fixed", "moving", "stepwise", "dual")
+LAB_SAMPLERS = ("dance_grpo", "flow_grpo", "sage_grpo", "cps")  # the SDE samplers (ode has no exploration)
+
+
+@dataclass
+class LabConfig:
+    """One lab run. Defaults are toy-scale (see the module docstring)."""
+
+    sampler: str = "sage_grpo"  # one of LAB_SAMPLERS
+    equalizer: bool = True  # weight the per-step policy loss by S_t
+    kl: str = "dual"  # one of KL_VARIANTS
+    eta: float = 0.5  # exploration scale of the SDE (the spec's sanity-table value for every sampler)
+    num_steps: int = 20  # T
+    shift: float = 3.0  # schedule shift: a 50x spread of the gradient scale N_t, like the video schedule
+    iterations: int = 40  # rollout batches
+    num_groups: int = 8  # "prompts" per rollout batch (the toy is unconditional: a group = G rollouts)
+    group_size: int = 8  # G
+    timestep_fraction: float = 0.5  # trained steps per sample: ceil(T * fraction)
+    permute_timesteps: bool = True
+    updates_per_rollout: int = 2  # optimizer updates per rollout batch (disjoint sample minibatches)
+    lr: float = 3e-4  # Adam
+    clip_range: float = 0.01  # PPO clip of the ratio (peers: 1e-4 for video-scale averaged log-probs)
+    max_grad_norm: float = 1.0
+    adv_clip_max: float = 5.0
+    cps_logprob: str = "peer"  # as in the video loop; "normalized" = the Gaussian density
+    kl_refresh_every: int = 10  # moving anchor refresh, in optimizer updates (update_ref_model_step)
+    kl_beta_pos: float = 1.0  # dual_kl_moving_weight
+    kl_beta_vel: float = 0.1  # dual_kl_step_weight
+    kl_stepwise_beta_vel: float = 1.0  # weight of KL_vel when it is the only term ("stepwise")
+    kl_init: float = 0.01  # lambda_KL at update 0 (paper: 1e-7)
+    kl_min: float = 0.01  # lambda_min (paper: 1e-7)
+    kl_max: float = 1.0  # lambda_max (paper: 1e-5)
+    kl_target: float = 3e-4  # D_target (paper: 1e-5 = kl_weight)
+    kl_warmup: int = 20  # warm-up updates (paper: 100)
+    kl_history: int = 10
+    kl_direction: str = "paper"  # "paper": KL far above target relaxes lambda; "classic": tightens it
+    eval_every: int = 5  # iterations between ODE evaluations
+    eval_samples: int = 500
+    grad_norm_batch: int = 64  # rollouts used to measure per-step gradient norms (Fig. 3-4)
+    seed: int = 0
+
+    def validate(self) -> LabConfig:
+        check_sampler(self.sampler)
+        if self.sampler not in LAB_SAMPLERS:
+            raise ValueError(f"the lab trains SDE samplers only: {', '.join(LAB_SAMPLERS)}; got {self.sampler!r}")
+        if self.kl not in KL_VARIANTS:
+            raise ValueError(f"unknown kl {self.kl!r}; valid variants: {', '.join(KL_VARIANTS)}")
+        if self.num_groups * self.group_size % self.updates_per_rollout:
+            raise ValueError("num_groups * group_size must be divisible by updates_per_rollout")
+        return self
+
+    @property
+    def uses_kl_pos(self) -> bool:
+        return self.kl in ("fixed", "moving", "dual")
+
+    @property
+    def uses_kl_vel(self) -> bool:
+        return self.kl in ("stepwise", "dual")
+
+    @property
+    def refreshes_anchor(self) -> bool:
+        return self.kl in ("moving", "dual")
+
+
+@dataclass
+class Trajectory:
+    """A rollout batch. B = samples, T = steps, D = data dim."""
+
+    latents: Tensor  # [T + 1, B, D] x_0 (noise) .. x_T (sample)
+    log_probs: Tensor  # [T, B] rollout log-probs
+    std: Tensor  # [T] injected noise std per step (schedule-only)
+
+
+@dataclass
+class RunResult:
+    """Everything a run reports; plain types except the per-step tensors."""
+
+    config: dict
+    history: list[dict] = field(default_factory=list)  # one row per iteration (eval keys every eval_every)
+    final: dict = field(default_factory=dict)  # ODE-evaluation metrics of the final policy
+    base: dict = field(default_factory=dict)  # the same metrics for the pre-trained model
+    noise_std: Tensor | None = None  # [T] (Fig. 9)
+    equalizer: Tensor | None = None  # [T] S_t
+    predicted_scale: Tensor | None = None  # [T] N_t, the predicted per-step gradient scale
+    grad_norms_start: Tensor | None = None  # [T] measured per-step norms on the base model's first rollout
+    grad_norms_end: Tensor | None = None  # [T] the same on the final policy
+    wall_s: float = 0.0
+
+
+@torch.no_grad()
+def rollout(
+    policy: nn.Module, noise: Tensor, sigmas: Tensor, cfg: LabConfig, generator: torch.Generator
+) -> Trajectory:
+    """T SDE steps of cfg.sampler from `noise` [B, D]; the SDE noise is drawn from `generator`."""
+    num_steps = sigmas.numel() - 1
+    x = noise
+    latents, log_probs, std = [x], [], []
+    for t in range(num_steps):
+        s, s_next = float(sigmas[t]), float(sigmas[t + 1])
+        v = policy(x, torch.full((x.shape[0],), s))  # [B, D]
+        out = sde_step(
+            cfg.sampler, v, x, s, s_next, cfg.eta, sigma_max=sigmas[1], generator=generator,
+            cps_logprob=cfg.cps_logprob,
+        )
+        x = out.prev_sample
+        latents.append(x)
+        log_probs.append(out.log_prob)
+        std.append(out.std[0])
+    return Trajectory(latents=torch.stack(latents), log_probs=torch.stack(log_probs), std=torch.stack(std))
+
+
+def _evaluate(model: nn.Module, data: RingManifold, noise: Tensor, cfg: LabConfig) -> dict[str, float]:
+    """ODE samples from fixed noise (the validation protocol of the video loop) -> sample_metrics."""
+    was_training = model.training
+    model.eval()
+    x = ode_sample(model, noise, cfg.num_steps, cfg.shift)
+    model.train(was_training)
+    return sample_metrics(data, x)
+
+
+def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> RunResult:
+    """Post-train a copy of `base_model` with GRPO under `cfg` -> RunResult. Deterministic for cfg.seed."""
+    cfg.validate()
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)  # rollout noise, timestep choice, minibatch shuffles
+    eval_noise = torch.randn(cfg.eval_samples, data.dim, generator=torch.Generator().manual_seed(10_000 + cfg.seed))
+
+    policy = copy.deepcopy(base_model).train().requires_grad_(True)
+    anchor = copy.deepcopy(base_model).eval().requires_grad_(False) if cfg.uses_kl_pos else None
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    controller = None
+    if cfg.kl != "none":
+        controller = AdaptiveKLController(
+            init=cfg.kl_init, lambda_min=cfg.kl_min, lambda_max=cfg.kl_max, target=cfg.kl_target,
+            warmup_updates=cfg.kl_warmup, history=cfg.kl_history, direction=cfg.kl_direction,
+        )
+
+    sigmas = sigma_schedule(cfg.num_steps, cfg.shift)  # [T + 1] fp64
+    sigmas32 = sigmas.float()
+    s_eq = equalizer_weights(cfg.sampler, sigmas, cfg.eta)  # [T]
+    weights = s_eq if cfg.equalizer else torch.ones_like(s_eq)  # [T]
+    batch = cfg.num_groups * cfg.group_size
+    group_ids = torch.arange(cfg.num_groups).repeat_interleave(cfg.group_size)  # [B]
+    beta_vel = cfg.kl_beta_vel if cfg.kl == "dual" else cfg.kl_stepwise_beta_vel
+
+    result = RunResult(config=asdict(cfg), equalizer=s_eq, predicted_scale=gradient_scale(cfg.sampler, sigmas, cfg.eta))
+    result.base = _evaluate(policy, data, eval_noise, cfg)
+    num_updates = 0
+    for it in range(cfg.iterations):
+        row: dict = {"iteration": it}
+        if it % cfg.eval_every == 0:
+            row.update({f"eval/{k}": v for k, v in _evaluate(policy, data, eval_noise, cfg).items()})
+
+        # 1. rollout, 2. reward and advantages
+        noise = torch.randn(batch, data.dim, generator=gen)  # [B, D]
+        traj = rollout(policy, noise, sigmas, cfg, gen)
+        rewards = data.reward(traj.latents[-1])  # [B]
+        adv, valid = group_advantages(rewards, group_ids, adv_clip_max=cfg.adv_clip_max)  # [B], [B]
+        if it == 0:
+            result.noise_std = traj.std.clone()
+            result.grad_norms_start = _grad_norms(policy, traj, adv, sigmas, cfg)
+
+        # 3. updates: which (sample, step) pairs are trained
+        steps = torch.stack(
+            [select_timesteps(cfg.num_steps, cfg.timestep_fraction, cfg.permute_timesteps, gen) for _ in range(batch)]
+        )  # [B, k] original diffusion indices
+        order = torch.randperm(batch, generator=gen)  # [B]
+        stats_acc: dict[str, list[float]] = {}
+        for mb in order.chunk(cfg.updates_per_rollout):
+            i_idx = mb[:, None].expand(-1, steps.shape[1]).reshape(-1)  # [P] sample of each pair
+            t_idx = steps[mb].reshape(-1)  # [P] step of each pair
+            keep = traj.std[t_idx] > 0  # [P] deterministic steps carry no policy gradient
+            i_idx, t_idx = i_idx[keep], t_idx[keep]
+            x_t = traj.latents[t_idx, i_idx]  # [P, D]
+            x_next = traj.latents[t_idx + 1, i_idx]  # [P, D]
+            s, s_next = sigmas32[t_idx], sigmas32[t_idx + 1]  # [P]
+            out = sde_step(
+                cfg.sampler, policy(x_t, s), x_t, s, s_next, cfg.eta, sigma_max=sigmas[1], prev_sample=x_next,
+                cps_logprob=cfg.cps_logprob,
+            )
+            logp_old = traj.log_probs[t_idx, i_idx]  # [P]
+            mask = valid[i_idx]  # [P]
+            loss, pstats = clipped_policy_loss(
+                out.log_prob, logp_old, adv[i_idx], cfg.clip_range, weights=weights[t_idx], mask=mask
+            )
+            kl_pos = kl_vel = None
+            if cfg.uses_kl_pos:
+                with torch.no_grad():
+                    ref = sde_step(
+                        cfg.sampler, anchor(x_t, s), x_t, s, s_next, cfg.eta, sigma_max=sigmas[1],
+                        prev_sample=x_next, cps_logprob=cfg.cps_logprob,
+                    )
+                kl_pos = kl_position(out.mean, ref.mean, out.std**2)[mask]  # [P']
+            if cfg.uses_kl_vel:
+                kl_vel = kl_velocity(logp_old, out.log_prob)[mask]  # [P']
+            if controller is not None:
+                l_kl = dual_kl(kl_pos, kl_vel, beta_pos=cfg.kl_beta_pos, beta_vel=beta_vel)
+                loss = loss + controller.value * l_kl
+                _acc(stats_acc, "kl/coef", controller.value)
+                _acc(stats_acc, "kl/loss", float(l_kl.detach()))
+            if kl_pos is not None:
+                _acc(stats_acc, "kl/pos", float(kl_pos.detach().mean()))
+            if kl_vel is not None:
+                _acc(stats_acc, "kl/vel", float(kl_vel.detach().mean()))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            opt.step()
+            num_updates += 1
+            if controller is not None:
+                controller.update(float(l_kl.detach()))
+            if cfg.refreshes_anchor and num_updates % cfg.kl_refresh_every == 0:
+                anchor.load_state_dict(policy.state_dict())
+            _acc(stats_acc, "train/clipfrac", pstats.clipfrac)
+            _acc(stats_acc, "train/approx_kl", pstats.approx_kl)
+            _acc(stats_acc, "train/grad_norm", float(gnorm))
+        row["reward/rollout"] = float(rewards.mean())
+        row["off_manifold/rollout"] = float(data.distance_to_support(traj.latents[-1]).mean())
+        row.update({k: sum(v) / len(v) for k, v in stats_acc.items()})
+        result.history.append(row)
+
+    result.final = _evaluate(policy, data, eval_noise, cfg)
+    result.history.append({"iteration": cfg.iterations, **{f"eval/{k}": v for k, v in result.final.items()}})
+    noise = torch.randn(batch, data.dim, generator=gen)
+    traj = rollout(policy, noise, sigmas, cfg, gen)
+    adv, _ = group_advantages(data.reward(traj.latents[-1]), group_ids, adv_clip_max=cfg.adv_clip_max)
+    result.grad_norms_end = _grad_norms(policy, traj, adv, sigmas, cfg)
+    result.wall_s = time.perf_counter() - t_start
+    return result
+
+
+def _grad_norms(policy: nn.Module, traj: Trajectory, adv: Tensor, sigmas: Tensor, cfg: LabConfig) -> Tensor:
+    """Per-step policy-gradient norms on the first cfg.grad_norm_batch rollouts -> [T]."""
+    n = min(cfg.grad_norm_batch, adv.shape[0])
+    return per_step_grad_norms(
+        policy, traj.latents[:, :n], adv[:n], sigmas, sampler=cfg.sampler, eta=cfg.eta, cps_logprob=cfg.cps_logprob
+    )
+
+
+def _acc(acc: dict[str, list[float]], key: str, value: float) -> None:
+    acc.setdefault(key, []).append(value)
+
+
+def summarize(result: RunResult) -> dict:
+    """Flat per-run summary (one CSV row): config keys, base/final metrics and gradient-norm spreads."""
+    cfg = result.config
+    s_eq = result.equalizer
+    g0 = result.grad_norms_start
+    row = {k: cfg[k] for k in ("sampler", "equalizer", "kl", "seed", "eta", "num_steps", "shift", "iterations")}
+    row.update({f"base_{k}": v for k, v in result.base.items()})
+    row.update({f"final_{k}": v for k, v in result.final.items()})
+    # Spread in orders of magnitude, log10(max/min) over the stochastic steps, of the measured per-step norms
+    # without (raw) and with (times S_t) the equalizer, and of the prediction N_t (same steps).
+    row["grad_spread_raw"] = log_spread(g0)
+    row["grad_spread_eq"] = log_spread(g0 * s_eq.double())
+    row["grad_spread_pred"] = log_spread(result.predicted_scale * (g0 > 0))
+    row["wall_s"] = result.wall_s
+    return row

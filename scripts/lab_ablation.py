@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""Ablation grid of the seconds-scale lab (issue 5): sampler x equalizer x KL variant over seeds, on a CPU.
+
+    python scripts/lab_ablation.py --quick              # 2-D ring, 3 seeds, 30 iterations: a few minutes on 2 cores
+    python scripts/lab_ablation.py --seeds 5            # 2-D and 16-D, 5 seeds, 60 iterations
+    python scripts/lab_ablation.py --quick --out outputs/lab_quick --workers 2
+
+Grid: {dance_grpo, flow_grpo, sage_grpo, cps} x {equalizer off, on} x {KL: none, fixed, stepwise, moving, dual}.
+Writes to --out: summary.csv (one row per run), table_d{D}.md (mean ± std over seeds), curves.csv (per iteration),
+steps.csv (per step: noise std, S_t, N_t, measured gradient norms), and PNG figures (with matplotlib installed,
+the "plot" extra). Pre-trained base models are cached per (dim, seed) under --out/base/.
+
+Each grid cell is a single-threaded process (tiny MLPs gain nothing from intra-op threads and lose to their
+synchronisation), and --workers cells run side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from sage_grpo.lab import KL_VARIANTS, LAB_SAMPLERS, LabConfig, RingManifold, VelocityMLP, pretrain_flow, summarize
+from sage_grpo.lab.grpo import train_grpo
+from sage_grpo.lab.report import aggregate, format_table, plot_all, write_csv
+from sage_grpo.schedule import sigma_schedule
+
+PRETRAIN = {"steps": 1500, "batch_size": 256, "lr": 1e-2, "hidden": 128, "depth": 3}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2-D only, 3 seeds, 30 iterations (under 5 min on 2 cores)")
+    p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3 with --quick, else 5)")
+    p.add_argument("--out", type=Path, default=Path("outputs/lab"), help="output directory (git-ignored outputs/)")
+    p.add_argument("--dims", type=int, nargs="+", default=None, help="data dimensions (default: 2 quick, 2 16 full)")
+    p.add_argument("--iterations", type=int, default=None, help="GRPO iterations per run (default: 30 quick, 60)")
+    p.add_argument("--samplers", nargs="+", default=list(LAB_SAMPLERS), choices=LAB_SAMPLERS)
+    p.add_argument("--kls", nargs="+", default=list(KL_VARIANTS), choices=KL_VARIANTS)
+    p.add_argument("--workers", type=int, default=2, help="cells run in parallel (one thread each)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    args = p.parse_args(argv)
+    args.seeds = args.seeds or (3 if args.quick else 5)
+    args.dims = args.dims or ([2] if args.quick else [2, 16])
+    args.iterations = args.iterations or (30 if args.quick else 60)
+    return args
+
+
+def base_model(out: Path, dim: int, seed: int) -> VelocityMLP:
+    """The pre-trained flow for (dim, seed), from the cache under out/base/ or trained and cached."""
+    path = out / "base" / f"flow_d{dim}_s{seed}.pt"
+    meta = {"dim": dim, "seed": seed, **PRETRAIN}
+    if path.exists():
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if json.loads(blob["meta"]) == meta:
+            model = VelocityMLP(**json.loads(blob["model_config"]))
+            model.load_state_dict(blob["state_dict"])
+            return model.eval()
+    model = pretrain_flow(RingManifold(dim=dim), seed=seed, **PRETRAIN)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {"meta": json.dumps(meta), "model_config": json.dumps(model.config()), "state_dict": model.state_dict()}, tmp
+    )
+    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    return model
+
+
+def _init_worker() -> None:
+    torch.set_num_threads(1)
+
+
+def _pretrain_job(job: tuple[Path, int, int]) -> tuple[int, int]:
+    out, dim, seed = job
+    base_model(out, dim, seed)
+    return dim, seed
+
+
+def _run_job(job: tuple[Path, int, LabConfig]) -> dict:
+    """One grid cell -> {summary, curves, steps} rows (plain types, cheap to send between processes)."""
+    out, dim, cfg = job
+    data = RingManifold(dim=dim)
+    res = train_grpo(cfg, data, base_model(out, dim, cfg.seed))
+    tag = {"dim": dim, "sampler": cfg.sampler, "equalizer": cfg.equalizer, "kl": cfg.kl, "seed": cfg.seed}
+    curves = [{**tag, **h} for h in res.history]
+    sigmas = sigma_schedule(cfg.num_steps, cfg.shift)  # [T + 1]
+    steps = [
+        {
+            **tag,
+            "step": t,
+            "sigma": float(sigmas[t]),
+            "noise_std": float(res.noise_std[t]),
+            "equalizer_weight": float(res.equalizer[t]),
+            "predicted_scale": float(res.predicted_scale[t]),
+            "grad_norm_start": float(res.grad_norms_start[t]),
+            "grad_norm_end": float(res.grad_norms_end[t]),
+        }
+        for t in range(cfg.num_steps)
+    ]
+    return {"summary": {"dim": dim, **summarize(res)}, "curves": curves, "steps": steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = list(range(args.seeds))
+    base_cfg = LabConfig(iterations=args.iterations)
+    jobs = [
+        (out, dim, replace(base_cfg, sampler=s, equalizer=eq, kl=kl, seed=seed))
+        for dim in args.dims
+        for seed in seeds
+        for s in args.samplers
+        for eq in (False, True)
+        for kl in args.kls
+    ]
+    print(f"[lab] {len(jobs)} runs ({len(args.dims)} dims x {len(seeds)} seeds x {len(args.samplers)} samplers x 2 x "
+          f"{len(args.kls)} KL), {args.iterations} iterations each, {args.workers} workers -> {out}", flush=True)
+
+    ctx = mp.get_context("spawn")  # no fork after torch has started threads
+    with ctx.Pool(args.workers, initializer=_init_worker) as pool:
+        pool.map(_pretrain_job, [(out, d, s) for d in args.dims for s in seeds])
+        print(f"[lab] base models ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+        results = []
+        for i, r in enumerate(pool.imap(_run_job, jobs), 1):
+            results.append(r)
+            if i % 20 == 0 or i == len(jobs):
+                print(f"[lab] {i}/{len(jobs)} runs ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    summary = [r["summary"] for r in results]
+    curves = [row for r in results for row in r["curves"]]
+    steps = [row for r in results for row in r["steps"]]
+    write_csv(out / "summary.csv", summary)
+    write_csv(out / "curves.csv", curves)
+    write_csv(out / "steps.csv", steps)
+    aggs = aggregate(summary)
+    write_csv(out / "table.csv", aggs)
+    for dim in args.dims:
+        table = format_table(aggs, args.samplers, args.kls, dim)
+        (out / f"table_d{dim}.md").write_text(table + "\n")
+        print(f"\nLab table, D = {dim}, mean ± std over {len(seeds)} seeds, {args.iterations} iterations "
+              f"(ODE samples of the final policy; grad spread = log10 max/min of the applied per-step norms):")
+        print(table)
+    if not args.no_plots:
+        try:
+            for dim in args.dims:
+                paths = plot_all(out, curves, steps, aggs, dim)
+            print(f"\n[lab] figures: {', '.join(p.name for p in paths)} (and per dim) in {out}")
+        except ImportError:
+            print("[lab] matplotlib missing (pip install '.[plot]'): no figures", file=sys.stderr)
+    print(f"[lab] total {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
