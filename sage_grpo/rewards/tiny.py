@@ -21,20 +21,36 @@ QWEN_SPECIALS = (
     "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
     "<|image_pad|>", "<|video_pad|>",
 )  # fmt: skip
-TINY_BASE_VOCAB = 288  # embedding rows of the base (padded beyond the tokenizer, as the real 151,936 > 151,657)
+TINY_VOCAB_PAD = 18  # base embedding rows beyond the tokenizer (the real base has 151,936 rows for 151,657 tokens)
 LORA_R, LORA_ALPHA = 4, 8  # same alpha / r = 2 as the real r 64, alpha 128
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def build_byte_tokenizer(extra_special: tuple[str, ...] = ()):
-    """A Qwen2Tokenizer over the 256 byte-level symbols (no merges) + Qwen specials (+ ``extra_special``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def build_byte_tokenizer(extra_special: tuple[str, ...] = (), n_merges: int = 2000):
+    """A byte-level BPE Qwen2Tokenizer + Qwen specials (+ ``extra_special``), merges learnt in-process.
+
+    The merges are trained (deterministically) on the VideoAlign query template and the chat text so that the
+    ~2.9k-character query becomes a few hundred tokens, keeping tiny-model scoring fast on CPU.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    from sage_grpo.rewards.videoalign import CHAT_PREFIX, CHAT_SUFFIX, DETAILED_SPECIAL_TEMPLATE
+
+    tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if n_merges > 0:
+        text = CHAT_PREFIX + CHAT_SUFFIX + DETAILED_SPECIAL_TEMPLATE
+        for t in (*QWEN_SPECIALS, *SPECIAL_TOKENS, "{text}", "{text_prompt}"):  # same merges for base and reward
+            text = text.replace(t, " ")
+        trainer = trainers.BpeTrainer(
+            vocab_size=len(alphabet) + n_merges, initial_alphabet=alphabet, show_progress=False, min_frequency=1
+        )
+        tok.train_from_iterator([text], trainer=trainer)
+    else:
+        tok.model = models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[])
     tok.add_special_tokens(list(QWEN_SPECIALS) + list(extra_special))
     return Qwen2Tokenizer(
         tokenizer_object=tok, unk_token=None, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>"
@@ -58,7 +74,7 @@ def tiny_base_config(tokenizer) -> dict:
         "rope_theta": 1000000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]},  # sums to head_dim / 2 = 4
         "tie_word_embeddings": True,
-        "vocab_size": TINY_BASE_VOCAB,
+        "vocab_size": len(tokenizer) + TINY_VOCAB_PAD,
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
