@@ -1,0 +1,52 @@
+"""Text conditioning cache: one encode per distinct prompt, disk cache keyed by prompt + encoder, glyph text."""
+
+import torch
+from hv_fixtures import *  # noqa: F401,F403
+
+from sage_grpo.models.text_cache import TextEmbeddingCache
+
+
+def test_each_prompt_encoded_once_and_equal_to_pipeline(tiny_pipe, text_cache):
+    c = text_cache.get(["a cat", "a dog", "a cat", ""])
+    assert text_cache.num_encoded == 3 and len(c) == 4
+    assert torch.equal(c.prompt_embeds[0], c.prompt_embeds[2])
+    ref = tiny_pipe.encode_prompt(["a dog"], device="cpu", dtype=torch.float32, batch_size=1)
+    for got, want in zip((c.prompt_embeds[1:2], c.prompt_mask[1:2], c.byt5_embeds[1:2], c.byt5_mask[1:2]), ref):
+        assert torch.equal(got, want)
+    text_cache.get(["a dog"])
+    assert text_cache.num_encoded == 3
+
+
+def test_glyph_text_uses_byt5(text_cache):
+    c = text_cache.get(['a sign that says "OPEN"', "a sign"])
+    assert c.byt5_mask[0].sum() > 0 and c.byt5_embeds[0].abs().sum() > 0
+    assert c.byt5_mask[1].sum() == 0 and c.byt5_embeds[1].abs().sum() == 0
+
+
+def test_disk_cache_hits_and_is_keyed_by_encoder(tiny_pipe, tmp_path):
+    a = TextEmbeddingCache(tiny_pipe, "cpu", torch.float32, tmp_path)
+    first = a.get(["a red ball rolls"])
+    assert a.num_encoded == 1 and len(list(tmp_path.glob("*.safetensors"))) == 1
+    b = TextEmbeddingCache(tiny_pipe, "cpu", torch.float32, tmp_path)
+    again = b.get(["a red ball rolls"])
+    assert b.num_encoded == 0 and torch.equal(first.prompt_embeds, again.prompt_embeds)
+    # Different encoder weights -> different identity -> no stale hit.
+    emb = tiny_pipe.text_encoder.get_input_embeddings().weight
+    with torch.no_grad():
+        emb[0] += 1.0
+    try:
+        c = TextEmbeddingCache(tiny_pipe, "cpu", torch.float32, tmp_path)
+        assert c.identity != b.identity
+        c.get(["a red ball rolls"])
+        assert c.num_encoded == 1
+    finally:
+        with torch.no_grad():
+            emb[0] -= 1.0
+
+
+def test_offload_still_encodes_new_prompts(text_cache, tiny_pipe):
+    text_cache.precompute(["x", "y"])
+    text_cache.offload_encoders()
+    assert next(tiny_pipe.text_encoder.parameters()).device.type == "cpu"
+    c = text_cache.get(["z"], dtype=torch.bfloat16)
+    assert c.prompt_embeds.dtype == torch.bfloat16 and text_cache.num_encoded == 3
