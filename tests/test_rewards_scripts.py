@@ -1,0 +1,135 @@
+"""scripts/score_videos.py, scripts/make_tiny_videoalign.py and scripts/bench_reward.py, run in-process."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from rewards_fixtures import TINY_MIN_PIXELS, smooth_videos, tiny_clip_dirs, tiny_dirs  # noqa: F401 - fixtures
+
+from sage_grpo.rewards.base import score_safely
+from sage_grpo.rewards.builtin import BrightnessReward
+from sage_grpo.rewards.video_io import read_mp4, write_mp4
+from sage_grpo.rewards.videoalign import VideoAlignReward
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """Import scripts/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def video_folder(tmp_path_factory):
+    """Two 9-frame mp4s at 24 fps; the first has a prompt .txt, the second takes its prompt from the file name."""
+    d = tmp_path_factory.mktemp("vids")
+    v = smooth_videos(2, 9, 32, 48, seed=5)
+    write_mp4(d / "fox_video.mp4", v[0])
+    (d / "fox_video.txt").write_text("a red fox jumps over a log\n")
+    write_mp4(d / "a_calm_sea.mp4", v[1])
+    return d
+
+
+def _args(tiny_dirs, clip, out):  # noqa: F811
+    """Common score_videos flags for the tiny models."""
+    return [
+        "--out", str(out), "--metrics", "videoalign_local,brightness,clipscore", "--device", "cpu", "--dtype", "fp32",
+        "--reward_model_path", str(tiny_dirs["old"]), "--reward_base_model_path", str(tiny_dirs["base"]),
+        "--clip_model_path", str(clip["clip"]), "--min_pixels", str(TINY_MIN_PIXELS),
+    ]  # fmt: skip
+
+
+def test_score_videos_folder_tables(tiny_dirs, tiny_clip_dirs, video_folder, tmp_path, capsys):  # noqa: F811
+    """CSV/JSON rows equal direct scoring of the decoded frames; MEAN row and JSON means are the column means."""
+    sv = load_script("score_videos")
+    out = tmp_path / "table"
+    assert sv.main(["--videos", str(video_folder), *_args(tiny_dirs, tiny_clip_dirs, out)]) == 0
+    rows = list(csv.DictReader(out.with_suffix(".csv").open()))
+    assert [Path(r["video"]).name for r in rows] == ["a_calm_sea.mp4", "fox_video.mp4", "MEAN"]
+    assert rows[0]["prompt"] == "a calm sea" and rows[1]["prompt"] == "a red fox jumps over a log"
+    js = json.loads(out.with_suffix(".json").read_text())
+    for col in ("VQ", "MQ", "TA", "Overall", "CLIPScore", "brightness"):
+        vals = [float(r[col]) for r in rows[:2]]
+        assert float(rows[2][col]) == pytest.approx(sum(vals) / 2, rel=1e-6)
+        assert js["means"][col] == pytest.approx(sum(vals) / 2, rel=1e-6) and js["n_failed"][col] == 0
+    reward = VideoAlignReward(tiny_dirs["old"], tiny_dirs["base"], dtype=torch.float32, min_pixels=TINY_MIN_PIXELS)
+    frames, _ = read_mp4(video_folder / "fox_video.mp4")
+    direct = reward(frames[None], ["a red fox jumps over a log"])
+    assert float(rows[1]["Overall"]) == pytest.approx(direct["Overall"].item(), abs=1e-6)
+    assert float(rows[1]["brightness"]) == pytest.approx(BrightnessReward()(frames[None], [""])["brightness"].item())
+    assert "scored 2 videos" in capsys.readouterr().out
+
+
+def test_score_videos_csv_input_and_failed_video(tiny_dirs, tiny_clip_dirs, video_folder, tmp_path):  # noqa: F811
+    """A prompt CSV with relative paths works; an undecodable video gets NaN (counted), not 0, not a crash."""
+    sv = load_script("score_videos")
+    bad = tmp_path / "broken.mp4"
+    bad.write_bytes(b"not a video")
+    lst = tmp_path / "list.csv"
+    lst.write_text(f"prompt,video_path\nfox,{video_folder / 'fox_video.mp4'}\nbroken,broken.mp4\n")
+    out = tmp_path / "t2"
+    with pytest.warns(RuntimeWarning, match="cannot decode"):
+        assert sv.main(["--videos", str(lst), *_args(tiny_dirs, tiny_clip_dirs, out)]) == 0
+    js = json.loads(out.with_suffix(".json").read_text())
+    assert js["videos"][1]["VQ"] is None and js["n_failed"]["VQ"] == 1
+    assert js["means"]["VQ"] == pytest.approx(js["videos"][0]["VQ"])
+
+
+@pytest.mark.parametrize(
+    "videos, extra, message",
+    [
+        ("missing_dir", [], "does not exist"),
+        ("empty_dir", [], "no .mp4 files"),
+        ("bad.csv", [], "needs a 'prompt' column"),
+        ("ok_folder", ["--metrics", "videoalgn"], "unknown reward 'videoalgn'"),
+        ("ok_folder", ["--metrics", "videoalign_local", "--reward_model_path", "/nonexistent"], "does not exist"),
+    ],
+)
+def test_score_videos_bad_inputs_exit_2(videos, extra, message, video_folder, tmp_path, capsys):
+    """User errors: exit code 2 and one 'error:' line on stderr, no traceback."""
+    sv = load_script("score_videos")
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "bad.csv").write_text("text,file\nhi,x.mp4\n")
+    src = video_folder if videos == "ok_folder" else tmp_path / videos
+    rc = sv.main(["--videos", str(src), "--out", str(tmp_path / "o"), "--device", "cpu", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_make_tiny_cli_writes_loadable_small_checkpoint(tmp_path, capsys):
+    """The CLI writes both dirs (< 3 MB together) and the result loads and scores finitely in both forms."""
+    mk = load_script("make_tiny_videoalign")
+    assert mk.main(["--out", str(tmp_path / "VideoReward"), "--layout", "new"]) == 0
+    base = tmp_path / "Qwen2-VL-2B-Instruct"
+    size = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    assert size < 3e6, size
+    assert {p.name for p in (tmp_path / "VideoReward").iterdir()} == {
+        "model_config.json",
+        "checkpoint-2",
+        "checkpoint-8",
+    }
+    v = smooth_videos(1, 5, 32, 32)
+    for form in ("full", "lora"):
+        r = VideoAlignReward(tmp_path / "VideoReward", base, weights_form=form, dtype=torch.float32,
+                             min_pixels=TINY_MIN_PIXELS)  # fmt: skip
+        out = score_safely(r, v, ["x"])
+        assert all(math.isfinite(out[k].item()) for k in r.components)
+
+
+@pytest.mark.slow
+def test_bench_reward_runs(capsys):
+    """The benchmark runs on the tiny model and reports medians and the speed-up (no timing assertion)."""
+    bench = load_script("bench_reward")
+    assert bench.main(["--batch", "2", "--frames", "9", "--height", "32", "--width", "48", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "in-memory batched" in out and "speed-up" in out
