@@ -140,3 +140,19 @@ def test_dcp_checkpoint_loads(tiny_diffusers_dir, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(SageGRPOError, match="not a DCP"):
         load_dcp_transformer(dst, tmp_path)
+
+
+@pytest.mark.slow
+def test_convert_script_writes_a_diffusers_layout(tiny_authors_dir, tiny_pipe, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts/convert_authors_checkpoint.py"
+    out = tmp_path / "converted"
+    subprocess.run([sys.executable, str(script), "--pretrained_model_root", str(tiny_authors_dir), "--out", str(out),
+                    "--dtype", "fp32"], check=True, timeout=300)
+    conv = load_pipeline(model_path=str(out), dtype="fp32")
+    assert conv.sage_grpo_location.layout == "diffusers"
+    a, b = conv.transformer.state_dict(), tiny_pipe.transformer.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,49 @@
+#!/usr/bin/env python
+"""Convert the authors' HunyuanVideo-1.5 checkpoint layout into a diffusers-layout directory (offline).
+
+    python scripts/convert_authors_checkpoint.py --pretrained_model_root ckpts --out ckpts/HunyuanVideo-1.5-Diffusers-480p_t2v
+
+Loading the authors' layout directly also works (the same key mapping runs at load time, see
+sage_grpo/models/convert.py); converting once makes later loads faster and lets diffusers' own
+HunyuanVideo15Pipeline.from_pretrained read the result. Weights are written in --dtype (default bf16).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sage_grpo.errors import run_cli  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pretrained_model_root", default="ckpts", help="the authors' layout root")
+    p.add_argument("--pretrained_transformer_version", default="480p_t2v")
+    p.add_argument("--out", required=True, help="output directory (diffusers layout)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    a = p.parse_args()
+
+    from sage_grpo.errors import SageGRPOError
+    from sage_grpo.models.loading import load_pipeline, locate_model
+    from sage_grpo.models.tiny import TEXT_LENGTHS_FILE
+
+    t0 = time.time()
+    loc = locate_model(a.pretrained_model_root, "", a.pretrained_transformer_version)
+    if loc.layout != "authors":
+        raise SageGRPOError(f"{loc.root} is already in the diffusers layout")
+    pipe = load_pipeline(a.pretrained_model_root, "", a.pretrained_transformer_version, dtype=a.dtype)
+    out = Path(a.out)
+    pipe.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
+    src = loc.root / TEXT_LENGTHS_FILE  # tiny checkpoints only: keep their text lengths
+    if src.is_file():
+        (out / TEXT_LENGTHS_FILE).write_text(src.read_text())
+    (out / "converted_from.json").write_text(json.dumps({"root": str(loc.root), "version": loc.version}) + "\n")
+    print(f"converted {loc.root} ({loc.version}) -> {out} in {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    run_cli(main)
