@@ -130,12 +130,17 @@ class RewardConfig:
     reward_model: str = opt("videoalign_local", "Reward name (videoalign_local, or a built-in / metric reward; see README).")
     reward_model_path: str = opt("", "VideoReward checkpoint directory; empty = <pretrained_model_root>/VideoReward.")
     reward_base_model_path: str = opt("", "Local Qwen2-VL-2B-Instruct directory (config and processor); empty = <pretrained_model_root>/Qwen2-VL-2B-Instruct. Never fetched at run time.")
-    reward_weights: str = opt('{"VQ":0.5,"MQ":0.5,"TA":1.0}', "JSON weights of the composite reward (case-insensitive keys). Setting A: {\"VQ\":1,\"MQ\":1,\"TA\":1}; Setting B (default, best): VQ 0.5, MQ 0.5, TA 1.0.")
+    reward_weights: str = opt('{"VQ":0.5,"MQ":0.5,"TA":1.0}', "JSON weights of the composite reward (case-insensitive keys). Setting A: {\"VQ\":1,\"MQ\":1,\"TA\":1}; Setting B (default, best): VQ 0.5, MQ 0.5, TA 1.0. Empty = each reward's own default weights.")
     reward_checkpoint_mode: str = opt("v3", "Key remapping of the VideoReward state dict: v1/v2 older layouts, v3 current transformers.", ("v1", "v2", "v3"))
+    reward_checkpoint_step: int = opt(-1, "Which checkpoint-<step>/ of the VideoReward directory to load; -1 = the newest.")
     reward_max_pixels: int = opt(200704, "Max pixels per frame fed to VideoAlign (resized to multiples of 28 within it).")
+    reward_min_pixels: int = opt(100352, "Min pixels per frame fed to VideoAlign (VideoAlign's frame-loading default).")
     reward_sample_fps: float = opt(2.0, "Frames per second sampled from the video for VideoAlign (81 frames at 24 fps -> 6 frames).")
     reward_batch_size: int = opt(0, "Videos per reward forward; 0 = all videos of the rank at once.")
     reward_dtype: str = opt("bf16", "Dtype of the reward model.", DTYPES)
+    clip_model_path: str = opt("", "openai/clip-vit-large-patch14 directory for the clipscore reward/metric; empty = <pretrained_model_root>/clip-vit-large-patch14.")
+    pickscore_model_path: str = opt("", "yuvalkirstain/PickScore_v1 directory for the pickscore reward/metric; empty = <pretrained_model_root>/PickScore_v1.")
+    pickscore_processor_path: str = opt("", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K directory (PickScore's processor); empty = <pretrained_model_root>/CLIP-ViT-H-14-laion2B-s32B-b79K.")
 
 
 @dataclass
@@ -502,6 +507,7 @@ def check_values(cfg: Config) -> None:
         "checkpoints_total_limit": cfg.checkpoint.checkpoints_total_limit,
         "kl_warmup_updates": k.kl_warmup_updates,
         "reward_batch_size": cfg.reward.reward_batch_size,
+        "reward_min_pixels": cfg.reward.reward_min_pixels,
         "eta": r.eta,
         "kl_weight": k.kl_weight,
         "kl_coef": k.kl_coef,
@@ -539,7 +545,7 @@ def check_values(cfg: Config) -> None:
             near = max(16, 16 * round(px / 16))
             raise SageGRPOError(f"--{name} must be a positive multiple of 16 (VAE 16x and patch size), got {px}; try {near}")
     try:
-        weights = json.loads(cfg.reward.reward_weights)
+        weights = json.loads(cfg.reward.reward_weights or "{}")  # "" = each reward's own default weights
         if not isinstance(weights, dict) or not all(isinstance(x, int | float) for x in weights.values()):
             raise ValueError
     except (ValueError, TypeError):

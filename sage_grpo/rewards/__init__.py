@@ -33,6 +33,7 @@ __all__ = [
     "CompositeReward",
     "Reward",
     "build_reward",
+    "build_reward_from_config",
     "get_reward_builder",
     "parse_reward_weights",
     "register_reward",
@@ -85,3 +86,28 @@ def build_reward(
     components = [c for r in rewards.values() for c in r.components]
     weights = parse_reward_weights(reward_weights, components)
     return CompositeReward(rewards, weights)
+
+
+def build_reward_from_config(cfg, device: str | torch.device = "cpu") -> CompositeReward:
+    """`build_reward` with every setting taken from a resolved `sage_grpo.config.Config` (the one source of
+    defaults): the reward group, the model root and the video frame rate."""
+    r = cfg.reward
+    return build_reward(
+        reward_model=r.reward_model,
+        reward_model_path=r.reward_model_path,
+        reward_base_model_path=r.reward_base_model_path,
+        reward_weights=r.reward_weights,
+        reward_checkpoint_mode=r.reward_checkpoint_mode,
+        pretrained_model_root=cfg.model.pretrained_model_root,
+        device=device,
+        dtype=r.reward_dtype,
+        max_pixels=r.reward_max_pixels,
+        sample_fps=r.reward_sample_fps,
+        video_fps=cfg.rollout.video_fps,
+        batch_size=r.reward_batch_size,
+        reward_checkpoint_step=None if r.reward_checkpoint_step < 0 else r.reward_checkpoint_step,
+        min_pixels=r.reward_min_pixels,
+        clip_model_path=r.clip_model_path,
+        pickscore_model_path=r.pickscore_model_path,
+        pickscore_processor_path=r.pickscore_processor_path,
+    )
