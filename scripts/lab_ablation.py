@@ -99,7 +99,6 @@ def _run_job(job: tuple[Path, int, LabConfig]) -> dict:
             "equalizer_weight": float(res.equalizer[t]),
             "predicted_scale": float(res.predicted_scale[t]),
             "grad_norm_start": float(res.grad_norms_start[t]),
-            "grad_norm_end": float(res.grad_norms_end[t]),
         }
         for t in range(cfg.num_steps)
     ]

@@ -86,7 +86,8 @@ class LabConfig:
     kl_direction: str = "paper"  # "paper": KL far above target relaxes lambda; "classic": tightens it
     eval_every: int = 5  # iterations between ODE evaluations
     eval_samples: int = 500
-    grad_norm_batch: int = 64  # rollouts used to measure per-step gradient norms (Fig. 3-4)
+    grad_norm_batch: int = 32  # rollouts used to measure per-step gradient norms (Fig. 3-4)
+    grad_norms_at_end: bool = False  # also measure them on the final policy (one more rollout + T vmapped grads)
     seed: int = 0
 
     def validate(self) -> LabConfig:
@@ -133,7 +134,7 @@ class RunResult:
     equalizer: Tensor | None = None  # [T] S_t
     predicted_scale: Tensor | None = None  # [T] N_t, the predicted per-step gradient scale
     grad_norms_start: Tensor | None = None  # [T] measured per-step norms on the base model's first rollout
-    grad_norms_end: Tensor | None = None  # [T] the same on the final policy
+    grad_norms_end: Tensor | None = None  # [T] the same on the final policy (cfg.grad_norms_at_end)
     wall_s: float = 0.0
 
 
@@ -209,7 +210,7 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
         adv, valid = group_advantages(rewards, group_ids, adv_clip_max=cfg.adv_clip_max)  # [B], [B]
         if it == 0:
             result.noise_std = traj.std.clone()
-            result.grad_norms_start = _grad_norms(policy, traj, adv, sigmas, cfg)
+            result.grad_norms_start = _grad_norms(policy, traj, sigmas, cfg)
 
         # 3. updates: which (sample, step) pairs are trained
         steps = torch.stack(
@@ -272,20 +273,17 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
 
     result.final = _evaluate(policy, data, eval_noise, cfg)
     result.history.append({"iteration": cfg.iterations, **{f"eval/{k}": v for k, v in result.final.items()}})
-    noise = torch.randn(batch, data.dim, generator=gen)
-    traj = rollout(policy, noise, sigmas, cfg, gen)
-    adv, _ = group_advantages(data.reward(traj.latents[-1]), group_ids, adv_clip_max=cfg.adv_clip_max)
-    result.grad_norms_end = _grad_norms(policy, traj, adv, sigmas, cfg)
+    if cfg.grad_norms_at_end:
+        traj = rollout(policy, torch.randn(batch, data.dim, generator=gen), sigmas, cfg, gen)
+        result.grad_norms_end = _grad_norms(policy, traj, sigmas, cfg)
     result.wall_s = time.perf_counter() - t_start
     return result
 
 
-def _grad_norms(policy: nn.Module, traj: Trajectory, adv: Tensor, sigmas: Tensor, cfg: LabConfig) -> Tensor:
-    """Per-step policy-gradient norms on the first cfg.grad_norm_batch rollouts -> [T]."""
-    n = min(cfg.grad_norm_batch, adv.shape[0])
-    return per_step_grad_norms(
-        policy, traj.latents[:, :n], adv[:n], sigmas, sampler=cfg.sampler, eta=cfg.eta, cps_logprob=cfg.cps_logprob
-    )
+def _grad_norms(policy: nn.Module, traj: Trajectory, sigmas: Tensor, cfg: LabConfig) -> Tensor:
+    """Per-step RMS log-prob gradient norms on the first cfg.grad_norm_batch rollouts -> [T]."""
+    lat = traj.latents[:, : cfg.grad_norm_batch]  # [T + 1, n, D]
+    return per_step_grad_norms(policy, lat, sigmas, sampler=cfg.sampler, eta=cfg.eta, cps_logprob=cfg.cps_logprob)
 
 
 def _acc(acc: dict[str, list[float]], key: str, value: float) -> None:

@@ -10,8 +10,9 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
 
-from ..sde import sde_step
+from ..sde import sde_step, step_variance
 from .data import RingManifold
 
 __all__ = ["sample_metrics", "per_step_grad_norms", "log_spread"]
@@ -45,34 +46,39 @@ def sample_metrics(data: RingManifold, x: Tensor) -> dict[str, float]:
 def per_step_grad_norms(
     policy: nn.Module,
     latents: Tensor,
-    advantages: Tensor,
     sigmas: Tensor,
     *,
     sampler: str,
     eta: float,
     cps_logprob: str = "peer",
 ) -> Tensor:
-    """|| d/d theta mean_i(A_i * log pi(x_{t+1}^i | x_t^i)) || for every step t -> Tensor[T] (fp64).
+    """RMS over samples of || d/d theta log pi(x_{t+1}^i | x_t^i) || for every step t -> Tensor[T] (fp64).
 
-    This is the policy-gradient of one step of one rollout batch, before any equalizer weight; multiplying by S_t
-    gives the equalized norms (S_t is a per-step constant). latents: [T + 1, B, D] stored rollout, advantages: [B],
-    sigmas: [T + 1]. Steps with no injected noise have a zero log-prob gradient and report 0.
+    The quantity of the paper's Eq. 8 / Fig. 4, measured on the parameters rather than on the mean: per-sample
+    gradients (torch.func) avoid the cross-sample cancellation of a batch gradient, so the per-step value is stable
+    with a few dozen rollouts. Multiply by S_t for the equalized norms (S_t is a per-step constant).
+    latents: [T + 1, B, D] a stored rollout; sigmas: [T + 1]. Steps with no injected noise report 0.
     """
-    params = [p for p in policy.parameters() if p.requires_grad]
-    num_steps = latents.shape[0] - 1
+    params = {k: p.detach() for k, p in policy.named_parameters()}
+    buffers = dict(policy.named_buffers())
+    num_steps, batch = latents.shape[0] - 1, latents.shape[1]
     norms = torch.zeros(num_steps, dtype=torch.float64)
     for t in range(num_steps):
-        x_t, x_next = latents[t], latents[t + 1]  # [B, D]
         s, s_next = float(sigmas[t]), float(sigmas[t + 1])
-        v = policy(x_t, torch.full((x_t.shape[0],), s))  # [B, D]
-        out = sde_step(
-            sampler, v, x_t, s, s_next, eta, sigma_max=sigmas[1], prev_sample=x_next, cps_logprob=cps_logprob
-        )
-        objective = (advantages * out.log_prob).mean()
-        if not objective.requires_grad:  # deterministic step: the log-prob does not depend on theta
-            continue
-        grads = torch.autograd.grad(objective, params, allow_unused=True)
-        norms[t] = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads if g is not None))
+        if float(step_variance(sampler, sigmas[t], sigmas[t + 1], eta, sigma_max=sigmas[1])) <= 0:
+            continue  # deterministic step: the log-prob does not depend on theta
+
+        def log_prob_one(p: dict, x_t: Tensor, x_next: Tensor, s: float = s, s_next: float = s_next) -> Tensor:
+            v = functional_call(policy, (p, buffers), (x_t[None], torch.full((1,), s)))  # [1, D]
+            out = sde_step(
+                sampler, v, x_t[None], s, s_next, eta, sigma_max=sigmas[1], prev_sample=x_next[None],
+                cps_logprob=cps_logprob,
+            )
+            return out.log_prob[0]
+
+        grads = vmap(grad(log_prob_one), in_dims=(None, 0, 0))(params, latents[t], latents[t + 1])  # {k: [B, ...]}
+        sq = sum((g.double().reshape(batch, -1) ** 2).sum(dim=1) for g in grads.values())  # [B]
+        norms[t] = float(sq.mean().sqrt())
     return norms
 
 

@@ -1,0 +1,44 @@
+"""End-to-end smoke test of scripts/lab_ablation.py (slow: it pre-trains a flow and spawns a worker)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lab_ablation.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("lab_ablation", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_parse_args_quick_defaults():
+    args = _load_script().parse_args(["--quick"])
+    assert (args.seeds, args.dims, args.iterations) == (3, [2], 30)
+    args = _load_script().parse_args([])
+    assert (args.seeds, args.dims, args.iterations) == (5, [2, 16], 60)
+
+
+@pytest.mark.slow
+def test_ablation_script_writes_table_csv_and_cache(tmp_path, capsys):
+    mod = _load_script()
+    argv = ["--seeds", "2", "--dims", "2", "--iterations", "2", "--samplers", "sage_grpo", "--kls", "none", "dual",
+            "--workers", "1", "--no-plots", "--out", str(tmp_path)]
+    assert mod.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| Pre-trained flow |" in printed and "| sage_grpo | on | dual |" in printed
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert len(rows) == 2 * 2 * 2  # seeds x equalizer x KL
+    assert sorted({r["seed"] for r in rows}) == ["0", "1"]
+    cache = sorted(p.name for p in (tmp_path / "base").iterdir())
+    assert cache == ["flow_d2_s0.pt", "flow_d2_s1.pt"]
+    mtimes = [p.stat().st_mtime_ns for p in (tmp_path / "base").iterdir()]
+    assert mod.main(argv) == 0  # second run reuses the cached base models
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "base").iterdir()] == mtimes
+    assert (tmp_path / "table_d2.md").read_text().startswith("| Method |")
