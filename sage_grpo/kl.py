@@ -16,7 +16,17 @@ from collections import deque
 import torch
 from torch import Tensor
 
-__all__ = ["KL_VAR_EPS", "kl_position", "kl_velocity", "dual_kl", "AdaptiveKLController", "ADAPT_DIRECTIONS"]
+__all__ = [
+    "KL_VAR_EPS",
+    "kl_position",
+    "kl_velocity",
+    "dual_kl",
+    "AdaptiveKLController",
+    "ADAPT_DIRECTIONS",
+    "KL_VARIANTS",
+    "kl_variant",
+    "kl_term_weights",
+]
 
 KL_VAR_EPS = 1e-6  # keeps KL_pos finite on deterministic steps (V_t = 0)
 ADAPT_DIRECTIONS = ("paper", "classic")
@@ -51,6 +61,35 @@ def dual_kl(
     if not terms:
         raise ValueError("dual_kl needs at least one of kl_pos, kl_vel")
     return torch.stack(terms).sum()
+
+
+KL_VARIANTS = ("none", "fixed", "moving", "stepwise", "dual", "dual_fixed")
+
+
+def kl_variant(kl_cfg) -> str:
+    """Name of the KL variant the authors' flags select (`kl_cfg`: a `sage_grpo.config.KLConfig`).
+
+    none: kl_weight 0. fixed: anchor = initial model, position term only. moving: anchor refreshed every
+    update_ref_model_step updates, position term only. stepwise: use_dual_kl with dual_kl_moving_weight 0 (velocity
+    term only). dual: moving anchor + step-wise term (the paper's default). dual_fixed: fixed anchor + step-wise term.
+    """
+    if kl_cfg.kl_weight <= 0:
+        return "none"
+    if kl_cfg.use_dual_kl:
+        if kl_cfg.dual_kl_moving_weight == 0:
+            return "stepwise"
+        return "dual" if kl_cfg.use_moving_KL else "dual_fixed"
+    return "moving" if kl_cfg.use_moving_KL else "fixed"
+
+
+def kl_term_weights(kl_cfg) -> tuple[float, float]:
+    """(beta_pos, beta_vel) of L_KL for the selected variant: the dual weights with use_dual_kl, else (1, 0)."""
+    variant = kl_variant(kl_cfg)
+    if variant == "none":
+        return 0.0, 0.0
+    if kl_cfg.use_dual_kl:
+        return float(kl_cfg.dual_kl_moving_weight), float(kl_cfg.dual_kl_step_weight)
+    return 1.0, 0.0
 
 
 class AdaptiveKLController:
@@ -88,6 +127,20 @@ class AdaptiveKLController:
         self.num_updates = 0
         self.value = self._warmup_value(0)
         self._kl_history: deque[float] = deque(maxlen=history)
+
+    @classmethod
+    def from_config(cls, kl_cfg) -> AdaptiveKLController:
+        """The authors' flag mapping (`kl_cfg`: a `sage_grpo.config.KLConfig`): kl_weight is lambda_max and, unless
+        kl_target is set, the target; kl_coef starts the warm-up; kl_min_coef is lambda_min."""
+        return cls(
+            init=kl_cfg.kl_coef,
+            lambda_min=kl_cfg.kl_min_coef,
+            lambda_max=kl_cfg.kl_weight,
+            target=kl_cfg.kl_weight if kl_cfg.kl_target is None else kl_cfg.kl_target,
+            warmup_updates=kl_cfg.kl_warmup_updates,
+            history=kl_cfg.kl_history,
+            direction=kl_cfg.kl_adapt_direction,
+        )
 
     def _warmup_value(self, k: int) -> float:
         if self.warmup_updates == 0:

@@ -84,3 +84,31 @@ def test_controller_rejects_bad_settings():
         AdaptiveKLController(direction="sideways")
     with pytest.raises(ValueError, match="lambda_min"):
         AdaptiveKLController(lambda_min=1e-3, lambda_max=1e-5)
+
+
+def test_controller_from_the_authors_flags():
+    from sage_grpo.config import load_config
+
+    c = AdaptiveKLController.from_config(load_config([]).kl)
+    assert (c.init, c.lambda_min, c.lambda_max, c.target) == (1e-7, 1e-7, 1e-5, 1e-5)
+    assert (c.warmup_updates, c.history, c.direction) == (100, 10, "paper")
+    c2 = AdaptiveKLController.from_config(load_config(["--kl_target", "3e-6", "--kl_adapt_direction", "classic"]).kl)
+    assert c2.target == 3e-6 and c2.lambda_max == 1e-5 and c2.direction == "classic"
+
+
+@pytest.mark.parametrize("argv,variant,weights", [
+    ([], "dual", (1.0, 0.1)),
+    (["--kl_weight", "0"], "none", (0.0, 0.0)),
+    (["--use_moving_KL", "False", "--use_dual_kl", "False"], "fixed", (1.0, 0.0)),
+    (["--use_dual_kl", "False"], "moving", (1.0, 0.0)),
+    (["--dual_kl_moving_weight", "0"], "stepwise", (0.0, 0.1)),
+    (["--use_moving_KL", "no"], "dual_fixed", (1.0, 0.1)),
+    (["--dual_kl_moving_weight", "2", "--dual_kl_step_weight", "0.5"], "dual", (2.0, 0.5)),
+])
+def test_kl_variants_from_flags(argv, variant, weights):
+    from sage_grpo.config import load_config
+    from sage_grpo.kl import KL_VARIANTS, kl_term_weights, kl_variant
+
+    kl = load_config(argv).kl
+    assert kl_variant(kl) == variant and variant in KL_VARIANTS
+    assert kl_term_weights(kl) == weights
