@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from .errors import SageGRPOError
@@ -49,9 +50,12 @@ __all__ = [
     "parse_bool",
     "parse_size",
     "dp_degree",
+    "DTYPES",
+    "torch_dtype",
 ]
 
-DTYPES = ("bf16", "fp16", "fp32")
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = tuple(TORCH_DTYPES)
 _TRUE = {"true", "1", "yes", "on", "y", "t"}
 _FALSE = {"false", "0", "no", "off", "n", "f"}
 
@@ -264,6 +268,15 @@ def parse_bool(value: Any, name: str = "value") -> bool:
     if text in _FALSE:
         return False
     raise SageGRPOError(f"{name}: {value!r} is not a boolean; use True/False, 1/0, yes/no or on/off")
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'bf16' | 'fp16' | 'fp32' (the config's dtype names) or a torch dtype -> torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in TORCH_DTYPES:
+        raise SageGRPOError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 def parse_size(value: str, name: str = "size") -> tuple[int, int]:

@@ -26,9 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     """Build/load the reward, time both paths, print a small report."""
     import torch
 
+    from sage_grpo.config import torch_dtype
     from sage_grpo.rewards.tiny import write_tiny_base, write_tiny_videoreward
     from sage_grpo.rewards.video_io import read_mp4, write_mp4
-    from sage_grpo.rewards.videoalign import VideoAlignReward, _dtype
+    from sage_grpo.rewards.videoalign import VideoAlignReward
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reward_model_path", default="", help="empty = build the tiny checkpoint")
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         model = write_tiny_videoreward(tmp / "VideoReward", base)
     else:
         model, base = Path(args.reward_model_path), Path(args.reward_base_model_path)
-    reward = VideoAlignReward(model, base, device=args.device, dtype=_dtype(args.dtype), min_pixels=args.min_pixels)
+    reward = VideoAlignReward(model, base, device=args.device, dtype=torch_dtype(args.dtype), min_pixels=args.min_pixels)
     g = torch.Generator().manual_seed(0)
     videos = torch.rand(args.batch, args.frames, 3, args.height, args.width, generator=g).to(args.device)
     prompts = [f"prompt number {i}: a cat playing piano" for i in range(args.batch)]

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from sage_grpo.config import DTYPES
+from sage_grpo.config import torch_dtype as resolve_dtype
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.models.tiny import TEXT_LENGTHS_FILE, TextLengths
 
@@ -37,20 +39,11 @@ __all__ = [
     "freeze",
 ]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _DOWNLOAD_HINT = (
     "Download the weights with ./download_weights.sh (see README 'Weights'), or build a tiny random model for a "
     "CPU smoke test with: python scripts/make_tiny_checkpoint.py --out outputs/tiny_ckpts/hunyuanvideo15"
 )
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise SageGRPOError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from sage_grpo.config import torch_dtype
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards.base import register_reward
 from sage_grpo.rewards.video_preprocess import MERGE_SIZE, VIDEO_MIN_PIXELS, preprocess_videos
@@ -243,23 +244,6 @@ class VideoAlignReward:
         return {k: v.to(videos.device) for k, v in out.items()}
 
 
-def _dtype(name: str | torch.dtype) -> torch.dtype:
-    """'bf16' | 'fp16' | 'fp32' (or a torch dtype) -> torch dtype."""
-    if isinstance(name, torch.dtype):
-        return name
-    table = {
-        "bf16": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-        "fp16": torch.float16,
-        "float16": torch.float16,
-        "fp32": torch.float32,
-        "float32": torch.float32,
-    }
-    if name not in table:
-        raise SageGRPOError(f"unknown reward dtype {name!r}; valid: bf16, fp16, fp32")
-    return table[name]
-
-
 @register_reward("videoalign_local")
 def build_videoalign(
     reward_model_path: str | Path = "",
@@ -285,7 +269,7 @@ def build_videoalign(
         checkpoint_mode=reward_checkpoint_mode,
         checkpoint_step=reward_checkpoint_step,
         device=device,
-        dtype=_dtype(dtype),
+        dtype=torch_dtype(dtype),
         max_pixels=max_pixels,
         min_pixels=min_pixels,
         sample_fps=sample_fps,
