@@ -10,14 +10,13 @@ Writes to --out: summary.csv (one row per run), table_d{D}.md (mean ± std over 
 steps.csv (per step: noise std, S_t, N_t, measured gradient norms), and PNG figures (with matplotlib installed,
 the "plot" extra). Pre-trained base models are cached per (dim, seed) under --out/base/.
 
-Each grid cell is a single-threaded process (tiny MLPs gain nothing from intra-op threads and lose to their
-synchronisation), and --workers cells run side by side.
+Each grid cell runs single-threaded (tiny MLPs gain nothing from intra-op threads and lose to their
+synchronisation) and --workers cells run side by side in spawned processes (--workers 1: in this process).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import sys
 import time
@@ -26,12 +25,9 @@ from pathlib import Path
 
 import torch
 
-from sage_grpo.lab import KL_VARIANTS, LAB_SAMPLERS, LabConfig, RingManifold, VelocityMLP, pretrain_flow, summarize
-from sage_grpo.lab.grpo import train_grpo
+from sage_grpo.lab import KL_VARIANTS, LAB_SAMPLERS, LabConfig
+from sage_grpo.lab.ablation import init_worker, pretrain_job, run_job
 from sage_grpo.lab.report import aggregate, format_table, plot_all, write_csv
-from sage_grpo.schedule import sigma_schedule
-
-PRETRAIN = {"steps": 1500, "batch_size": 256, "lr": 1e-2, "hidden": 128, "depth": 3}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,57 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def base_model(out: Path, dim: int, seed: int) -> VelocityMLP:
-    """The pre-trained flow for (dim, seed), from the cache under out/base/ or trained and cached."""
-    path = out / "base" / f"flow_d{dim}_s{seed}.pt"
-    meta = {"dim": dim, "seed": seed, **PRETRAIN}
-    if path.exists():
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if json.loads(blob["meta"]) == meta:
-            model = VelocityMLP(**json.loads(blob["model_config"]))
-            model.load_state_dict(blob["state_dict"])
-            return model.eval()
-    model = pretrain_flow(RingManifold(dim=dim), seed=seed, **PRETRAIN)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {"meta": json.dumps(meta), "model_config": json.dumps(model.config()), "state_dict": model.state_dict()}, tmp
-    )
-    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
-    return model
-
-
-def _init_worker() -> None:
-    torch.set_num_threads(1)
-
-
-def _pretrain_job(job: tuple[Path, int, int]) -> tuple[int, int]:
-    out, dim, seed = job
-    base_model(out, dim, seed)
-    return dim, seed
-
-
-def _run_job(job: tuple[Path, int, LabConfig]) -> dict:
-    """One grid cell -> {summary, curves, steps} rows (plain types, cheap to send between processes)."""
-    out, dim, cfg = job
-    data = RingManifold(dim=dim)
-    res = train_grpo(cfg, data, base_model(out, dim, cfg.seed))
-    tag = {"dim": dim, "sampler": cfg.sampler, "equalizer": cfg.equalizer, "kl": cfg.kl, "seed": cfg.seed}
-    curves = [{**tag, **h} for h in res.history]
-    sigmas = sigma_schedule(cfg.num_steps, cfg.shift)  # [T + 1]
-    steps = [
-        {
-            **tag,
-            "step": t,
-            "sigma": float(sigmas[t]),
-            "noise_std": float(res.noise_std[t]),
-            "equalizer_weight": float(res.equalizer[t]),
-            "predicted_scale": float(res.predicted_scale[t]),
-            "grad_norm_start": float(res.grad_norms_start[t]),
-        }
-        for t in range(cfg.num_steps)
-    ]
-    return {"summary": {"dim": dim, **summarize(res)}, "curves": curves, "steps": steps}
+def _progress(done: int, total: int, t0: float) -> None:
+    if done % 20 == 0 or done == total:
+        print(f"[lab] {done}/{total} runs ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,15 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[lab] {len(jobs)} runs ({len(args.dims)} dims x {len(seeds)} seeds x {len(args.samplers)} samplers x 2 x "
           f"{len(args.kls)} KL), {args.iterations} iterations each, {args.workers} workers -> {out}", flush=True)
 
-    ctx = mp.get_context("spawn")  # no fork after torch has started threads
-    with ctx.Pool(args.workers, initializer=_init_worker) as pool:
-        pool.map(_pretrain_job, [(out, d, s) for d in args.dims for s in seeds])
-        print(f"[lab] base models ready ({time.perf_counter() - t0:.0f} s)", flush=True)
-        results = []
-        for i, r in enumerate(pool.imap(_run_job, jobs), 1):
-            results.append(r)
-            if i % 20 == 0 or i == len(jobs):
-                print(f"[lab] {i}/{len(jobs)} runs ({time.perf_counter() - t0:.0f} s)", flush=True)
+    pretrain_jobs = [(out, d, s) for d in args.dims for s in seeds]
+    results = []
+    if args.workers > 1:
+        ctx = mp.get_context("spawn")  # no fork after torch has started threads
+        with ctx.Pool(args.workers, initializer=init_worker) as pool:
+            pool.map(pretrain_job, pretrain_jobs)
+            print(f"[lab] base models ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+            for r in pool.imap(run_job, jobs):
+                results.append(r)
+                _progress(len(results), len(jobs), t0)
+    else:  # in-process: no start-up cost, easier to debug
+        init_worker()
+        for job in pretrain_jobs:
+            pretrain_job(job)
+        for job in jobs:
+            results.append(run_job(job))
+            _progress(len(results), len(jobs), t0)
 
     summary = [r["summary"] for r in results]
     curves = [row for r in results for row in r["curves"]]
@@ -150,9 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
     if not args.no_plots:
         try:
-            for dim in args.dims:
-                paths = plot_all(out, curves, steps, aggs, dim)
-            print(f"\n[lab] figures: {', '.join(p.name for p in paths)} (and per dim) in {out}")
+            paths = [p for dim in args.dims for p in plot_all(out, curves, steps, aggs, dim)]
+            print(f"\n[lab] figures in {out}: {', '.join(sorted({p.name for p in paths}))}")
         except ImportError:
             print("[lab] matplotlib missing (pip install '.[plot]'): no figures", file=sys.stderr)
     print(f"[lab] total {time.perf_counter() - t0:.1f} s")
