@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype)
 
-    _ensure_model(args)
+    if rank == 0:  # one writer; _ensure_model only builds the tiny default and never raises
+        _ensure_model(args)
+    if world > 1:
+        dist.barrier()
     pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype, device=device)
     if args.lora_path:
         setup_trainable(pipe.transformer, use_lora=True, lora_r=args.lora["r"], lora_alpha=args.lora["alpha"],
