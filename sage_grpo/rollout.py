@@ -70,9 +70,9 @@ class SamplerSettings:
     @classmethod
     def from_config(cls, cfg) -> SamplerSettings:
         """From sage_grpo.config.Config (rollout + model groups); training forwards autocast to model.dtype."""
-        from sage_grpo.models.loading import resolve_dtype
+        from sage_grpo.config import torch_dtype
 
-        r = cfg.rollout
+        r, m = cfg.rollout, cfg.model
         return cls(
             sde_type=r.sde_type,
             eta=r.eta,
@@ -81,9 +81,9 @@ class SamplerSettings:
             cfg_scale=r.cfg_scale,
             logprob_reduction=r.logprob_reduction,
             cps_logprob=r.cps_logprob,
-            sage_clamp=getattr(r, "sage_sigma_clamp", SAGE_SIGMA_CLAMP),
-            compute_dtype=resolve_dtype(cfg.model.dtype),
-            autocast=resolve_dtype(cfg.model.dtype) != resolve_dtype(getattr(cfg.model, "master_weight_type", cfg.model.dtype)),
+            sage_clamp=r.sage_sigma_clamp,
+            compute_dtype=torch_dtype(m.dtype),
+            autocast=torch_dtype(m.dtype) != torch_dtype(m.master_weight_type),
         )
 
 
