@@ -28,9 +28,38 @@ def _autograd_scale(sde, i, eta):
 
 @pytest.mark.parametrize("sde", ["dance_grpo", "flow_grpo", "sage_grpo", "cps"])
 def test_gradient_scale_equals_autograd_sensitivity(sde):
-    n = gradient_scale(sde, SIG, 0.5)
+    n = gradient_scale(sde, SIG, 0.5, cps_logprob="normalized")
     ref = [_autograd_scale(sde, i, 0.5) for i in range(20)]
     assert n.tolist() == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.mark.parametrize("sde", ["dance_grpo", "flow_grpo", "sage_grpo", "cps"])
+@pytest.mark.parametrize("cps_logprob", ["peer", "normalized"])
+def test_log_prob_gradient_norms_are_proportional_to_the_scale(sde, cps_logprob):
+    # The quantity the equalizer exists for: ||d log_prob / d v|| of the log-prob sde_step really returns, measured
+    # by autograd with the same noise on every step, divided by N_t, must be one constant across the steps.
+    g = torch.Generator().manual_seed(0)
+    x, xi = torch.randn(1, 4, 3, 8, 8, generator=g), torch.randn(1, 4, 3, 8, 8, generator=g)
+    v0 = torch.randn(1, 4, 3, 8, 8, generator=g)
+    n = gradient_scale(sde, SIG, 0.5, cps_logprob=cps_logprob)
+    ratios = []
+    for i in range(19 if sde == "cps" else 20):  # the last cps step is deterministic (no gradient)
+        args = (x, SIG[i].item(), SIG[i + 1].item(), 0.5)
+        drawn = sde_step(sde, v0, *args, sigma_max=SIG[1].item(), noise=xi).prev_sample  # the rollout sample
+        v = v0.clone().requires_grad_(True)
+        out = sde_step(sde, v, *args, sigma_max=SIG[1].item(), prev_sample=drawn, cps_logprob=cps_logprob)
+        (grad,) = torch.autograd.grad(out.log_prob.sum(), v)
+        ratios.append(grad.double().norm().item() / n[i].item())
+    assert max(ratios) / min(ratios) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_cps_peer_scale_grows_with_the_noise():
+    peer = gradient_scale("cps", SIG, 0.5)
+    normalized = gradient_scale("cps", SIG, 0.5, cps_logprob="normalized")
+    var = (SIG[1:-1] * torch.sin(torch.tensor(0.5 * torch.pi / 2, dtype=torch.float64))) ** 2
+    torch.testing.assert_close(peer[:-1] / normalized[:-1], var)  # ratio of the two proxies = V_t
+    with pytest.raises(ValueError, match="cps_logprob"):
+        gradient_scale("cps", SIG, 0.5, cps_logprob="gauss")
 
 
 @pytest.mark.parametrize("sde", ["dance_grpo", "flow_grpo", "sage_grpo", "cps"])

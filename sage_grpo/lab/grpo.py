@@ -189,13 +189,13 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
 
     sigmas = sigma_schedule(cfg.num_steps, cfg.shift)  # [T + 1] fp64
     sigmas32 = sigmas.float()
-    s_eq = equalizer_weights(cfg.sampler, sigmas, cfg.eta)  # [T]
+    s_eq = equalizer_weights(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob)  # [T]
     weights = s_eq if cfg.equalizer else torch.ones_like(s_eq)  # [T]
     batch = cfg.num_groups * cfg.group_size
     group_ids = torch.arange(cfg.num_groups).repeat_interleave(cfg.group_size)  # [B]
     beta_vel = cfg.kl_beta_vel if cfg.kl == "dual" else cfg.kl_stepwise_beta_vel
 
-    result = RunResult(config=asdict(cfg), equalizer=s_eq, predicted_scale=gradient_scale(cfg.sampler, sigmas, cfg.eta))
+    result = RunResult(config=asdict(cfg), equalizer=s_eq, predicted_scale=gradient_scale(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob))
     result.base = _evaluate(policy, data, eval_noise, cfg)
     num_updates = 0
     for it in range(cfg.iterations):
