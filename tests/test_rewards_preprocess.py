@@ -26,6 +26,11 @@ def test_frame_sampling_matches_authors():
     assert sample_frame_indices(5).tolist() == [0, 1, 3, 4]
     assert sample_frame_indices(3).tolist() == [0, 2]
     assert len(sample_frame_indices(81, sample_fps=24.0)) == 80  # 81 floored to an even count
+    # VideoAlign's vision_process.smart_nframes rounds to the nearest even count (round half to even):
+    # frames -> frames / 24 * 2 -> count
+    for frames, count in [(61, 6), (65, 6), (69, 6), (85, 8), (89, 8), (93, 8), (109, 10), (113, 10), (117, 10),
+                          (133, 12), (57, 4), (73, 6), (97, 8)]:
+        assert len(sample_frame_indices(frames)) == count, frames
     with pytest.raises(ValueError, match="at least 2 frames"):
         sample_frame_indices(1)
 

@@ -72,17 +72,17 @@ def smart_resize(
 def sample_frame_indices(num_frames: int, video_fps: float = 24.0, sample_fps: float = 2.0) -> torch.Tensor:
     """Indices of the frames VideoAlign looks at: ``sample_fps`` frames per second of a ``video_fps`` video.
 
-    Same arithmetic as ``qwen_vl_utils.smart_nframes`` + ``torch.linspace(...).round()``: 81 frames at 24 fps ->
-    6 frames, indices 0, 16, 32, 48, 64, 80. Short videos get at least 4 frames (or all, rounded down to even).
-    Returns int64 [n].
+    Same arithmetic as the ``smart_nframes`` of the ``vision_process.py`` that VideoAlign ships (the classic
+    qwen_vl_utils rule: clamp to [min, max] frames, then round to the nearest even count) + ``torch.linspace(...)
+    .round()``: 81 frames at 24 fps -> 6 frames, indices 0, 16, 32, 48, 64, 80; 85 frames -> 7.08 -> 8 frames.
+    Short videos get at least 4 frames (or all, rounded down to even). Returns int64 [n].
     """
     if num_frames < FRAME_FACTOR:
         raise ValueError(f"VideoAlign needs at least {FRAME_FACTOR} frames, got {num_frames}")
     min_frames = _ceil_by(FPS_MIN_FRAMES, FRAME_FACTOR)
     max_frames = _floor_by(min(FPS_MAX_FRAMES, num_frames), FRAME_FACTOR)
     n = num_frames / video_fps * sample_fps
-    n = min(min(max(n, min_frames), max_frames), num_frames)
-    n = _floor_by(n, FRAME_FACTOR)
+    n = _round_by(min(max(n, min_frames), max_frames), FRAME_FACTOR)  # <= max_frames, itself even and <= num_frames
     return torch.linspace(0, num_frames - 1, n).round().long()
 
 
