@@ -38,15 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pretrained_model_root", default=None, help="root of the weights (default: ckpts)")
     a("--pretrained_transformer_version", default=None, help="authors' transformer sub-folder (default: 480p_t2v)")
     a("--checkpoint_path", default="", help="a training checkpoint: checkpoint-N/transformer (DCP)")
-    a("--lora_path", default="", help="LoRA adapter (safetensors file or directory) to apply")
+    a("--lora_path", default="", help="LoRA adapter (safetensors file or directory) to apply; its saved "
+      "adapter_config.json sets r, alpha and the target modules")
     a("--num_inference_steps", type=int, default=None, help="sampling steps (default: 40)")
     a("--video_length", type=int, default=None, help="frames, 4k+1 (default: 81)")
     a("--fixed_size", default=None, help="HxW in pixels (default: 480x864)")
-    a("--seed", type=int, default=None, help="base seed (default: 930); a prompt file's seed column overrides per prompt")
+    a("--seed", type=int, default=None, help="base seed (default: 930); each video's noise seed combines it with the "
+      "prompt file's seed column (or the prompt's row index)")
     a("--output_path", default="outputs/generate", help="an .mp4 file (one prompt) or a directory")
     a("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="weights/compute dtype (default: bf16)")
     a("--sampler", default="ode", choices=SAMPLERS, help="ode (deterministic, default) or a GRPO SDE sampler")
-    a("--eta", type=float, default=0.0, help="SDE noise level for --sampler != ode")
+    a("--eta", type=float, default=None, help="SDE noise level for --sampler != ode (default: rollout eta, 0.5)")
     a("--cfg_scale", type=float, default=None, help="classifier-free guidance scale (default: 6.0; 1 = off)")
     a("--flow_shift", type=float, default=None, help="schedule shift (default: 5.0)")
     a("--fps", type=int, default=None, help="mp4 frame rate (default: 24)")
@@ -92,6 +94,10 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     args.height, args.width = int(match.group(1)), int(match.group(2))
     if args.sampler == "ode" and args.eta:
         raise SageGRPOError("--eta applies to SDE samplers; pass --sampler sage_grpo (or another) with it")
+    if args.eta is None:  # an SDE sampler at eta 0 would silently be the ODE
+        args.eta = 0.0 if args.sampler == "ode" else r.eta
+    if args.sampler != "ode" and args.eta <= 0:
+        raise SageGRPOError(f"--sampler {args.sampler} needs --eta > 0 (at 0 every SDE sampler is the ODE)")
     return args
 
 
@@ -104,9 +110,15 @@ def _prompts(args):
 
     records = [PromptRecord(prompt=p, index=i) for i, p in enumerate(args.prompt)]
     if args.prompt_file:
-        records += read_prompts(args.prompt_file)
+        from dataclasses import replace
+
+        # file rows come after the --prompt ones, so indices (output names, default seeds) never collide
+        records += [replace(r, index=r.index + len(records)) for r in read_prompts(args.prompt_file)]
     if not records:
         raise SageGRPOError("give --prompt \"...\" or --valid_video_csv/--prompt_file FILE")
+    if len(records) > 1 and Path(args.output_path).suffix == ".mp4":
+        raise SageGRPOError(f"--output_path {args.output_path!r} is one file but there are {len(records)} prompts; "
+                            "give a directory")
     return records
 
 
@@ -143,9 +155,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL init, so its barrier does not land on GPU 0 for every rank
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dtype = resolve_dtype(args.dtype)
 
     if rank == 0:  # one writer; _ensure_model only builds the tiny default and never raises
@@ -153,11 +167,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if world > 1:
         dist.barrier()
     pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype, device=device)
+    if args.checkpoint_path:  # full weights first, then an adapter on top of them
+        load_dcp_transformer(pipe.transformer, args.checkpoint_path)
     if args.lora_path:
         setup_trainable(pipe.transformer, use_lora=True, lora_r=args.lora["r"], lora_alpha=args.lora["alpha"],
                         lora_target_modules=args.lora["targets"], pretrained_lora_path=args.lora_path)
-    if args.checkpoint_path:
-        load_dcp_transformer(pipe.transformer, args.checkpoint_path)
     pipe.transformer.requires_grad_(False).eval()
     if args.height * args.width > 256 * 256:
         pipe.vae.enable_tiling()

@@ -49,6 +49,8 @@ ERRORS = [
         (["--prompt_file", "/nonexistent.csv"], "prompt file not found"),
         (["--prompt", "x", "--fixed_size", "big"], "--fixed_size must be HxW"),
         (["--prompt", "x", "--eta", "0.3"], "--eta applies to SDE samplers"),
+        (["--prompt", "x", "--sampler", "sage_grpo", "--eta", "0"], "needs --eta > 0"),
+        (["--prompt", "x", "--prompt", "y", "--output_path", "o.mp4"], "give a directory"),
 ]
 
 
@@ -66,3 +68,20 @@ def test_user_errors_raise_sage_error(extra, match):
 def test_user_errors_are_one_line(extra, match):
     r = subprocess.run([sys.executable, str(REPO / "generate.py"), *extra], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode != 0 and match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sde_sampler_without_eta_uses_the_rollout_eta():
+    import generate
+
+    args = generate.resolve_args(generate.build_parser().parse_args(["--prompt", "x", "--sampler", "sage_grpo"]))
+    assert args.eta == 0.5  # RolloutConfig.eta: an SDE sampler at eta 0 would silently be the ODE
+    assert generate.resolve_args(generate.build_parser().parse_args(["--prompt", "x"])).eta == 0.0
+
+
+def test_prompt_and_file_indices_do_not_collide(tmp_path):
+    import generate
+
+    (tmp_path / "p.txt").write_text("a cat\na dog\n")
+    args = generate.resolve_args(generate.build_parser().parse_args(
+        ["--prompt", "x", "--prompt_file", str(tmp_path / "p.txt"), "--output_path", str(tmp_path / "out")]))
+    assert [r.index for r in generate._prompts(args)] == [0, 1, 2]

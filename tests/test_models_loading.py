@@ -116,6 +116,14 @@ def test_lora_and_full_finetune(tiny_diffusers_dir, tmp_path):
     setup_trainable(fresh, use_lora=True, lora_r=4, lora_alpha=8, pretrained_lora_path=str(path))
     a, b = tr.state_dict(), fresh.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # The saved adapter_config.json sets r / alpha / targets: other flags cannot load it at the wrong strength.
+    other_flags = load_pipeline(model_path=str(tiny_diffusers_dir), dtype="fp32").transformer
+    setup_trainable(other_flags, use_lora=True, lora_r=16, lora_alpha=1, lora_target_modules=["to_q"],
+                    pretrained_lora_path=str(path))
+    assert other_flags.peft_config["default"].lora_alpha == 8 and other_flags.peft_config["default"].r == 4
+    c = other_flags.state_dict()
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    (path.parent / "adapter_config.json").unlink()  # without settings, a mismatch is a clear error
     wrong = load_pipeline(model_path=str(tiny_diffusers_dir), dtype="fp32").transformer
     with pytest.raises(SageGRPOError, match="does not fit"):
         setup_trainable(wrong, use_lora=True, lora_r=4, lora_target_modules=["to_q"], pretrained_lora_path=str(path))
@@ -138,6 +146,13 @@ def test_dcp_checkpoint_loads(tiny_diffusers_dir, tmp_path):
     load_dcp_transformer(dst, tmp_path / "checkpoint-3/transformer")
     a, b = src.state_dict(), dst.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # A checkpoint whose keys do not fit (here: a LoRA-wrapped model's) is one clear user error, not a traceback.
+    from sage_grpo.models.lora import setup_trainable
+
+    setup_trainable(src, use_lora=True, lora_r=2, lora_alpha=2)
+    dcp.save({"model": src.state_dict()}, checkpoint_id=str(tmp_path / "checkpoint-4/transformer"))
+    with pytest.raises(SageGRPOError, match="does not fit this transformer"):
+        load_dcp_transformer(dst, tmp_path / "checkpoint-4/transformer")
     with pytest.raises(SageGRPOError, match="not a DCP"):
         load_dcp_transformer(dst, tmp_path)
 

@@ -3,6 +3,7 @@ plus loading fine-tuned weights (LoRA safetensors, DCP `checkpoint-N/transformer
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -17,11 +18,13 @@ __all__ = [
     "lora_state_dict",
     "save_lora",
     "load_lora",
+    "saved_lora_settings",
     "load_dcp_transformer",
 ]
 
 ADAPTER_NAME = "default"
 ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's name; holds r, lora_alpha, lora_dropout, target_modules
 
 
 def default_lora_targets(transformer) -> list[str]:
@@ -37,8 +40,13 @@ def setup_trainable(
 
     LoRA: freeze the base weights and add peft adapters (r, alpha, dropout) on `lora_target_modules` (module
     names or suffixes as peft matches them; empty = every linear of the transformer blocks); optionally load
-    `pretrained_lora_path`. Full fine-tuning: every transformer parameter is trainable.
+    `pretrained_lora_path`, whose saved adapter_config.json (when present) sets r, alpha and the targets.
+    Full fine-tuning: every transformer parameter is trainable.
     """
+    if pretrained_lora_path and use_lora:
+        saved = saved_lora_settings(pretrained_lora_path)
+        if saved:  # the adapter's own shape and scale win: another alpha would load silently at the wrong strength
+            lora_r, lora_alpha, lora_target_modules = saved["r"], saved["lora_alpha"], saved["target_modules"]
     if not use_lora:
         if pretrained_lora_path:
             raise SageGRPOError("--pretrained_lora_path needs --use_lora (or merge the adapter into the weights first)")
@@ -68,14 +76,38 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
 
 
+def _config_file(weights: Path) -> Path:
+    """adapter_config.json beside adapter_model.safetensors; <stem>_config.json beside any other file name."""
+    return weights.with_name(ADAPTER_CONFIG if weights.name == ADAPTER_FILE else weights.stem + "_config.json")
+
+
 def save_lora(transformer, path: str | Path) -> Path:
-    """Write the adapter as safetensors (a file path, or a directory that gets adapter_model.safetensors)."""
+    """Write the adapter as safetensors (a file path, or a directory that gets adapter_model.safetensors) and its
+    settings (r, lora_alpha, lora_dropout, target_modules) as JSON beside it."""
     path = Path(path)
     if path.suffix != ".safetensors":
         path.mkdir(parents=True, exist_ok=True)
         path = path / ADAPTER_FILE
     save_file({k: v.detach().contiguous().cpu() for k, v in lora_state_dict(transformer).items()}, path)
+    cfg = transformer.peft_config[ADAPTER_NAME]
+    settings = {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+                "target_modules": sorted(cfg.target_modules)}
+    _config_file(path).write_text(json.dumps(settings, indent=1) + "\n")
     return path
+
+
+def saved_lora_settings(path: str | Path) -> dict | None:
+    """The settings `save_lora` (or peft) wrote beside an adapter, or None when there are none."""
+    path = Path(path)
+    cfg_path = path / ADAPTER_CONFIG if path.is_dir() else _config_file(path)
+    if not cfg_path.is_file():
+        return None
+    try:
+        data = json.loads(cfg_path.read_text())
+        return {"r": int(data["r"]), "lora_alpha": data["lora_alpha"], "lora_dropout": float(data.get("lora_dropout", 0.0)),
+                "target_modules": list(data["target_modules"])}
+    except (ValueError, KeyError, TypeError) as e:
+        raise SageGRPOError(f"LoRA settings {cfg_path} are unreadable ({e}); fix or delete the file") from None
 
 
 def load_lora(transformer, path: str | Path) -> None:
@@ -105,11 +137,18 @@ def load_dcp_transformer(transformer, path: str | Path) -> None:
     """Load `checkpoint-N/transformer` (a torch.distributed.checkpoint directory holding {"model": state_dict}, the
     authors' layout) into `transformer`; works in a single process without a process group."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise SageGRPOError(f"--checkpoint_path {str(path)!r} is not a DCP directory (no .metadata); pass checkpoint-N/transformer")
     state = {"model": get_model_state_dict(transformer)}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException: missing/mismatched keys
+        raise SageGRPOError(
+            f"--checkpoint_path {str(path)!r} does not fit this transformer ({str(e).strip().splitlines()[-1][:300]}); "
+            "pass a full fine-tuning checkpoint of the same model (a LoRA run's adapter goes to --lora_path)"
+        ) from None
     set_model_state_dict(transformer, state["model"])
