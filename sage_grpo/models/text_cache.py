@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from sage_grpo.errors import SageGRPOError
+
 __all__ = ["TextConditioning", "TextEmbeddingCache", "encoder_identity"]
 
 
@@ -52,18 +54,48 @@ def _fields(c: TextConditioning) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return c.prompt_embeds, c.prompt_mask, c.byt5_embeds, c.byt5_mask
 
 
+_TEXT_DIRS = {  # what the prompt embeddings depend on, per checkpoint layout
+    "diffusers": ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"),
+    "authors": ("text_encoder",),  # llm/, byt5-small/, Glyph-SDXL-v2/
+}
+_SMALL_FILE = 1 << 20  # configs and tokenizer files are hashed whole; larger (weight) files by head and tail
+
+
+def _file_digest(path: Path) -> str:
+    """Content digest that is cheap for multi-GB weight files: size + first and last MiB (fine-tuned weights change
+    both); small files whole, with config.json's `_name_or_path` (the path it was loaded from) left out."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        if size <= _SMALL_FILE:
+            data = f.read()
+            if path.name == "config.json":
+                try:
+                    cfg = json.loads(data)
+                    cfg.pop("_name_or_path", None)
+                    data = json.dumps(cfg, sort_keys=True).encode()
+                except ValueError:
+                    pass
+            h.update(data)
+        else:
+            h.update(f.read(_SMALL_FILE))
+            f.seek(-_SMALL_FILE, 2)
+            h.update(f.read(_SMALL_FILE))
+    return h.hexdigest()
+
+
 def encoder_identity(pipe) -> str:
-    """What the embeddings depend on besides the prompt: encoder classes and configs, a weight fingerprint, the
-    text lengths and the storage dtype. Different weights in the same path get a different identity."""
-    parts = []
-    for name in ("text_encoder", "text_encoder_2"):
-        enc = getattr(pipe, name)
-        if enc is None:
-            parts.append(f"{name}:none")
-            continue
-        emb = enc.get_input_embeddings().weight
-        fingerprint = emb.detach().flatten()[:4096].float().cpu()
-        parts.append(f"{name}:{type(enc).__name__}:{enc.config.to_json_string(use_diff=False)}:{fingerprint.sum().item():.10e}:{fingerprint.abs().sum().item():.10e}")
+    """What the embeddings depend on besides the prompt: the text encoder and tokenizer files (read from disk, so the
+    identity is the same whether or not the encoders are loaded, and wherever the directory lives), the text lengths
+    and the system message. Different weights at the same path get a different identity."""
+    loc = getattr(pipe, "sage_grpo_location", None)
+    if loc is None:
+        raise ValueError("the text-embedding cache needs a pipeline from sage_grpo.models.loading.load_pipeline")
+    parts = [loc.layout]
+    for sub in _TEXT_DIRS[loc.layout]:
+        d = Path(loc.root) / sub
+        files = sorted(f for f in d.rglob("*") if f.is_file()) if d.is_dir() else []
+        parts += [f"{f.relative_to(loc.root).as_posix()}:{_file_digest(f)}" for f in files]
     lengths = {k: getattr(pipe, k) for k in ("tokenizer_max_length", "prompt_template_encode_start_idx", "tokenizer_2_max_length")}
     parts += [json.dumps(lengths, sort_keys=True), getattr(pipe, "system_message", "")]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -125,7 +157,10 @@ class TextEmbeddingCache:
     def _encode(self, prompt: str) -> TextConditioning:
         pipe = self.pipe
         if pipe.text_encoder is None or pipe.text_encoder_2 is None:
-            raise RuntimeError(f"prompt {prompt!r} is not cached and the text encoders were not loaded")
+            raise SageGRPOError(
+                f"prompt {prompt!r} is not in the text-embedding cache and the text encoders were not loaded; "
+                "load them (load_text_encoders=True) to encode it"
+            )
         if self._offloaded:
             pipe.text_encoder.to(self.device)
             pipe.text_encoder_2.to(self.device)
