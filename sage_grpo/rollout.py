@@ -174,7 +174,9 @@ def predict_velocity(
         c = TextConditioning.cat([cond, uncond])
         sigma = torch.cat([sigma, sigma])
     c = c.to(x.device, dtype)
-    timestep = (sigma.to(x.device, torch.float64) * 1000.0).to(dtype)  # [B'] t = 1000 sigma, as the pipeline
+    # [B'] t = 1000 sigma in the input dtype, as the pipeline does; under autocast (fp32 master weights) it stays
+    # fp32, since rounding 1000 sigma to bf16 would move t by up to 2.
+    timestep = (sigma.to(x.device, torch.float64) * 1000.0).to(param_dtype if settings.autocast else dtype)
     image_embeds = torch.zeros(model_in.shape[0], image_tokens, transformer.config.image_embed_dim, dtype=dtype, device=x.device)
     ctx = torch.autocast(x.device.type, dtype=dtype) if settings.autocast else contextlib.nullcontext()
     with ctx:
