@@ -148,3 +148,21 @@ def test_decode_divides_by_scaling_factor_once(tiny_pipe):
     expect = (ref / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
     assert torch.equal(frames[1:], expect)
     assert frames.min() >= 0 and frames.max() <= 1
+
+
+def test_autocast_rollout_rescores_to_ratio_one_with_fp32_timesteps(tiny_pipe, text_cache):
+    # fp32 master weights with bf16 autocast (--dtype bf16 --master_weight_type fp32): re-scoring goes through the
+    # same autocast forward, and the transformer sees t = 1000 sigma in fp32 (bf16 would round 989.58 to 988).
+    s = SamplerSettings(sde_type="sage_grpo", eta=0.5, num_steps=2, cfg_scale=6.0, compute_dtype=torch.bfloat16,
+                        autocast=True)
+    seen = []
+    hook = tiny_pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]),
+                                                           with_kwargs=True)
+    try:
+        traj = _run(tiny_pipe, text_cache, s, storage_dtype=torch.bfloat16)
+        out = policy_step(tiny_pipe.transformer, traj, torch.arange(2), 1, tiny_pipe.vision_num_semantic_tokens)
+    finally:
+        hook.remove()
+    assert all(t.dtype == torch.float32 for t in seen)
+    torch.testing.assert_close(seen[1], (traj.sigmas[[1, 1, 1, 1]] * 1000).float())
+    assert torch.equal(torch.exp(out.log_prob - traj.log_probs[:, 1]), torch.ones(2))
