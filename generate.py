@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 from sage_grpo.errors import SageGRPOError, run_cli
-
-SAMPLERS = ("ode", "dance_grpo", "flow_grpo", "sage_grpo", "cps")
+from sage_grpo.sde import SAMPLERS
 
 
 def build_parser() -> argparse.ArgumentParser:
