@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from sage_grpo.config import DTYPES
 from sage_grpo.errors import SageGRPOError, run_cli
 from sage_grpo.sde import SAMPLERS
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=None, help="base seed (default: 930); each video's noise seed combines it with the "
       "prompt file's seed column (or the prompt's row index)")
     a("--output_path", default="outputs/generate", help="an .mp4 file (one prompt) or a directory")
-    a("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="weights/compute dtype (default: bf16)")
+    a("--dtype", default=None, choices=DTYPES, help="weights/compute dtype (default: bf16)")
     a("--sampler", default="ode", choices=SAMPLERS, help="ode (deterministic, default) or a GRPO SDE sampler")
     a("--eta", type=float, default=None, help="SDE noise level for --sampler != ode (default: rollout eta, 0.5)")
     a("--cfg_scale", type=float, default=None, help="classifier-free guidance scale (default: 6.0; 1 = off)")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sage_grpo.config import DTYPES  # noqa: E402
 from sage_grpo.errors import run_cli  # noqa: E402
 
 
@@ -24,7 +25,7 @@ def main() -> None:
     p.add_argument("--pretrained_model_root", default="ckpts", help="the authors' layout root")
     p.add_argument("--pretrained_transformer_version", default="480p_t2v")
     p.add_argument("--out", required=True, help="output directory (diffusers layout)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--dtype", default="bf16", choices=DTYPES)
     a = p.parse_args()
 
     from sage_grpo.errors import SageGRPOError

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sage_grpo.config import DTYPES  # noqa: E402
 from sage_grpo.errors import SageGRPOError  # noqa: E402
 
 VIDEO_COLUMNS = ("video_path", "video", "path")
@@ -161,7 +162,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pickscore_model_path", default="", help="default <root>/PickScore_v1")
     ap.add_argument("--pickscore_processor_path", default="", help="default <root>/CLIP-ViT-H-14-laion2B-s32B-b79K")
     ap.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--dtype", default="bf16", choices=DTYPES)
     ap.add_argument("--max_pixels", type=int, default=200704)
     ap.add_argument("--min_pixels", type=int, default=0, help="0 = VideoAlign's default (100352)")
     ap.add_argument("--sample_fps", type=float, default=2.0)
