@@ -317,9 +317,17 @@ def _coerce(name: str, value: Any) -> Any:
         if tp is bool:
             out: Any = parse_bool(value, f"--{name}")
         elif tp is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            if isinstance(value, bool):
                 raise ValueError
-            out = int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+            try:
+                out = int(value)
+            except ValueError:  # "1e3" is fine; "1.5e0" and "1e-3" are not whole numbers
+                f = float(value)
+                if not (math.isfinite(f) and f.is_integer()):
+                    raise
+                out = int(f)
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
         elif tp is float:
             if isinstance(value, bool):
                 raise ValueError
@@ -327,16 +335,20 @@ def _coerce(name: str, value: Any) -> Any:
             if not math.isfinite(out):
                 raise ValueError
         elif typing.get_origin(tp) is list:
-            if isinstance(value, str):
-                value = value.split()
+            if isinstance(value, str):  # one YAML scalar = one item ("a cat" is a prompt, not two)
+                value = [value]
             if not isinstance(value, list | tuple):
                 raise ValueError
             out = [str(v) for v in value]
         else:
-            if isinstance(value, list | dict):
+            if isinstance(value, bool):  # YAML reads a bare no/off/yes as a boolean: the user meant text
+                raise SageGRPOError(f"--{name}: got the YAML boolean {value}; quote the text, e.g. \"{value}\"")
+            if isinstance(value, dict):  # e.g. reward_weights written as a YAML mapping
+                value = json.dumps(value)
+            if isinstance(value, list):
                 raise ValueError
             out = "" if value is None else str(value)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         kind = getattr(tp, "__name__", str(tp))
         raise SageGRPOError(f"--{name}: {value!r} is not a valid {kind}") from None
     if choices and out not in choices:
@@ -535,16 +547,41 @@ def check_values(cfg: Config) -> None:
         raise SageGRPOError(f"--timestep_fraction must be in (0, 1], got {o.timestep_fraction}")
     if o.clip_range <= 0:
         raise SageGRPOError(f"--clip_range must be > 0, got {o.clip_range}")
+    if o.adv_clip_max <= 0:
+        raise SageGRPOError(f"--adv_clip_max must be > 0 (advantages are clamped to +-adv_clip_max), got {o.adv_clip_max}")
+    for name, value in (("video_fps", r.video_fps), ("log_interval", cfg.logging.log_interval)):
+        if value < 1:
+            raise SageGRPOError(f"--{name} must be >= 1, got {value}")
+    if cfg.reward.reward_sample_fps <= 0:
+        raise SageGRPOError(f"--reward_sample_fps must be > 0, got {cfg.reward.reward_sample_fps}")
+    if cfg.reward.reward_min_pixels > cfg.reward.reward_max_pixels:
+        raise SageGRPOError(
+            f"--reward_min_pixels ({cfg.reward.reward_min_pixels}) must be <= --reward_max_pixels "
+            f"({cfg.reward.reward_max_pixels})"
+        )
+    if r.sde_type == "sage_grpo":
+        from .schedule import sigma_schedule
+
+        sigma_1 = float(sigma_schedule(r.grpo_sampling_steps, r.flow_shift)[1])
+        if sigma_1 >= r.sage_sigma_clamp:
+            raise SageGRPOError(
+                f"sage_grpo's first step has no noise with --grpo_sampling_steps {r.grpo_sampling_steps} and "
+                f"--flow_shift {r.flow_shift} (sigma_1 = {sigma_1:.5f} >= --sage_sigma_clamp {r.sage_sigma_clamp}); "
+                "use fewer steps, a smaller shift, or a --sage_sigma_clamp closer to 1"
+            )
     if r.flow_shift <= 0 or v.validation_timestep_shift <= 0:
         raise SageGRPOError("--flow_shift and --validation_timestep_shift must be > 0")
     if not 0.0 < r.sage_sigma_clamp < 1.0:
         raise SageGRPOError(f"--sage_sigma_clamp must be in (0, 1), got {r.sage_sigma_clamp}")
     if r.sde_type == "cps" and r.eta > 1.0:
         raise SageGRPOError(f"--eta must be <= 1 for cps (s_t = sigma_next sin(eta pi/2) <= sigma_next), got {r.eta}")
-    if k.kl_weight > 0 and k.kl_min_coef > k.kl_weight:
+    if k.kl_weight > 0 and not k.kl_min_coef <= k.kl_coef <= k.kl_weight:
         raise SageGRPOError(
-            f"--kl_min_coef ({k.kl_min_coef}) must be <= --kl_weight ({k.kl_weight}), the coefficient's upper bound"
+            f"need --kl_min_coef ({k.kl_min_coef}) <= --kl_coef ({k.kl_coef}) <= --kl_weight ({k.kl_weight}): "
+            "the coefficient starts at kl_coef and stays within [kl_min_coef, kl_weight]"
         )
+    if k.kl_target is not None and k.kl_target < 0:
+        raise SageGRPOError(f"--kl_target must be >= 0 (or none = kl_weight), got {k.kl_target}")
     for name, frames in (("sample_n_frames", r.sample_n_frames), ("validate_video_length", v.validate_video_length)):
         if frames < 1 or (frames - 1) % 4 != 0:
             lo = max(1, 4 * ((frames - 1) // 4) + 1)

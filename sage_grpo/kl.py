@@ -11,6 +11,7 @@ The total L_KL = beta_pos * KL_pos + beta_vel * KL_vel is scaled by the adaptive
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -53,13 +54,12 @@ def dual_kl(
     kl_pos: Tensor | None, kl_vel: Tensor | None, *, beta_pos: float = 1.0, beta_vel: float = 0.1
 ) -> Tensor:
     """L_KL = beta_pos * mean(KL_pos) + beta_vel * mean(KL_vel); a missing term counts as 0."""
-    terms = []
-    if kl_pos is not None:
-        terms.append(beta_pos * kl_pos.mean())
-    if kl_vel is not None:
-        terms.append(beta_vel * kl_vel.mean())
-    if not terms:
+    if kl_pos is None and kl_vel is None:
         raise ValueError("dual_kl needs at least one of kl_pos, kl_vel")
+    terms = []
+    for beta, kl in ((beta_pos, kl_pos), (beta_vel, kl_vel)):
+        if kl is not None:  # an empty term (every reward of the micro-batch failed) counts 0, not mean([]) = NaN
+            terms.append(beta * kl.mean() if kl.numel() else kl.sum())
     return torch.stack(terms).sum()
 
 
@@ -131,7 +131,11 @@ class AdaptiveKLController:
     @classmethod
     def from_config(cls, kl_cfg) -> AdaptiveKLController:
         """The authors' flag mapping (`kl_cfg`: a `sage_grpo.config.KLConfig`): kl_weight is lambda_max and, unless
-        kl_target is set, the target; kl_coef starts the warm-up; kl_min_coef is lambda_min."""
+        kl_target is set, the target; kl_coef starts the warm-up; kl_min_coef is lambda_min. kl_weight 0 (KL off)
+        gives a controller whose value is always 0."""
+        if kl_cfg.kl_weight <= 0:
+            return cls(init=0.0, lambda_min=0.0, lambda_max=0.0, target=0.0, warmup_updates=0,
+                       history=kl_cfg.kl_history, direction=kl_cfg.kl_adapt_direction)
         return cls(
             init=kl_cfg.kl_coef,
             lambda_min=kl_cfg.kl_min_coef,
@@ -143,8 +147,8 @@ class AdaptiveKLController:
         )
 
     def _warmup_value(self, k: int) -> float:
-        if self.warmup_updates == 0:
-            return self.lambda_max
+        if self.warmup_updates == 0:  # no warm-up: start where kl_coef says, within the bounds
+            return min(max(self.init, self.lambda_min), self.lambda_max)
         return self.init + (self.lambda_max - self.init) * min(k, self.warmup_updates) / self.warmup_updates
 
     @property
@@ -153,8 +157,12 @@ class AdaptiveKLController:
         return sum(self._kl_history) / len(self._kl_history) if self._kl_history else float("nan")
 
     def update(self, observed_kl: float) -> float:
-        """Record the KL of the update just taken and move to the coefficient of the next update."""
-        self._kl_history.append(float(observed_kl))
+        """Record the KL of the update just taken and move to the coefficient of the next update.
+
+        A non-finite KL is not recorded (it would freeze the history mean for H updates); the update still counts.
+        """
+        if math.isfinite(float(observed_kl)):
+            self._kl_history.append(float(observed_kl))
         self.num_updates += 1
         if self.num_updates <= self.warmup_updates:
             self.value = self._warmup_value(self.num_updates)

@@ -42,25 +42,29 @@ def clipped_policy_loss(
     (sample, step) pairs. `mask` False drops entries (failed rewards) from the loss and the statistics; an all-False
     mask gives a zero loss that still carries the graph.
     """
-    log_ratio = logp_new - logp_old.detach()
-    ratio = torch.exp(log_ratio)  # [B]
-    adv = advantages.detach()
+    shape = torch.broadcast_shapes(logp_new.shape, logp_old.shape, advantages.shape,
+                                   *(() if weights is None else (weights.shape,)),
+                                   *(() if mask is None else (mask.shape,)))
+    m = torch.ones(shape, dtype=torch.bool, device=logp_new.device) if mask is None else mask.bool().expand(shape)
+    # Dropped entries are zeroed *before* any arithmetic: a NaN advantage or an overflowing ratio there would
+    # otherwise reach the loss and every gradient through NaN * 0 = NaN.
+    log_ratio = torch.where(m, (logp_new - logp_old.detach()).expand(shape), 0.0)  # [B]
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(m, advantages.detach().expand(shape), 0.0)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     per_entry = torch.maximum(unclipped, clipped)  # [B]
     if weights is not None:
-        per_entry = per_entry * weights.detach()
-    m = torch.ones_like(per_entry, dtype=torch.bool) if mask is None else mask.expand_as(per_entry).bool()
-    m_f = m.to(per_entry.dtype)
-    count = m_f.sum()
-    loss = (per_entry * m_f).sum() / count.clamp(min=1.0)
+        per_entry = per_entry * torch.where(m, weights.detach().expand(shape), 0.0)
+    count = m.sum()
+    loss = per_entry.sum() / count.clamp(min=1)
     with torch.no_grad():
         n = max(int(count.item()), 1)
         r = ratio.detach()[m] if bool(m.any()) else torch.ones(1, dtype=ratio.dtype, device=ratio.device)
-        lr = log_ratio.detach().expand_as(per_entry)[m]
+        lr = log_ratio.detach()[m]
         stats = PolicyLossStats(
             policy_loss=float(loss.detach()),
-            clipfrac=float(((r - 1.0).abs() > clip_range).float().sum()) / n,
+            clipfrac=float(((r - 1.0).abs() > clip_range).float().sum()) / n if bool(m.any()) else 0.0,
             approx_kl=float(0.5 * (lr**2).sum()) / n,
             ratio_mean=float(r.mean()),
             ratio_min=float(r.min()),

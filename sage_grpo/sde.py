@@ -119,7 +119,15 @@ def step_variance(
         return eta**2 * sigma / (1.0 - denom_sigma) * delta
     if sde_type == "sage_grpo":
         sigma_bar = sigma.clamp(max=sage_clamp)
-        return eta**2 * (torch.log((1.0 - sigma_next) / (1.0 - sigma_bar)) - delta)
+        var = eta**2 * (torch.log((1.0 - sigma_next) / (1.0 - sigma_bar)) - delta)
+        if eta > 0 and bool((sigma_next > sage_clamp).any()):
+            # the clamp moved sigma_t below sigma_{t+1}: the "integral" is negative and the step would silently
+            # carry no noise (with shift 5 this happens from T = 68 steps on)
+            raise ValueError(
+                f"sage_grpo: sigma_next = {float(sigma_next.max()):.5f} is above the clamp {sage_clamp}; use fewer "
+                "steps or a smaller shift, or raise sage_clamp (--sage_sigma_clamp) closer to 1"
+            )
+        return var
     # cps
     s = sigma_next * math.sin(eta * math.pi / 2.0)
     return s * s

@@ -21,14 +21,20 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
     "$py" -m pip install -q "torch==2.13.0"
   fi
 fi
-spec="$repo"
-[ -n "$extras" ] && spec="$repo[$extras]"
+# The stamp records the pyproject digest and every extra installed so far, so demo.sh and test.sh (different
+# extras) do not reinstall each other; a changed pyproject.toml reinstalls with the union of the extras.
 stamp="$venv/.sage_grpo_installed"
-want="$(cat "$repo/pyproject.toml" | sha1sum | cut -c1-12) $extras"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[setup] installing sage-grpo ($extras)"
+digest="$(sha1sum < "$repo/pyproject.toml" | cut -c1-12)"
+have_digest="" have_extras=""
+[ -f "$stamp" ] && read -r have_digest have_extras < "$stamp"
+[ "$have_digest" = "$digest" ] || have_extras=""
+all="$(printf '%s\n' ${have_extras//,/ } ${extras//,/ } | sort -u | paste -sd, -)"
+if [ "$have_digest" != "$digest" ] || [ "$all" != "$have_extras" ]; then
+  echo "[setup] installing sage-grpo [${all}]"
+  spec="$repo"
+  [ -n "$all" ] && spec="$repo[$all]"
   "$py" -m pip install -q -e "$spec"
-  echo "$want" > "$stamp"
+  echo "$digest $all" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
 export PYTHON="$py"

@@ -60,7 +60,7 @@ def plot(t: dict, steps: int, shift: float, eta: float, out: Path) -> list[Path]
     specs = [
         ("sde_std.png", "std", "step", "noise std per step", f"Injected noise per step (T={steps}, shift={shift}, eta={eta})", x, "linear"),
         ("equalizer_weights.png", "S", "step", "S_t", "Gradient-norm equalizer weights S_t", x, "log"),
-        ("gradient_scale.png", "N", "sigma_t", "N_t = |d mean/d v| / sqrt(V_t)", "Gradient-scale proxy against sigma", sig, "log"),
+        ("gradient_scale.png", "N", "sigma_t", "N_t (|d mean/d v| / sqrt(V_t); cps: x sqrt(V_t))", "Gradient-scale proxy against sigma", sig, "log"),
     ]
     for name, key, xlabel, ylabel, title, xs, yscale in specs:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))

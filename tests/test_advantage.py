@@ -40,6 +40,12 @@ def test_failed_rewards_are_masked_not_zeroed():
     assert not torch.allclose(adv[:2], zero_filled[:2])  # replacing by 0 would have biased the others
 
 
+def test_constant_group_is_exactly_zero_even_without_eps():
+    rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 2.0, 3.0], dtype=torch.float64)  # mean of three 0.1 is not 0.1
+    adv, _ = group_advantages(rewards, torch.tensor([0, 0, 0, 1, 1, 1]), eps=0.0)
+    assert torch.equal(adv[:3], torch.zeros(3)) and torch.isfinite(adv).all()
+
+
 def test_constant_group_and_single_valid_give_zero():
     rewards = torch.tensor([0.1, 0.1, 0.1, 0.1, 3.0, float("nan"), float("nan"), float("nan")])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])

@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +113,17 @@ def test_dump_and_load_back_identically(tmp_path):
     (["--num_generations", "1"], "--num_generations must be >= 2"),
     (["--timestep_fraction", "1.5"], "--timestep_fraction must be in \\(0, 1\\]"),
     (["--reward_weights", "VQ=1"], "--reward_weights must be a JSON object"),
-    (["--kl_min_coef", "1e-3"], "--kl_min_coef .* must be <= --kl_weight"),
+    (["--kl_min_coef", "1e-3"], "need --kl_min_coef \\(0.001\\) <= --kl_coef"),
+    (["--kl_coef", "1e-3"], "--kl_coef \\(0.001\\) <= --kl_weight \\(1e-05\\)"),
+    (["--kl_target", "-3"], "--kl_target must be >= 0"),
+    (["--adv_clip_max", "-1"], "--adv_clip_max must be > 0"),
+    (["--max_steps", "1.5e0"], "--max_steps: '1.5e0' is not a valid int"),
+    (["--max_steps", "1e-3"], "--max_steps: '1e-3' is not a valid int"),
+    (["--seed", "1e400"], "--seed: '1e400' is not a valid int"),
+    (["--video_fps", "0"], "--video_fps must be >= 1"),
+    (["--reward_sample_fps", "0"], "--reward_sample_fps must be > 0"),
+    (["--reward_min_pixels", "300000"], "--reward_min_pixels \\(300000\\) must be <= --reward_max_pixels"),
+    (["--grpo_sampling_steps", "100"], "sage_grpo's first step has no noise .* use fewer steps"),
     (["--sde_type", "cps", "--eta", "1.5"], "--eta must be <= 1 for cps"),
     (["--clip_range", "0"], "--clip_range must be > 0"),
     (["--batch_size", "0"], "--batch_size must be >= 1"),
@@ -187,3 +198,17 @@ def test_cli_error_is_one_line_and_exit_code_2():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --eta: 'x' is not a valid float"
+
+
+def test_whole_numbers_in_scientific_notation_and_yaml_types(tmp_path):
+    assert load_config(["--max_steps", "1e3"]).optim.max_steps == 1000
+    assert load_config(["--grpo_sampling_steps", "100", "--sde_type", "flow_grpo"]).rollout.grpo_sampling_steps == 100
+    p = tmp_path / "c.yaml"
+    p.write_text("validation:\n  validation_prompts: a cat on a mat\n"
+                 "reward:\n  reward_weights: {VQ: 1, MQ: 0, TA: 2}\n")
+    cfg = load_config(["--config", str(p)])
+    assert cfg.validation.validation_prompts == ["a cat on a mat"]
+    assert json.loads(cfg.reward.reward_weights) == {"VQ": 1, "MQ": 0, "TA": 2}
+    p.write_text("rollout:\n  neg_prompt: no\n")
+    with pytest.raises(SageGRPOError, match="--neg_prompt: got the YAML boolean False; quote the text"):
+        load_config(["--config", str(p)])

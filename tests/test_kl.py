@@ -74,6 +74,7 @@ def test_controller_state_round_trip_continues_identically():
     state = json.loads(json.dumps(a.state_dict()))
     b = AdaptiveKLController(warmup_updates=3, history=4, target=1e-4)
     b.load_state_dict(state)
+    assert b.state_dict() == state and b.kl_mean == a.kl_mean
     for x in kls[5:]:
         assert a.update(x) == b.update(x)
     assert a.state_dict() == b.state_dict()
@@ -112,3 +113,34 @@ def test_kl_variants_from_flags(argv, variant, weights):
     kl = load_config(argv).kl
     assert kl_variant(kl) == variant and variant in KL_VARIANTS
     assert kl_term_weights(kl) == weights
+
+
+@pytest.mark.parametrize("direction,high,low", [("paper", 0.9, 1.1), ("classic", 1.1, 0.9)])
+def test_controller_factors_from_inside_the_bounds(direction, high, low):
+    def fresh():
+        return AdaptiveKLController(init=1e-6, lambda_min=1e-7, lambda_max=1e-5, target=1e-3, warmup_updates=0,
+                                    history=1, direction=direction)
+
+    assert fresh().value == 1e-6  # no warm-up: starts at kl_coef
+    c = fresh()
+    c.update(1.0)  # far above target
+    assert c.value == pytest.approx(1e-6 * high)
+    c = fresh()
+    c.update(0.0)  # far below target
+    assert c.value == pytest.approx(1e-6 * low)
+
+
+def test_controller_skips_non_finite_kl_and_kl_off_is_zero():
+    from sage_grpo.config import load_config
+
+    c = AdaptiveKLController(init=1e-6, warmup_updates=0, history=2, target=1e-3)
+    c.update(1e-3)
+    c.update(float("nan"))
+    assert c.kl_mean == 1e-3 and c.num_updates == 2
+    off = AdaptiveKLController.from_config(load_config(["--kl_weight", "0"]).kl)
+    assert off.value == 0.0 and off.update(5.0) == 0.0
+
+
+def test_dual_kl_with_an_empty_term_is_finite():
+    total = dual_kl(torch.zeros(0), torch.tensor([0.2, 0.4]), beta_pos=1.0, beta_vel=0.5)
+    assert total.item() == pytest.approx(0.15)

@@ -56,3 +56,25 @@ def test_mask_removes_entries():
     assert new.grad[2] == 0
     empty, _ = clipped_policy_loss(new, old, adv, 0.1, mask=torch.zeros(4, dtype=torch.bool))
     assert empty.item() == 0.0 and empty.requires_grad
+
+
+def test_masked_entries_cannot_poison_the_loss_or_its_gradient():
+    old = torch.zeros(4)
+    new = torch.tensor([0.0, 0.0, 200.0, 0.0], requires_grad=True)  # exp(200) overflows to inf in fp32
+    adv = torch.tensor([1.0, -1.0, float("nan"), 0.5])
+    mask = torch.tensor([True, True, False, True])
+    loss, stats = clipped_policy_loss(new, old, adv, 0.1, mask=mask, weights=torch.tensor([1.0, 1.0, float("inf"), 2.0]))
+    loss.backward()
+    assert loss.item() == pytest.approx((-1.0 + 1.0 - 1.0) / 3)
+    assert torch.isfinite(new.grad).all() and new.grad[2] == 0
+    torch.testing.assert_close(new.grad, torch.tensor([-1.0, 1.0, 0.0, -1.0]) / 3)
+    assert stats.ratio_max == 1.0 and stats.approx_kl == 0.0 and stats.clipfrac == 0.0  # stats ignore the dropped entry
+
+
+def test_stats_with_broadcast_shapes_and_mask():
+    old = torch.zeros(2, 1)
+    new = torch.tensor([[0.0], [0.5]])  # [B, 1] per sample, broadcast over T = 3 weights
+    loss, stats = clipped_policy_loss(new, old, torch.ones(2, 1), 0.1, weights=torch.ones(1, 3),
+                                      mask=torch.tensor([[True], [False]]))
+    assert stats.ratio_max == 1.0 and stats.clipfrac == 0.0
+    assert loss.item() == pytest.approx(-1.0)

@@ -39,7 +39,9 @@ def test_num_train_timesteps_is_ceil(frac, expected):
 
 
 def test_num_train_timesteps_float_noise():
-    assert num_train_timesteps(10, 0.3) == 3  # 0.3 * 10 = 3.0000000000000004 must not round up to 4
+    # 25 * 0.28 = 7.000000000000001 and 50 * 0.14 = 7.000000000000001 must not round up to 8
+    assert 25 * 0.28 > 7 and 50 * 0.14 > 7
+    assert num_train_timesteps(25, 0.28) == 7 and num_train_timesteps(50, 0.14) == 7
 
 
 def test_select_timesteps_identity_and_permutation():

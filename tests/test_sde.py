@@ -50,6 +50,15 @@ def test_sage_less_noise_than_flow_after_first_step():
     assert all(a < b for a, b in zip(sage[1:], flow[1:]))
 
 
+def test_sage_refuses_a_schedule_whose_first_step_the_clamp_would_silence():
+    sig = sigma_schedule(100, 5.0)  # sigma_1 = 0.998 > 0.997
+    with pytest.raises(ValueError, match="above the clamp"):
+        sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), sig[0].item(), sig[1].item(), 0.5)
+    out = sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), sig[0].item(), sig[1].item(), 0.5,
+                   sage_clamp=0.999)
+    assert out.std.item() > 0
+
+
 def test_sage_clamp_is_configurable():
     a = step_variance("sage_grpo", torch.tensor(1.0), torch.tensor(0.99), 0.5)
     b = step_variance("sage_grpo", torch.tensor(1.0), torch.tensor(0.99), 0.5, sage_clamp=0.999)
