@@ -98,6 +98,15 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         args.eta = 0.0 if args.sampler == "ode" else r.eta
     if args.sampler != "ode" and args.eta <= 0:
         raise SageGRPOError(f"--sampler {args.sampler} needs --eta > 0 (at 0 every SDE sampler is the ODE)")
+    if args.sampler == "sage_grpo":
+        from sage_grpo.schedule import sigma_schedule
+        from sage_grpo.sde import SAGE_SIGMA_CLAMP
+
+        if float(sigma_schedule(args.num_inference_steps, args.flow_shift)[1]) > SAGE_SIGMA_CLAMP:
+            raise SageGRPOError(
+                f"--sampler sage_grpo with {args.num_inference_steps} steps and shift {args.flow_shift}: the first "
+                "step would carry no noise (sigma_1 above the 1 - 3e-3 clamp); use fewer steps or a smaller shift"
+            )
     return args
 
 

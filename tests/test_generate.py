@@ -51,6 +51,7 @@ ERRORS = [
         (["--prompt", "x", "--eta", "0.3"], "--eta applies to SDE samplers"),
         (["--prompt", "x", "--sampler", "sage_grpo", "--eta", "0"], "needs --eta > 0"),
         (["--prompt", "x", "--prompt", "y", "--output_path", "o.mp4"], "give a directory"),
+        (["--prompt", "x", "--sampler", "sage_grpo", "--num_inference_steps", "100"], "use fewer steps"),
 ]
 
 
