@@ -102,7 +102,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         from sage_grpo.schedule import sigma_schedule
         from sage_grpo.sde import SAGE_SIGMA_CLAMP
 
-        if float(sigma_schedule(args.num_inference_steps, args.flow_shift)[1]) > SAGE_SIGMA_CLAMP:
+        if float(sigma_schedule(args.num_inference_steps, args.flow_shift)[1]) >= SAGE_SIGMA_CLAMP:
             raise SageGRPOError(
                 f"--sampler sage_grpo with {args.num_inference_steps} steps and shift {args.flow_shift}: the first "
                 "step would carry no noise (sigma_1 above the 1 - 3e-3 clamp); use fewer steps or a smaller shift"

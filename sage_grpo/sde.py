@@ -120,7 +120,7 @@ def step_variance(
     if sde_type == "sage_grpo":
         sigma_bar = sigma.clamp(max=sage_clamp)
         var = eta**2 * (torch.log((1.0 - sigma_next) / (1.0 - sigma_bar)) - delta)
-        if eta > 0 and bool((sigma_next > sage_clamp).any()):
+        if eta > 0 and bool((sigma_next >= sage_clamp).any()):
             # the clamp moved sigma_t below sigma_{t+1}: the "integral" is negative and the step would silently
             # carry no noise (with shift 5 this happens from T = 68 steps on)
             raise ValueError(
