@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1 or args.shift <= 0 or args.eta < 0:
         raise SageGRPOError("need --steps >= 1, --shift > 0 and --eta >= 0")
     torch.set_printoptions(precision=4)
-    t = tables(args.steps, args.shift, args.eta)
+    try:
+        t = tables(args.steps, args.shift, args.eta)
+    except ValueError as e:  # e.g. a schedule whose first sage_grpo step the clamp would silence
+        raise SageGRPOError(str(e)) from None
     print_tables(t, args.steps, args.shift, args.eta)
     if not args.no_plots:
         for path in plot(t, args.steps, args.shift, args.eta, Path(args.out)):
