@@ -1,10 +1,10 @@
 """The training loop builds its reward from the resolved config: check that every reward flag reaches it."""
 
 import torch
+from rewards_fixtures import TINY_MIN_PIXELS, smooth_videos, tiny_dirs  # noqa: F401 - fixture
 
 from sage_grpo.config import load_config
 from sage_grpo.rewards import build_reward, build_reward_from_config
-from tests.rewards_fixtures import TINY_MIN_PIXELS, smooth_videos, tiny_dirs  # noqa: F401 - fixture
 
 
 def test_videoalign_flags_reach_the_reward(tiny_dirs):  # noqa: F811
