@@ -88,6 +88,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, k, val)
     args.lora = dict(r=m.lora_r, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=list(m.lora_target_modules))
     args.text_embedding_cache_dir = m.text_embedding_cache_dir
+    args.offload_text_encoder = m.offload_text_encoder
     match = re.fullmatch(r"(\d+)[xX](\d+)", str(args.fixed_size))
     if not match:
         raise SageGRPOError(f"--fixed_size must be HxW, e.g. 480x864, got {args.fixed_size!r}")
@@ -190,6 +191,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
                                shift=args.flow_shift, cfg_scale=args.cfg_scale, compute_dtype=dtype)
     cache = TextEmbeddingCache(pipe, device, dtype, args.text_embedding_cache_dir or None)
     mine = records[rank::world]
+    cache.precompute([r.prompt for r in mine] + ([args.negative_prompt] if settings.use_cfg else []))
+    if args.offload_text_encoder:  # every prompt is cached: the encoders need no device memory while sampling
+        cache.offload_encoders()
     written = []
     for rec in mine:
         t0 = time.time()

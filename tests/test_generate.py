@@ -86,3 +86,25 @@ def test_prompt_and_file_indices_do_not_collide(tmp_path):
     args = generate.resolve_args(generate.build_parser().parse_args(
         ["--prompt", "x", "--prompt_file", str(tmp_path / "p.txt"), "--output_path", str(tmp_path / "out")]))
     assert [r.index for r in generate._prompts(args)] == [0, 1, 2]
+
+
+def test_text_encoders_are_offloaded_once_prompts_are_cached(tiny_diffusers_dir, tmp_path, monkeypatch):
+    import generate
+    from sage_grpo.models.text_cache import TextEmbeddingCache
+
+    calls = []
+    original = TextEmbeddingCache.offload_encoders
+
+    def spy(self):
+        calls.append(len(self))  # how many prompts were cached when the encoders left
+        original(self)
+
+    monkeypatch.setattr(TextEmbeddingCache, "offload_encoders", spy)
+    common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size",
+              "16x24", "--num_inference_steps", "2", "--prompt", "a", "--prompt", "b", "--output_path", str(tmp_path)]
+    generate.main(common)
+    assert calls == [3]  # two prompts + the empty negative prompt, then offload (model.offload_text_encoder: true)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  offload_text_encoder: false\n")
+    generate.main([*common, "--config", str(cfg)])
+    assert calls == [3]
