@@ -61,9 +61,7 @@ def _defaults(config_path: str):
 
     if not config_path:
         return Config()
-    if not Path(config_path).is_file():
-        raise SageGRPOError(f"--config {config_path!r}: file not found")
-    return load_config(["--config", config_path])
+    return load_config(["--config", config_path])  # a missing file is load_config's one clear error
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
