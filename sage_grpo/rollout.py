@@ -18,8 +18,6 @@ Time runs the pipeline's way here: x_0 is noise and x_T the clean sample (the pa
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +26,7 @@ from tqdm.auto import tqdm
 
 from sage_grpo.models.text_cache import TextConditioning
 from sage_grpo.schedule import sigma_schedule
+from sage_grpo.seeding import derive_seed
 from sage_grpo.sde import SAGE_SIGMA_CLAMP, SDEStepOutput, check_sampler, sde_step
 
 __all__ = [
@@ -115,12 +114,6 @@ class Trajectory:
     @property
     def final_latents(self) -> Tensor:
         return self.latents[:, -1]  # [B, C, F, H, W]
-
-
-def derive_seed(*parts: int) -> int:
-    """Deterministic 63-bit seed from integers (the same on every process and platform)."""
-    data = struct.pack(f"<{len(parts)}q", *(int(p) for p in parts))
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
 def _generators(seeds: list[int], device: torch.device) -> list[torch.Generator]:
