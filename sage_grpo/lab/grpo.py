@@ -4,11 +4,10 @@ One iteration = one rollout batch:
 1. rollout (no grad): num_groups x group_size samples from independent initial noise, T SDE steps of the chosen
    sampler, storing x_0..x_T and the per-step log-probs;
 2. reward of the final samples, group-relative advantages (`group_advantages`);
-3. `updates_per_rollout` optimizer updates, each on a disjoint minibatch of samples, each sample trained on
-   ceil(T * timestep_fraction) steps (`select_timesteps`); per (sample, step) the stored x_{t+1} is re-scored
-   (`sde_step(prev_sample=...)`), the clipped surrogate (`clipped_policy_loss`) is weighted by the equalizer S_t
-   (`equalizer_weights`) and the KL variant adds lambda_KL * L_KL (`kl_position`, `kl_velocity`, `dual_kl`,
-   `AdaptiveKLController`).
+3. `updates_per_rollout` optimizer updates, each on a disjoint minibatch of samples, through the GRPO update that
+   post_train.py uses (`sage_grpo.grpo`: `plan_steps` picks ceil(T' * timestep_fraction) stochastic steps per sample,
+   `grpo_backward` re-scores the stored x_{t+1}, weights the clipped surrogate by the equalizer S_t and adds
+   lambda_KL * L_KL), so every lab result speaks for the video loop.
 
 KL variants (algorithm.md section 6):
     none      no KL term
@@ -38,9 +37,9 @@ from torch import Tensor, nn
 
 from ..advantage import group_advantages
 from ..equalizer import equalizer_weights, gradient_scale
-from ..kl import AdaptiveKLController, dual_kl, kl_position, kl_velocity
-from ..loss import clipped_policy_loss
-from ..schedule import select_timesteps, sigma_schedule
+from ..grpo import PairBatch, grpo_backward, plan_steps
+from ..kl import AdaptiveKLController
+from ..schedule import sigma_schedule
 from ..sde import check_sampler, sde_step
 from .data import RingManifold
 from .metrics import log_spread, per_step_grad_norms, sample_metrics
@@ -188,12 +187,13 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
         )
 
     sigmas = sigma_schedule(cfg.num_steps, cfg.shift)  # [T + 1] fp64
-    sigmas32 = sigmas.float()
     s_eq = equalizer_weights(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob)  # [T]
     weights = s_eq if cfg.equalizer else torch.ones_like(s_eq)  # [T]
     batch = cfg.num_groups * cfg.group_size
     group_ids = torch.arange(cfg.num_groups).repeat_interleave(cfg.group_size)  # [B]
-    beta_vel = cfg.kl_beta_vel if cfg.kl == "dual" else cfg.kl_stepwise_beta_vel
+    beta_pos = cfg.kl_beta_pos if cfg.uses_kl_pos else 0.0
+    beta_vel = (cfg.kl_beta_vel if cfg.kl == "dual" else cfg.kl_stepwise_beta_vel) if cfg.uses_kl_vel else 0.0
+    anchor_synced = True  # the anchor equals the policy (initial copy or just refreshed) until the next update
 
     result = RunResult(config=asdict(cfg), equalizer=s_eq, predicted_scale=gradient_scale(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob))
     result.base = _evaluate(policy, data, eval_noise, cfg)
@@ -212,59 +212,36 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
             result.noise_std = traj.std.clone()
             result.grad_norms_start = _grad_norms(policy, traj, sigmas, cfg)
 
-        # 3. updates: which (sample, step) pairs are trained
-        steps = torch.stack(
-            [select_timesteps(cfg.num_steps, cfg.timestep_fraction, cfg.permute_timesteps, gen) for _ in range(batch)]
-        )  # [B, k] original diffusion indices
+        # 3. updates through the shared GRPO update (sage_grpo.grpo): each a disjoint minibatch of samples, all of
+        # its (sample, step) pairs re-scored in one forward
+        steps = plan_steps(batch, traj.std**2, cfg.timestep_fraction, cfg.permute_timesteps, gen)  # [B, k]
         order = torch.randperm(batch, generator=gen)  # [B]
         stats_acc: dict[str, list[float]] = {}
         for mb in order.chunk(cfg.updates_per_rollout):
-            i_idx = mb[:, None].expand(-1, steps.shape[1]).reshape(-1)  # [P] sample of each pair
-            t_idx = steps[mb].reshape(-1)  # [P] step of each pair
-            keep = traj.std[t_idx] > 0  # [P] deterministic steps carry no policy gradient
-            i_idx, t_idx = i_idx[keep], t_idx[keep]
-            x_t = traj.latents[t_idx, i_idx]  # [P, D]
-            x_next = traj.latents[t_idx + 1, i_idx]  # [P, D]
-            s, s_next = sigmas32[t_idx], sigmas32[t_idx + 1]  # [P]
-            out = sde_step(
-                cfg.sampler, policy(x_t, s), x_t, s, s_next, cfg.eta, sigma_max=sigmas[1], prev_sample=x_next,
-                cps_logprob=cfg.cps_logprob,
-            )
-            logp_old = traj.log_probs[t_idx, i_idx]  # [P]
-            mask = valid[i_idx]  # [P]
-            loss, pstats = clipped_policy_loss(
-                out.log_prob, logp_old, adv[i_idx], cfg.clip_range, weights=weights[t_idx], mask=mask
-            )
-            kl_pos = kl_vel = None
-            if cfg.uses_kl_pos:
-                with torch.no_grad():
-                    ref = sde_step(
-                        cfg.sampler, anchor(x_t, s), x_t, s, s_next, cfg.eta, sigma_max=sigmas[1],
-                        prev_sample=x_next, cps_logprob=cfg.cps_logprob,
-                    )
-                kl_pos = kl_position(out.mean, ref.mean, out.std**2)[mask]  # [P']
-            if cfg.uses_kl_vel:
-                kl_vel = kl_velocity(logp_old, out.log_prob)[mask]  # [P']
-            if controller is not None:
-                l_kl = dual_kl(kl_pos, kl_vel, beta_pos=cfg.kl_beta_pos, beta_vel=beta_vel)
-                loss = loss + controller.value * l_kl
-                _acc(stats_acc, "kl/coef", controller.value)
-                _acc(stats_acc, "kl/loss", float(l_kl.detach()))
-            if kl_pos is not None:
-                _acc(stats_acc, "kl/pos", float(kl_pos.detach().mean()))
-            if kl_vel is not None:
-                _acc(stats_acc, "kl/vel", float(kl_vel.detach().mean()))
+            pairs = PairBatch(samples=mb.repeat_interleave(steps.shape[1]), steps=steps[mb].reshape(-1))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            mb_stats = grpo_backward(
+                pairs, lambda i, t, tr=traj: _rescore(policy, tr, sigmas, i, t, cfg),
+                logp_old=traj.log_probs.T, advantages=adv, valid=valid, step_weights=weights,
+                clip_range=cfg.clip_range, normalizer=max(int(valid[pairs.samples].sum()), 1),
+                kl_coef=controller.value if controller is not None else 0.0, beta_pos=beta_pos, beta_vel=beta_vel,
+                anchor_fn=(lambda b, tr=traj: _rescore(anchor, tr, sigmas, b.samples, b.steps, cfg).mean),
+                anchor_is_policy=anchor_synced,
+            )
             gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
             opt.step()
             num_updates += 1
+            anchor_synced = False
+            summary = mb_stats.summary()
             if controller is not None:
-                controller.update(float(l_kl.detach()))
+                _acc(stats_acc, "kl/coef", controller.value)
+                controller.update(summary["kl/loss"])
             if cfg.refreshes_anchor and num_updates % cfg.kl_refresh_every == 0:
                 anchor.load_state_dict(policy.state_dict())
-            _acc(stats_acc, "train/clipfrac", pstats.clipfrac)
-            _acc(stats_acc, "train/approx_kl", pstats.approx_kl)
+                anchor_synced = True
+            for key in ("kl/loss", "kl/pos", "kl/vel", "train/clipfrac", "train/approx_kl"):
+                if key in summary:
+                    _acc(stats_acc, key, summary[key])
             _acc(stats_acc, "train/grad_norm", float(gnorm))
         row["reward/rollout"] = float(rewards.mean())
         row["off_manifold/rollout"] = float(data.distance_to_support(traj.latents[-1]).mean())
@@ -278,6 +255,16 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
         result.grad_norms_end = _grad_norms(policy, traj, sigmas, cfg)
     result.wall_s = time.perf_counter() - t_start
     return result
+
+
+def _rescore(model: nn.Module, traj: Trajectory, sigmas: Tensor, i: Tensor, t: Tensor, cfg: LabConfig):
+    """The step callback of the shared update: re-score stored transitions (i, t) [P] under `model`."""
+    x_t, x_next = traj.latents[t, i], traj.latents[t + 1, i]  # [P, D]
+    s, s_next = sigmas[t].float(), sigmas[t + 1].float()  # [P]
+    return sde_step(
+        cfg.sampler, model(x_t, s), x_t, s, s_next, cfg.eta, sigma_max=sigmas[1], prev_sample=x_next,
+        cps_logprob=cfg.cps_logprob,
+    )
 
 
 def _grad_norms(policy: nn.Module, traj: Trajectory, sigmas: Tensor, cfg: LabConfig) -> Tensor:
