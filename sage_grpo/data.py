@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sage_grpo.errors import SageGRPOError
 
-__all__ = ["PromptRecord", "read_prompts"]
+__all__ = ["GroupSampler", "PromptRecord", "read_prompts"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +77,55 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     if not records:
         raise SageGRPOError(f"{path}: no prompts")
     return records
+
+
+class GroupSampler:
+    """The prompts of each training step, G copies each, laid out over the data-parallel ranks.
+
+    A step takes `batch_size * dp_size / G` prompts from an epoch-wise permutation of the prompt list (drawn from
+    seed and epoch; an epoch boundary falls inside a step when the count does not divide). The step's videos are
+    the prompts repeated G times in order, [p0 x G, p1 x G, ...], and data-parallel rank r takes positions
+    r * batch_size ... (r + 1) * batch_size: a group may span consecutive ranks (reference_system.md). Every rank
+    computes the same plan from (seed, epoch, position), so nothing is broadcast; `state_dict` is (epoch, position).
+    """
+
+    def __init__(self, num_prompts: int, *, batch_size: int, num_generations: int, dp_size: int, seed: int):
+        videos = batch_size * dp_size
+        if videos % num_generations:
+            raise ValueError(f"batch_size * dp_size = {videos} is not a multiple of num_generations {num_generations}")
+        if num_prompts < 1:
+            raise ValueError("no prompts")
+        self.num_prompts, self.batch_size, self.g, self.seed = num_prompts, batch_size, num_generations, seed
+        self.prompts_per_step = videos // num_generations
+        self.epoch, self.position = 0, 0
+
+    def _permutation(self, epoch: int) -> list[int]:
+        import torch
+
+        from sage_grpo.seeding import derive_seed
+
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 0x5A4D))
+        return torch.randperm(self.num_prompts, generator=gen).tolist()
+
+    def next_step(self) -> list[int]:
+        """Advance one step -> the step's prompt indices (prompts_per_step of them, the group ids' order)."""
+        out: list[int] = []
+        while len(out) < self.prompts_per_step:
+            perm = self._permutation(self.epoch)
+            take = min(self.prompts_per_step - len(out), self.num_prompts - self.position)
+            out += perm[self.position : self.position + take]
+            self.position += take
+            if self.position == self.num_prompts:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def rank_slice(self, step_prompts: list[int], dp_rank: int) -> list[tuple[int, int, int]]:
+        """This rank's videos of a step -> [(group index within the step, prompt index, generation 0..G-1)]."""
+        videos = [(gi, p, gen) for gi, p in enumerate(step_prompts) for gen in range(self.g)]
+        return videos[dp_rank * self.batch_size : (dp_rank + 1) * self.batch_size]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

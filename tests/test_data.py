@@ -34,3 +34,26 @@ def test_errors(tmp_path, name, text, match):
         read_prompts(tmp_path / name)
     with pytest.raises(SageGRPOError, match="not found"):
         read_prompts(tmp_path / "missing.csv")
+
+
+def test_group_sampler_layout_epochs_and_resume():
+    from sage_grpo.data import GroupSampler
+
+    s = GroupSampler(5, batch_size=2, num_generations=4, dp_size=4, seed=1)  # 8 videos = 2 prompts per step
+    steps = [s.next_step() for _ in range(5)]  # 10 prompts = exactly 2 epochs
+    assert all(len(x) == 2 for x in steps)
+    flat = [p for x in steps for p in x]
+    assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:]) == list(range(5))  # each epoch a permutation
+    assert flat[:5] != flat[5:]  # reshuffled per epoch (seed + epoch)
+    assert s.state_dict() == {"epoch": 2, "position": 0}
+    # a group of 4 spans ranks 0-1 and 2-3; every rank holds batch_size videos; generations run 0..G-1
+    layout = [s.rank_slice([7, 9], r) for r in range(4)]
+    assert layout == [[(0, 7, 0), (0, 7, 1)], [(0, 7, 2), (0, 7, 3)], [(1, 9, 0), (1, 9, 1)], [(1, 9, 2), (1, 9, 3)]]
+    # resume: a fresh sampler restored from the state continues identically
+    a = GroupSampler(5, batch_size=2, num_generations=4, dp_size=4, seed=1)
+    a.next_step(), a.next_step(), a.next_step()  # position 1 of epoch 1: the next step crosses no boundary yet
+    b = GroupSampler(5, batch_size=2, num_generations=4, dp_size=4, seed=1)
+    b.load_state_dict(a.state_dict())
+    assert [a.next_step() for _ in range(4)] == [b.next_step() for _ in range(4)]
+    c = GroupSampler(5, batch_size=2, num_generations=4, dp_size=4, seed=2)
+    assert [c.next_step() for _ in range(3)] != steps[:3]

@@ -1,0 +1,1 @@
+"""Distributed layout and collectives (process groups, data/sequence-parallel ranks)."""
