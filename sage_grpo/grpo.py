@@ -139,6 +139,17 @@ def grpo_backward(
     since) the policy's own detached means stand in, giving KL_pos = 0 and zero gradient without a forward.
     """
     i, t = batch.samples, batch.steps
+    ref = None
+    if beta_pos > 0 and not anchor_is_policy:
+        # the anchor runs first: a LoRA anchor swaps adapter weights in place, which must not happen while the
+        # policy's graph holds them for backward
+        if batch.ref_mean is not None:
+            ref = batch.ref_mean
+        elif anchor_fn is not None:
+            with torch.no_grad():
+                ref = anchor_fn(batch)
+        else:
+            raise ValueError("KL_pos needs the anchor means (batch.ref_mean or anchor_fn)")
     out = step_fn(i, t)
     dev = out.log_prob.device
     i_d, t_d = i.to(logp_old.device), t.to(logp_old.device)
@@ -161,13 +172,6 @@ def grpo_backward(
     if beta_pos > 0:
         if anchor_is_policy:
             ref = out.mean.detach()
-        elif batch.ref_mean is not None:
-            ref = batch.ref_mean
-        elif anchor_fn is not None:
-            with torch.no_grad():
-                ref = anchor_fn(batch)
-        else:
-            raise ValueError("KL_pos needs the anchor means (batch.ref_mean or anchor_fn)")
         kl_pos = torch.where(mask, kl_position(out.mean, ref.to(dev), out.std**2), 0.0)  # [P]
         kl_total = kl_total + beta_pos * kl_pos.sum()
         stats.add("kl/pos", float(kl_pos.detach().sum()) / max(count, 1), count)

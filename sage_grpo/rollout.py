@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from sage_grpo.models.text_cache import TextConditioning
 from sage_grpo.schedule import sigma_schedule
-from sage_grpo.seeding import derive_seed
 from sage_grpo.sde import SAGE_SIGMA_CLAMP, SDEStepOutput, check_sampler, sde_step
+from sage_grpo.seeding import derive_seed
 
 __all__ = [
     "SamplerSettings",
@@ -58,6 +58,8 @@ class SamplerSettings:
     sage_clamp: float = SAGE_SIGMA_CLAMP
     compute_dtype: torch.dtype | None = None  # transformer inputs; None = the transformer's parameter dtype
     autocast: bool = False  # wrap the forward in torch.autocast(compute_dtype) (fp32 master weights)
+    master_dtype: torch.dtype | None = None  # dtype of the trained weights; under autocast the timestep stays in
+    # it (None = the first parameter's dtype, which is the frozen base's with LoRA: pass it explicitly there)
 
     def __post_init__(self):
         check_sampler(self.sde_type)
@@ -83,6 +85,7 @@ class SamplerSettings:
             sage_clamp=r.sage_sigma_clamp,
             compute_dtype=torch_dtype(m.dtype),
             autocast=torch_dtype(m.dtype) != torch_dtype(m.master_weight_type),
+            master_dtype=torch_dtype(m.master_weight_type),
         )
 
 
@@ -152,7 +155,7 @@ def predict_velocity(
     cond / uncond: [B, ...]; uncond is used iff settings.use_cfg. image_tokens: the pipeline's
     vision_num_semantic_tokens (zeros for t2v).
     """
-    param_dtype = next(transformer.parameters()).dtype
+    param_dtype = settings.master_dtype or next(transformer.parameters()).dtype
     dtype = settings.compute_dtype or param_dtype
     b = latents.shape[0]
     x = latents.to(dtype)
@@ -216,15 +219,21 @@ def rollout(
     storage_dtype: torch.dtype = torch.float32,
     show_progress: bool = False,
     initial_latents: Tensor | None = None,
+    chunk_size: int = 0,
+    device: torch.device | str | None = None,
 ) -> Trajectory:
     """Sample B trajectories (B = len(prompts); the caller repeats each prompt G times).
 
     cond: [B, ...]; uncond: [B, ...] or [1, ...] (broadcast), ignored without CFG. prompt_ids / generation_ids /
     prompt_seeds: [B] long. latent_shape: [C, F, H, W] (see `latent_shape`). storage_dtype: dtype of the stored
     latents (every x_{t+1} is rounded to it before its log-prob is taken). initial_latents: [B, C, F, H, W] to
-    bypass the seeded noise (tests). show_progress: the caller passes rank == 0.
+    bypass the seeded noise (tests). show_progress: the caller passes rank == 0. chunk_size: samples per
+    transformer call (0 = all B at once); the update re-scores in the same chunks, so that its first ratio is exactly
+    1 (a matmul's rounding depends on the batch it runs in). device: where the latents live (default: the
+    conditioning's device).
     """
-    device = cond.prompt_embeds.device
+    device = torch.device(device) if device is not None else cond.prompt_embeds.device
+    cond = cond.to(device)
     b, t_steps = len(prompts), settings.num_steps
     if settings.use_cfg and uncond is not None and len(uncond) == 1 and b > 1:
         uncond = uncond.index([0] * b)
@@ -238,7 +247,11 @@ def rollout(
     latents[:, 0] = x
     for i in tqdm(range(t_steps), desc="rollout", disable=not show_progress, leave=False):
         steps = torch.full((b,), i, dtype=torch.long, device=device)
-        v = predict_velocity(transformer, x, sigmas[steps], cond, uncond, settings, image_tokens)  # [B, C, F, H, W]
+        v = torch.cat([
+            predict_velocity(transformer, x[c], sigmas[steps[c]], cond.index(c),
+                             uncond.index(c) if settings.use_cfg else None, settings, image_tokens)
+            for c in torch.arange(b, device=device).split(chunk_size or b)
+        ])  # [B, C, F, H, W]
         gens = _generators([derive_seed(base_seed, int(ps), int(g), i) for ps, g in zip(prompt_seeds.tolist(), generation_ids.tolist())], device)
         out = _step(settings, v, x, sigmas, steps, generator=gens)
         x = out.prev_sample  # storage dtype
