@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from .errors import SageGRPOError
-from .sde import CPS_LOGPROB_MODES, LOGPROB_REDUCTIONS, SAGE_SIGMA_CLAMP, SAMPLERS
+from .sde import CPS_LOGPROB_MODES, LOGPROB_REDUCTIONS, SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule
 
 __all__ = [
     "ModelConfig",
@@ -559,20 +559,17 @@ def check_values(cfg: Config) -> None:
             f"--reward_min_pixels ({cfg.reward.reward_min_pixels}) must be <= --reward_max_pixels "
             f"({cfg.reward.reward_max_pixels})"
         )
-    if r.sde_type == "sage_grpo":
-        from .schedule import sigma_schedule
-
-        sigma_1 = float(sigma_schedule(r.grpo_sampling_steps, r.flow_shift)[1])
-        if sigma_1 >= r.sage_sigma_clamp:
-            raise SageGRPOError(
-                f"sage_grpo's first step has no noise with --grpo_sampling_steps {r.grpo_sampling_steps} and "
-                f"--flow_shift {r.flow_shift} (sigma_1 = {sigma_1:.5f} >= --sage_sigma_clamp {r.sage_sigma_clamp}); "
-                "use fewer steps, a smaller shift, or a --sage_sigma_clamp closer to 1"
-            )
     if r.flow_shift <= 0 or v.validation_timestep_shift <= 0:
         raise SageGRPOError("--flow_shift and --validation_timestep_shift must be > 0")
     if not 0.0 < r.sage_sigma_clamp < 1.0:
         raise SageGRPOError(f"--sage_sigma_clamp must be in (0, 1), got {r.sage_sigma_clamp}")
+    if r.eta == 0:  # every rollout sampler is an SDE (sde_type has no "ode")
+        raise SageGRPOError(
+            f"--eta must be > 0 for --sde_type {r.sde_type}: at eta = 0 every step is the deterministic ODE, every "
+            "log-prob is 0 and nothing learns; use the paper's 0.5"
+        )
+    if r.sde_type == "sage_grpo":  # every step must inject noise (--grpo_sampling_steps / --flow_shift / clamp)
+        check_sage_schedule(r.grpo_sampling_steps, r.flow_shift, r.sage_sigma_clamp)
     if r.sde_type == "cps" and r.eta > 1.0:
         raise SageGRPOError(f"--eta must be <= 1 for cps (s_t = sigma_next sin(eta pi/2) <= sigma_next), got {r.eta}")
     if k.kl_weight > 0 and not k.kl_min_coef <= k.kl_coef <= k.kl_weight:

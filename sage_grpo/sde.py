@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .errors import SageGRPOError
+
 __all__ = [
     "SAGE_SIGMA_CLAMP",
     "SAMPLERS",
@@ -31,6 +33,7 @@ __all__ = [
     "CPS_LOGPROB_MODES",
     "SDEStepOutput",
     "check_sampler",
+    "check_sage_schedule",
     "step_variance",
     "mean_sensitivity",
     "sde_step",
@@ -82,6 +85,95 @@ def _bcast(v: Tensor, ndim: int) -> Tensor:
     return v.reshape(v.shape[0], *([1] * (ndim - 1)))
 
 
+def _sage_integral(sigma: Tensor, sigma_next: Tensor, sage_clamp: float) -> Tensor:
+    """log((1 - sigma_next) / (1 - min(sigma, clamp))) - (sigma - sigma_next), in fp64 whatever the input dtype and
+    written with log1p: near sigma = 0 the two terms cancel to ~ sigma * delta, which the plain fp32 form rounds to
+    <= 0 on long low-shift schedules (e.g. 155 steps with shift 0.05)."""
+    s, sn = sigma.double(), sigma_next.double()
+    s_bar = s.clamp(max=sage_clamp)
+    return torch.log1p((s_bar - sn) / (1.0 - s_bar)) - (s - sn)
+
+
+def _sage_schedule_integrals(num_steps: int, shift: float, sage_clamp: float) -> list[tuple[Tensor, Tensor]]:
+    """[(sigmas, integral per step)] for the schedule in fp32 (as `sde_step` receives it) and in fp64 (as the
+    equalizer receives it): both must pass."""
+    from .schedule import sigma_schedule
+
+    sig64 = sigma_schedule(num_steps, shift)
+    return [(sig, _sage_integral(sig[:-1], sig[1:], sage_clamp)) for sig in (sig64.float(), sig64)]
+
+
+def _sage_schedule_ok(num_steps: int, shift: float, sage_clamp: float) -> bool:
+    """Whether every sage_grpo step of the schedule has V_t > 0."""
+    return all(bool((v > 0).all()) for _, v in _sage_schedule_integrals(num_steps, shift, sage_clamp))
+
+
+def _largest(ok, lo: float, hi: float, integer: bool) -> float | None:
+    """Bisection for the largest x in [lo, hi) with ok(x), assuming ok holds below some threshold; None if ok(lo)
+    fails."""
+    if not ok(lo):
+        return None
+    for _ in range(60):
+        if (integer and hi - lo <= 1) or (not integer and hi - lo <= 1e-4 * hi):
+            break
+        mid = (lo + hi) // 2 if integer else (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _refuse_silent_sage_steps(
+    sigma: Tensor,
+    sigma_next: Tensor,
+    integral: Tensor,
+    sage_clamp: float,
+    num_steps: int | None = None,
+    shift: float | None = None,
+) -> None:
+    """The one message for a sage_grpo step with V_t <= 0 (it would silently inject no noise, its log-prob would
+    be 0 and it would train nothing). Names the first such step and, when the schedule is known, the nearest valid
+    steps, shift and clamp."""
+    bad = (integral <= 0).reshape(-1)
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0])
+    s, sn = float(sigma.reshape(-1)[i]), float(sigma_next.reshape(-1)[i])
+    where = f"step {i} " if num_steps is not None else ""
+    schedule = f"{num_steps} steps, shift {shift:g} and " if num_steps is not None and shift is not None else ""
+    msg = (
+        f"sage_grpo {where}(sigma {s:.6f} -> {sn:.6f}) would inject no noise: V_t / eta^2 = log((1 - sigma_next) / "
+        f"(1 - min(sigma, clamp))) - (sigma - sigma_next) = {float(integral.reshape(-1)[i]):.3g} <= 0 with "
+        f"{schedule}--sage_sigma_clamp {sage_clamp}"
+    )
+    if num_steps is None or shift is None:
+        raise SageGRPOError(msg + "; use fewer steps, a smaller shift or a --sage_sigma_clamp closer to 1")
+    fixes = []
+    steps = _largest(lambda t: _sage_schedule_ok(int(t), shift, sage_clamp), 1, num_steps, integer=True)
+    if steps:
+        fixes.append(f"fewer steps (at most {int(steps)} with shift {shift:g})")
+    sh = _largest(lambda x: _sage_schedule_ok(num_steps, x, sage_clamp), shift * 1e-6, shift, integer=False)
+    if sh:
+        k = 3 - math.floor(math.log10(sh))  # 4 significant digits, rounded down so that the value works
+        sh = math.floor(sh * 10**k) / 10**k
+        fixes.append(f"a smaller shift (at most {sh:g} with {num_steps} steps)")
+    # the smallest clamp that works (a clamp closer to 1 always helps), rounded up to 6 decimals
+    d = _largest(lambda d: _sage_schedule_ok(num_steps, shift, 1.0 - d), 1e-12, 1.0 - sage_clamp, integer=False)
+    hint = math.floor((1.0 - d) * 1e6 + 1) / 1e6 if d else 1.0
+    ok = hint < 1.0 and _sage_schedule_ok(num_steps, shift, hint)
+    fixes.append("a --sage_sigma_clamp closer to 1" + (f" (at least {hint:.6f})" if ok else ""))
+    use = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + " or " + fixes[-1]
+    raise SageGRPOError(f"{msg}; use {use}")
+
+
+def check_sage_schedule(num_steps: int, shift: float, sage_clamp: float = SAGE_SIGMA_CLAMP) -> None:
+    """Refuse (SageGRPOError) a sage_grpo schedule on which some step has V_t <= 0: where sigma_t is clamped, the
+    variance integral is negative once sigma_1 exceeds about clamp - 9e-6 (default clamp: from 68 steps on with
+    shift 5, 84 with shift 4, 167 with shift 2, 333 with shift 1); such a step would silently inject no noise.
+    V_t is evaluated as `step_variance` evaluates it, on the fp32 and the fp64 schedule. The one check behind the
+    config, generate.py, plot_sde.py and `sde_step` itself."""
+    for sig, integral in _sage_schedule_integrals(num_steps, shift, sage_clamp):
+        _refuse_silent_sage_steps(sig[:-1], sig[1:], integral, sage_clamp, num_steps, shift)
+
+
 def step_variance(
     sde_type: str,
     sigma: Tensor,
@@ -118,16 +210,10 @@ def step_variance(
         denom_sigma = torch.where(at_one, sigma_max, sigma) if bool(at_one.any()) else sigma
         return eta**2 * sigma / (1.0 - denom_sigma) * delta
     if sde_type == "sage_grpo":
-        sigma_bar = sigma.clamp(max=sage_clamp)
-        var = eta**2 * (torch.log((1.0 - sigma_next) / (1.0 - sigma_bar)) - delta)
-        if eta > 0 and bool((sigma_next >= sage_clamp).any()):
-            # the clamp moved sigma_t below sigma_{t+1}: the "integral" is negative and the step would silently
-            # carry no noise (with shift 5 this happens from T = 68 steps on)
-            raise ValueError(
-                f"sage_grpo: sigma_next = {float(sigma_next.max()):.5f} is above the clamp {sage_clamp}; use fewer "
-                "steps or a smaller shift, or raise sage_clamp (--sage_sigma_clamp) closer to 1"
-            )
-        return var
+        integral = _sage_integral(sigma, sigma_next, sage_clamp)
+        if eta > 0:
+            _refuse_silent_sage_steps(sigma, sigma_next, integral, sage_clamp)
+        return (eta**2 * integral).to(sigma.dtype if sigma.is_floating_point() else torch.get_default_dtype())
     # cps
     s = sigma_next * math.sin(eta * math.pi / 2.0)
     return s * s

@@ -1,11 +1,14 @@
 import math
+import re
 
 import pytest
 import torch
 from torch.distributions import Normal
 
+from sage_grpo.config import load_config
+from sage_grpo.errors import SageGRPOError
 from sage_grpo.schedule import sigma_schedule
-from sage_grpo.sde import SAGE_SIGMA_CLAMP, SAMPLERS, check_sampler, sde_step, step_variance
+from sage_grpo.sde import SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule, check_sampler, sde_step, step_variance
 
 SDES = ["dance_grpo", "flow_grpo", "sage_grpo", "cps"]
 SIG = sigma_schedule(20, 5.0)
@@ -52,11 +55,82 @@ def test_sage_less_noise_than_flow_after_first_step():
 
 def test_sage_refuses_a_schedule_whose_first_step_the_clamp_would_silence():
     sig = sigma_schedule(100, 5.0)  # sigma_1 = 0.998 > 0.997
-    with pytest.raises(ValueError, match="above the clamp"):
+    with pytest.raises(SageGRPOError, match="would inject no noise.*use fewer steps"):
         sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), sig[0].item(), sig[1].item(), 0.5)
     out = sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), sig[0].item(), sig[1].item(), 0.5,
                    sage_clamp=0.999)
     assert out.std.item() > 0
+
+
+def _sage_v(s, sn, clamp):
+    """V_t / eta^2 of sage_grpo written out in Python floats (paper Eq. 5), independent of sage_grpo.sde."""
+    return math.log((1 - sn) / (1 - min(s, clamp))) - (s - sn)
+
+
+@pytest.mark.parametrize("shift", [0.5, 1.0, 2.0, 4.0, 5.0, 9.0])
+def test_every_sage_schedule_the_config_accepts_injects_noise_on_every_step(shift):
+    # The region: only step 0 can fail (sigma_t <= clamp makes the integral positive), and it fails once
+    # 1 - sigma_1 = 1 / (shift (T - 1) + 1) is too small; the sweep straddles the boundary of every shift.
+    for steps in (1, 2, 20, 50, 67, 68, 83, 84, 166, 167, 332, 333, 700):
+        sig = sigma_schedule(steps, shift)
+        expect_ok = _sage_v(1.0, 1.0 - 1.0 / (shift * (steps - 1) + 1), SAGE_SIGMA_CLAMP) > 0
+        argv = ["--grpo_sampling_steps", str(steps), "--flow_shift", str(shift)]
+        if not expect_ok:
+            with pytest.raises(SageGRPOError, match=r"sage_grpo step 0 .* would inject no noise.*use fewer steps"):
+                load_config(argv)
+            continue
+        load_config(argv)
+        for i in range(steps):  # the rollout's path: fp64 schedule entries, fp32 math inside sde_step
+            out = sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), sig[i], sig[i + 1], 0.5,
+                           noise=torch.zeros(1, 2))
+            assert out.std.item() > 0 and out.log_prob.item() != 0, (steps, shift, i)
+
+
+def test_sigma_next_at_the_clamp_is_refused():
+    sig = sigma_schedule(20, 5.0)
+    at = float(sig[1])  # a clamp exactly at sigma_1: the step's integral is -delta < 0
+    with pytest.raises(SageGRPOError, match="step 0 .*would inject no noise"):
+        load_config(["--sage_sigma_clamp", repr(at)])
+    with pytest.raises(SageGRPOError, match="would inject no noise"):
+        sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), sig[0], sig[1], 0.5, sage_clamp=at)
+    with pytest.raises(SageGRPOError, match="would inject no noise"):  # a zero-length step: V_t = 0
+        sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), 0.5, 0.5, 0.5)
+    # the smallest clamp with a positive integral is 1 - (1 - sigma_1) exp(-(1 - sigma_1)): just above it works
+    above = 1 - (1 - at) * math.exp(-(1 - at)) + 1e-7
+    assert _sage_v(1.0, at, above) > 0
+    load_config(["--sage_sigma_clamp", repr(above)])
+    out = sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), sig[0], sig[1], 0.5, sage_clamp=above)
+    assert out.std.item() > 0
+
+
+def test_sage_refusal_names_the_step_and_the_fixes_and_they_work():
+    with pytest.raises(SageGRPOError) as e:
+        check_sage_schedule(84, 4.0)
+    msg = str(e.value)
+    assert "step 0" in msg and "84 steps, shift 4" in msg and "--sage_sigma_clamp 0.997" in msg
+    steps = int(re.search(r"at most (\d+) with shift", msg).group(1))
+    shift = float(re.search(r"a smaller shift \(at most ([0-9.]+)", msg).group(1))
+    clamp = float(re.search(r"closer to 1 \(at least ([0-9.]+)", msg).group(1))
+    for fixed in (["--grpo_sampling_steps", str(steps), "--flow_shift", "4"],
+                  ["--grpo_sampling_steps", "84", "--flow_shift", str(shift)],
+                  ["--grpo_sampling_steps", "84", "--flow_shift", "4", "--sage_sigma_clamp", str(clamp)]):
+        load_config(fixed)
+    assert steps == 83  # 1 - sigma_1 = 1 / (4 * 82 + 1) leaves a positive integral, 1 / (4 * 83 + 1) does not
+    assert _sage_v(1.0, 1 - 1 / (4 * 82 + 1), SAGE_SIGMA_CLAMP) > 0 > _sage_v(1.0, 1 - 1 / (4 * 83 + 1), SAGE_SIGMA_CLAMP)
+
+
+def test_sage_variance_stays_positive_at_the_end_of_long_low_shift_schedules():
+    # Near sigma = 0 the two terms of the integral cancel to ~ sigma * delta; the plain fp32 form rounded it to
+    # <= 0 on such schedules (e.g. 155 steps with shift 0.05), silently dropping the last steps' noise.
+    for steps, shift in ((155, 0.05), (309, 0.1), (1000, 0.2)):
+        check_sage_schedule(steps, shift)
+        sig = sigma_schedule(steps, shift)
+        for i in range(steps - 3, steps):
+            out = sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), sig[i], sig[i + 1], 0.5,
+                           noise=torch.zeros(1, 2))
+            s, sn = float(sig[i]), float(sig[i + 1])
+            ref = 0.25 * (math.log1p((s - sn) / (1 - s)) - (s - sn))
+            assert out.std.item() ** 2 == pytest.approx(ref, rel=1e-3), (steps, shift, i)
 
 
 def test_sage_clamp_is_configurable():
