@@ -9,26 +9,33 @@
 
 The authors' flags keep their meaning; `--config` reads the `model:` and `validation:` sections of our YAML for
 everything not given on the command line. Sampling is the ODE (Euler) of diffusers' pipeline by default;
-`--sampler`/`--eta` pick a GRPO SDE sampler instead. Each video gets `<name>_config.json` next to it.
+`--sampler`/`--eta` pick a GRPO SDE sampler instead. Every flag is checked (with the config's rules) and the output
+folder and mp4 support are proven before any model loads. Each video `<name>.mp4` gets `<name>.txt` (the exact
+prompt, read by scripts/score_videos.py) and `<name>_config.json` (the resolved settings) beside it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import os
 import re
 import sys
 import time
 from pathlib import Path
 
-from sage_grpo.config import DTYPES
+from sage_grpo.cli import CLIParser, check_output_file, check_writable_dir, quiet_libraries, show_progress
+from sage_grpo.config import DTYPES, parse_bool
 from sage_grpo.errors import SageGRPOError, run_cli
 from sage_grpo.sde import SAMPLERS
 
+MAX_SEED = 2**63 - 1  # seeds are hashed as signed 64-bit integers
+OTHER_EXTENSIONS = {".mkv", ".avi", ".mov", ".webm", ".gif", ".m4v", ".mpg", ".mpeg", ".wmv", ".flv", ".png", ".jpg",
+                    ".jpeg", ".txt", ".json", ".csv"}  # fmt: skip
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--config", default="", help="our YAML config: its model: and validation: sections fill unset flags")
     a("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -42,16 +49,25 @@ def build_parser() -> argparse.ArgumentParser:
       "adapter_config.json sets r, alpha and the target modules")
     a("--num_inference_steps", type=int, default=None, help="sampling steps (default: 40)")
     a("--video_length", type=int, default=None, help="frames, 4k+1 (default: 81)")
-    a("--fixed_size", default=None, help="HxW in pixels (default: 480x864)")
+    a("--fixed_size", default=None, help="HxW in pixels, multiples of 16 (default: 480x864)")
     a("--seed", type=int, default=None, help="base seed (default: 930); each video's noise seed combines it with the "
-      "prompt file's seed column (or the prompt's row index)")
-    a("--output_path", default="outputs/generate", help="an .mp4 file (one prompt) or a directory")
+      "prompt text and the prompt file's seed column (or the prompt's row index)")
+    a("--output_path", default="outputs/generate", help="an .mp4 file (one prompt) or a directory (default: "
+      "outputs/generate)")
     a("--dtype", default=None, choices=DTYPES, help="weights/compute dtype (default: bf16)")
     a("--sampler", default="ode", choices=SAMPLERS, help="ode (deterministic, default) or a GRPO SDE sampler")
-    a("--eta", type=float, default=None, help="SDE noise level for --sampler != ode (default: rollout eta, 0.5)")
-    a("--cfg_scale", type=float, default=None, help="classifier-free guidance scale (default: 6.0; 1 = off)")
-    a("--flow_shift", type=float, default=None, help="schedule shift (default: 5.0)")
-    a("--fps", type=int, default=None, help="mp4 frame rate (default: 24)")
+    a("--eta", type=float, default=None, help="SDE noise level in (0, 1] for --sampler != ode (default: rollout eta, 0.5)")
+    a("--sage_sigma_clamp", type=float, default=None, help="sage_grpo's sigma clamp inside the log, in (0, 1) "
+      "(default: rollout.sage_sigma_clamp, 1 - 3e-3)")
+    a("--cfg_scale", type=float, default=None, help="classifier-free guidance scale >= 1 (default: 6.0; 1 = off)")
+    a("--flow_shift", type=float, default=None, help="schedule shift > 0 (default: 5.0)")
+    a("--fps", type=int, default=None, help="mp4 frame rate >= 1 (default: 24)")
+    a("--text_embedding_cache_dir", default=None, help="on-disk text-embedding cache (default: "
+      "model.text_embedding_cache_dir, empty = in memory)")
+    a("--offload_text_encoder", default=None, metavar="BOOL", help="move the text encoders off the device once the "
+      "prompts are encoded (default: model.offload_text_encoder, true)")
+    a("--verbose", action="store_true", help="show the libraries' warnings and progress bars (hidden by default; "
+      "the sampling bar shows on an interactive terminal)")
     return p
 
 
@@ -62,6 +78,53 @@ def _defaults(config_path: str):
     if not config_path:
         return Config()
     return load_config(["--config", config_path])  # a missing file is load_config's one clear error
+
+
+# config key named in sage_grpo.config.check_values' messages -> this script's flag
+_FLAG_OF = {
+    "validation_num_inference_steps": "num_inference_steps",
+    "grpo_sampling_steps": "num_inference_steps",
+    "validate_video_length": "video_length",
+    "validation_fixed_size": "fixed_size",
+    "validation_timestep_shift": "flow_shift",
+    "validation_guidance_scale": "cfg_scale",
+    "validation_seed": "seed",
+    "video_fps": "fps",
+    "sde_type": "sampler",
+}
+
+
+def _check_values(args: argparse.Namespace, cfg) -> None:
+    """Every sampling flag against the config system's rules (sage_grpo.config.check_values: steps >= 1, frames
+    4k + 1, sizes multiples of 16, shift > 0, fps >= 1, cps eta <= 1, the sage_grpo schedule and clamp), plus the
+    rules the config has no field for; messages name this script's flags."""
+    from sage_grpo.config import check_values
+
+    if args.flow_shift <= 0:  # the config's message names two flags at once
+        raise SageGRPOError(f"--flow_shift must be > 0, got {args.flow_shift:g}")
+    if args.cfg_scale < 1:
+        raise SageGRPOError(f"--cfg_scale must be >= 1 (1 = no guidance; the pipeline's default is 6), got {args.cfg_scale:g}")
+    if args.sampler != "ode" and not 0 < args.eta <= 1:
+        raise SageGRPOError(f"--eta must be in (0, 1] for --sampler {args.sampler} (the rollouts use 0.3-0.7; above 1 "
+                            f"the first steps inject more noise than the sample holds), got {args.eta:g}")
+    if not -MAX_SEED - 1 <= args.seed <= MAX_SEED:
+        raise SageGRPOError(f"--seed must fit in a signed 64-bit integer, got {args.seed}")
+    c = copy.deepcopy(cfg)
+    v = c.validation
+    v.validation_num_inference_steps, v.validate_video_length = args.num_inference_steps, args.video_length
+    v.validation_fixed_size, v.validation_timestep_shift = args.fixed_size, args.flow_shift
+    v.validation_guidance_scale, v.validation_seed = args.cfg_scale, args.seed
+    c.rollout.video_fps = args.fps
+    if args.sampler != "ode":  # the rollout rules of the sampler (the YAML's rollout section is checked already)
+        r = c.rollout
+        r.sde_type, r.eta, r.grpo_sampling_steps, r.flow_shift = args.sampler, args.eta, args.num_inference_steps, args.flow_shift
+        r.sage_sigma_clamp, r.cfg_scale = args.sage_sigma_clamp, args.cfg_scale
+    elif not 0.0 < args.sage_sigma_clamp < 1.0:
+        raise SageGRPOError(f"--sage_sigma_clamp must be in (0, 1), got {args.sage_sigma_clamp}")
+    try:
+        check_values(c)
+    except SageGRPOError as err:
+        raise SageGRPOError(re.sub(r"--(\w+)", lambda m: "--" + _FLAG_OF.get(m.group(1), m.group(1)), str(err))) from None
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -80,42 +143,42 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         "flow_shift": v.validation_timestep_shift,
         "fps": r.video_fps,
         "negative_prompt": r.neg_prompt,
+        "sage_sigma_clamp": r.sage_sigma_clamp,
+        "text_embedding_cache_dir": m.text_embedding_cache_dir,
+        "offload_text_encoder": m.offload_text_encoder,
     }
+    explicit_clamp = args.sage_sigma_clamp is not None
     for k, val in fill.items():
         if getattr(args, k) is None:
             setattr(args, k, val)
+    args.offload_text_encoder = parse_bool(args.offload_text_encoder, "--offload_text_encoder")
     args.lora = dict(r=m.lora_r, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=list(m.lora_target_modules))
-    args.text_embedding_cache_dir = m.text_embedding_cache_dir
-    args.offload_text_encoder = m.offload_text_encoder
     match = re.fullmatch(r"(\d+)[xX](\d+)", str(args.fixed_size))
     if not match:
         raise SageGRPOError(f"--fixed_size must be HxW, e.g. 480x864, got {args.fixed_size!r}")
     args.height, args.width = int(match.group(1)), int(match.group(2))
     if args.sampler == "ode" and args.eta:
         raise SageGRPOError("--eta applies to SDE samplers; pass --sampler sage_grpo (or another) with it")
+    if explicit_clamp and args.sampler != "sage_grpo":
+        raise SageGRPOError("--sage_sigma_clamp applies to --sampler sage_grpo only")
     if args.eta is None:  # an SDE sampler at eta 0 would silently be the ODE
         args.eta = 0.0 if args.sampler == "ode" else r.eta
     if args.sampler != "ode" and args.eta <= 0:
         raise SageGRPOError(f"--sampler {args.sampler} needs --eta > 0 (at 0 every SDE sampler is the ODE)")
+    _check_values(args, cfg)
     if args.sampler == "sage_grpo":
-        from sage_grpo.schedule import sigma_schedule
-        from sage_grpo.sde import SAGE_SIGMA_CLAMP
+        from sage_grpo.sde import check_sage_schedule
 
-        if float(sigma_schedule(args.num_inference_steps, args.flow_shift)[1]) >= SAGE_SIGMA_CLAMP:
-            raise SageGRPOError(
-                f"--sampler sage_grpo with {args.num_inference_steps} steps and shift {args.flow_shift}: the first "
-                "step would carry no noise (sigma_1 above the 1 - 3e-3 clamp); use fewer steps or a smaller shift"
-            )
+        check_sage_schedule(args.num_inference_steps, args.flow_shift, args.sage_sigma_clamp)
     return args
-
-
-def _slug(text: str, n: int = 48) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:n] or "video"
 
 
 def _prompts(args):
     from sage_grpo.data import PromptRecord, read_prompts
 
+    for p in args.prompt:
+        if not p.strip():
+            raise SageGRPOError("--prompt is empty; give the text to generate")
     records = [PromptRecord(prompt=p, index=i) for i, p in enumerate(args.prompt)]
     if args.prompt_file:
         from dataclasses import replace
@@ -124,17 +187,47 @@ def _prompts(args):
         records += [replace(r, index=r.index + len(records)) for r in read_prompts(args.prompt_file)]
     if not records:
         raise SageGRPOError("give --prompt \"...\" or --valid_video_csv/--prompt_file FILE")
-    if len(records) > 1 and Path(args.output_path).suffix == ".mp4":
-        raise SageGRPOError(f"--output_path {args.output_path!r} is one file but there are {len(records)} prompts; "
-                            "give a directory")
+    seen: dict[int, str] = {}
+    for rec in records:
+        if rec.index in seen:
+            raise SageGRPOError(f"{args.prompt_file}: index {rec.index} is used twice ({seen[rec.index]!r} and "
+                                f"{rec.prompt!r}); their videos would overwrite each other")
+        seen[rec.index] = rec.prompt
+        if rec.seed is not None and not -MAX_SEED - 1 <= rec.seed <= MAX_SEED:
+            raise SageGRPOError(f"{args.prompt_file}: seed {rec.seed} of {rec.prompt!r} does not fit in 64 bits")
     return records
 
 
 def _output_file(args, rec, single: bool) -> Path:
+    from sage_grpo.generation import sample_stem
+
     out = Path(args.output_path)
-    if single and out.suffix == ".mp4":
+    if single and out.suffix.lower() == ".mp4":
         return out
-    return out / f"{rec.index:04d}_{_slug(rec.prompt)}.mp4"
+    return out / f"{sample_stem(rec)}.mp4"
+
+
+def _check_outputs(args, records) -> None:
+    """The output path names an .mp4 (one prompt) or a folder, and is writable: proven before any model loads."""
+    out = Path(args.output_path)
+    suffix = out.suffix.lower()
+    if suffix in OTHER_EXTENSIONS and not out.is_dir():
+        raise SageGRPOError(f"--output_path {args.output_path!r}: only .mp4 videos are written; give a .mp4 file "
+                            "(one prompt) or a folder")
+    if suffix == ".mp4":
+        if len(records) > 1:
+            raise SageGRPOError(f"--output_path {args.output_path!r} is one file but there are {len(records)} "
+                                "prompts; give a directory")
+        check_output_file(out, "--output_path")
+    else:
+        check_writable_dir(out, "--output_path")
+
+
+def _check_weights(args) -> None:
+    """Paths that would otherwise fail only after the base model has loaded."""
+    for flag, path in (("--checkpoint_path", args.checkpoint_path), ("--lora_path", args.lora_path)):
+        if path and not Path(path).exists():
+            raise SageGRPOError(f"{flag} {path} does not exist")
 
 
 def _ensure_model(args) -> None:
@@ -151,15 +244,21 @@ def main(argv: list[str] | None = None) -> list[Path]:
     args = resolve_args(build_parser().parse_args(argv))
     records = _prompts(args)
     single = len(records) == 1
+    _check_outputs(args, records)
+    _check_weights(args)
+    from sage_grpo.video import check_mp4_support
+
+    check_mp4_support()  # before sampling, not after it
+    quiet_libraries(args.verbose)
 
     import torch
     import torch.distributed as dist
 
+    from sage_grpo.generation import sample_videos, write_sample
     from sage_grpo.models.loading import load_pipeline, resolve_dtype
     from sage_grpo.models.lora import load_dcp_transformer, setup_trainable
     from sage_grpo.models.text_cache import TextEmbeddingCache
-    from sage_grpo.rollout import SamplerSettings, decode_latents, latent_shape, rollout
-    from sage_grpo.video import write_video
+    from sage_grpo.rollout import SamplerSettings, latent_shape
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -184,37 +283,43 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if args.height * args.width > 256 * 256:
         pipe.vae.enable_tiling()
 
-    shape = latent_shape(pipe.vae.config, args.video_length, args.height, args.width)
+    try:
+        shape = latent_shape(pipe.vae.config, args.video_length, args.height, args.width)
+    except ValueError as err:  # a model whose VAE compresses more than the config's 16x rule allows for
+        raise SageGRPOError(f"--video_length / --fixed_size do not fit this model: {err}") from None
     settings = SamplerSettings(sde_type=args.sampler, eta=args.eta, num_steps=args.num_inference_steps,
-                               shift=args.flow_shift, cfg_scale=args.cfg_scale, compute_dtype=dtype)
+                               shift=args.flow_shift, cfg_scale=args.cfg_scale, compute_dtype=dtype,
+                               sage_clamp=args.sage_sigma_clamp)
     cache = TextEmbeddingCache(pipe, device, dtype, args.text_embedding_cache_dir or None)
     mine = records[rank::world]
     cache.precompute([r.prompt for r in mine] + ([args.negative_prompt] if settings.use_cfg else []))
     if args.offload_text_encoder:  # every prompt is cached: the encoders need no device memory while sampling
         cache.offload_encoders()
     written = []
-    for rec in mine:
-        t0 = time.time()
-        cond = cache.get([rec.prompt])
-        uncond = cache.get([args.negative_prompt]) if settings.use_cfg else None
-        prompt_seed = rec.seed if rec.seed is not None else rec.index
-        traj = rollout(pipe.transformer, cond, uncond, prompts=[rec.prompt], prompt_ids=torch.tensor([rec.index]),
-                       generation_ids=torch.zeros(1, dtype=torch.long), prompt_seeds=torch.tensor([prompt_seed]),
-                       latent_shape=shape, settings=settings, image_tokens=pipe.vision_num_semantic_tokens,
-                       base_seed=args.seed, show_progress=rank == 0)
-        frames = decode_latents(pipe.vae, traj.final_latents)[0]  # [F, 3, H, W] in [0, 1]
-        path = write_video(_output_file(args, rec, single), frames, fps=args.fps)
+    t0 = time.time()
+    for rec, frames in sample_videos(pipe, cache, mine, settings=settings, shape=shape, base_seed=args.seed,
+                                     negative_prompt=args.negative_prompt,
+                                     show_progress=rank == 0 and show_progress(args.verbose)):
+        path = _output_file(args, rec, single)
         meta = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
-        meta.update(prompt=rec.prompt, index=rec.index, prompt_seed=prompt_seed, frames=int(frames.shape[0]),
+        meta.update(prompt=rec.prompt, index=rec.index, prompt_seed=rec.seed,
+                    noise_seed=_noise_seed(rec), frames=int(frames.shape[0]),
                     layout=pipe.sage_grpo_location.layout, weights=str(pipe.sage_grpo_location.root),
                     seconds=round(time.time() - t0, 3), video=str(path))
-        path.with_name(path.stem + "_config.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+        write_sample(path, frames, prompt=rec.prompt, fps=args.fps, meta=meta)
         written.append(path)
         print(f"[generate] rank {rank}: {path} ({frames.shape[0]} frames {args.height}x{args.width}, {meta['seconds']} s)", flush=True)
+        t0 = time.time()
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
     return written
+
+
+def _noise_seed(rec) -> int:
+    from sage_grpo.seeding import prompt_noise_seed
+
+    return prompt_noise_seed(rec.prompt, rec.seed, rec.index)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from sage_grpo.config import torch_dtype
     from sage_grpo.rewards.tiny import write_tiny_base, write_tiny_videoreward
-    from sage_grpo.rewards.video_io import read_mp4, write_mp4
     from sage_grpo.rewards.videoalign import VideoAlignReward
+    from sage_grpo.video import read_video, write_video
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reward_model_path", default="", help="empty = build the tiny checkpoint")
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         outs = []
         for i in range(args.batch):
             p = tmp / f"v{i}.mp4"
-            write_mp4(p, videos[i].cpu(), fps=24)
-            frames, _ = read_mp4(p)
+            write_video(p, videos[i].cpu(), fps=24)
+            frames, _ = read_video(p)
             outs.append(reward(frames.unsqueeze(0).to(args.device), prompts[i : i + 1]))
         sync()
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}

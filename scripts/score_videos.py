@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Score mp4 videos with any set of rewards/metrics: the evaluation table of the paper (Table 2).
 
-    # a folder of mp4s; each video's prompt is read from <name>.txt beside it (else the file name is used)
+    # a folder of mp4s (generate.py's output): each prompt is read exactly from <name>.txt beside its video
+    # (else taken from the file name, with a warning); --videos may also be one .mp4
     python scripts/score_videos.py --videos outputs/samples/step_000100 --out eval/step100 \\
         --metrics videoalign_local,clipscore,pickscore --pretrained_model_root ckpts
     # a CSV with a `prompt` column and a `video_path` (or `video`, `path`) column
@@ -9,7 +10,9 @@
 
 Writes <out>.csv (one row per video + a final "MEAN" row) and <out>.json ({"videos": [...], "means": {...},
 "n_failed": {...}}). Columns: VQ, MQ, TA, Overall (normalised VideoAlign), CLIPScore, PickScore and any other
-component of the chosen metrics. Failed scores are NaN and left out of the means (their count is reported).
+component of the chosen metrics. A video that fails is one warning line and NaN, left out of the means (their
+count is reported); when a column has no score at all the tables are still written and the exit code is 2. Every
+flag is checked, and the output is proven writable, before any model loads.
 """
 
 from __future__ import annotations
@@ -19,52 +22,84 @@ import csv
 import json
 import math
 import sys
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sage_grpo.config import DTYPES  # noqa: E402
+from sage_grpo.cli import CLIParser, at_least, check_output_file, quiet_libraries  # noqa: E402
+from sage_grpo.config import DTYPES, Config, check_values  # noqa: E402
 from sage_grpo.errors import SageGRPOError  # noqa: E402
 
 VIDEO_COLUMNS = ("video_path", "video", "path")
 
 
-def list_inputs(src: Path) -> list[tuple[Path, str]]:
-    """(video path, prompt) pairs from a folder of mp4s or a prompt CSV."""
+def warn(message: str) -> None:
+    """One line on stderr for a video that is scored with a caveat or not at all."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _prompt_for(video: Path) -> tuple[str, bool]:
+    """(prompt, from_txt): the exact prompt in <name>.txt beside the video, else the file name."""
+    from sage_grpo.video import read_prompt_file
+
+    prompt = read_prompt_file(video)
+    return (prompt, True) if prompt is not None else (video.stem.replace("_", " "), False)
+
+
+def list_inputs(src: Path) -> tuple[list[tuple[Path, str]], list[str]]:
+    """(video path, prompt) pairs from a folder of mp4s, one mp4, or a prompt CSV, and the names of the videos whose
+    prompt was taken from the file name (no <name>.txt)."""
     if not src.exists():
         raise SageGRPOError(
-            f"--videos {src} does not exist: give a folder of .mp4 files or a CSV with prompt + video_path"
+            f"--videos {src} does not exist: give a folder of .mp4 files, one .mp4 or a CSV with prompt + video_path"
         )
-    if src.is_dir():
-        vids = sorted(src.glob("*.mp4"))
+    if src.is_dir() or src.suffix.lower() == ".mp4":
+        vids = sorted(src.glob("*.mp4")) if src.is_dir() else [src]
         if not vids:
             raise SageGRPOError(f"no .mp4 files in {src}")
-        pairs = []
+        pairs, guessed = [], []
         for v in vids:
-            txt = v.with_suffix(".txt")
-            prompt = txt.read_text().strip() if txt.is_file() else v.stem.replace("_", " ")
+            prompt, from_txt = _prompt_for(v)
             pairs.append((v, prompt))
-        return pairs
+            if not from_txt:
+                guessed.append(v.name)
+        return pairs, guessed
+    if src.suffix.lower() != ".csv":
+        raise SageGRPOError(f"--videos {src}: give a folder of .mp4 files, one .mp4 or a .csv with prompt + video_path")
     try:
-        with src.open(newline="") as f:
-            rows = list(csv.DictReader(f))
+        with src.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            cols = set(reader.fieldnames or ())
     except (UnicodeDecodeError, csv.Error) as err:
-        raise SageGRPOError(f"cannot read {src} as CSV: {err}") from None
-    cols = set(rows[0]) if rows else set()
+        raise SageGRPOError(f"cannot read {src} as a UTF-8 CSV: {err}") from None
     vcol = next((c for c in VIDEO_COLUMNS if c in cols), None)
     if "prompt" not in cols or vcol is None:
         raise SageGRPOError(
             f"{src} needs a 'prompt' column and one of {', '.join(VIDEO_COLUMNS)}; found columns {sorted(cols)}"
         )
+    if not rows:
+        raise SageGRPOError(f"{src} has a header but no rows")
     pairs = []
     for i, r in enumerate(rows):
-        p = Path(r[vcol])
+        p = Path(r[vcol] or "")
         p = p if p.is_absolute() else src.parent / p
         if not p.is_file():
             raise SageGRPOError(f"{src} row {i + 2}: video {p} does not exist")
-        pairs.append((p, r["prompt"]))
-    return pairs
+        pairs.append((p, r["prompt"] or ""))
+    return pairs, []
+
+
+def metric_names(spec: str) -> list[str]:
+    """The comma-separated names, each checked against the registry before any model loads."""
+    from sage_grpo.rewards import get_reward_builder
+
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise SageGRPOError("--metrics is empty")
+    for n in names:
+        get_reward_builder(n)  # an unknown name raises with the list of valid ones
+    return names
 
 
 def build_metrics(args: argparse.Namespace) -> dict:
@@ -87,10 +122,7 @@ def build_metrics(args: argparse.Namespace) -> dict:
     )
     if args.min_pixels:
         kwargs["min_pixels"] = args.min_pixels
-    names = [n.strip() for n in args.metrics.split(",") if n.strip()]
-    if not names:
-        raise SageGRPOError("--metrics is empty")
-    return {n: get_reward_builder(n)(**kwargs) for n in names}
+    return {n: get_reward_builder(n)(**kwargs) for n in metric_names(args.metrics)}
 
 
 def score_all(pairs: list[tuple[Path, str]], metrics: dict, device: str, video_fps: float) -> list[dict]:
@@ -98,21 +130,20 @@ def score_all(pairs: list[tuple[Path, str]], metrics: dict, device: str, video_f
     import torch
 
     from sage_grpo.rewards.base import score_safely
-    from sage_grpo.rewards.video_io import read_mp4
+    from sage_grpo.video import read_video
 
     comps = [c for m in metrics.values() for c in m.components]
     rows = []
     for path, prompt in pairs:
         row = {"video": str(path), "prompt": prompt}
         try:
-            frames, fps = read_mp4(path)
+            frames, fps = read_video(path)
         except SageGRPOError as err:
-            warnings.warn(str(err), RuntimeWarning, stacklevel=1)
+            warn(f"{err}; its scores are NaN")
             rows.append({**row, **{c: math.nan for c in comps}})
             continue
-        if abs(fps - video_fps) > 0.5:
-            warnings.warn(f"{path} is {fps:g} fps but frames are sampled assuming --video_fps {video_fps:g}",
-                          RuntimeWarning, stacklevel=1)  # fmt: skip
+        if fps and abs(fps - video_fps) > 0.5:
+            warn(f"{path} is {fps:g} fps but frames are sampled assuming --video_fps {video_fps:g}")
         video = frames.unsqueeze(0).to(device)  # [1, F, 3, H, W]
         for m in metrics.values():
             with torch.no_grad():
@@ -138,61 +169,109 @@ def write_tables(rows: list[dict], out: Path) -> None:
     means, failed = summarise(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     fields = list(rows[0])
-    with out.with_suffix(".csv").open("w", newline="") as f:
+    with out.with_suffix(".csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
         w.writerow({"video": "MEAN", "prompt": "", **means})
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
     js = {"videos": clean, "means": {k: (None if math.isnan(v) else v) for k, v in means.items()}, "n_failed": failed}
-    out.with_suffix(".json").write_text(json.dumps(js, indent=2))
+    out.with_suffix(".json").write_text(json.dumps(js, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags (reward flags share the training flags' names)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--videos", required=True, help="folder of .mp4 files, or CSV with prompt + video_path columns")
+    ap = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--videos", required=True, help="folder of .mp4 files, one .mp4, or CSV with prompt + video_path columns")
     ap.add_argument("--out", required=True, help="output prefix: writes <out>.csv and <out>.json")
     ap.add_argument("--metrics", default="videoalign_local,clipscore,pickscore", help="comma-separated reward names")
     ap.add_argument("--pretrained_model_root", default="ckpts")
     ap.add_argument("--reward_model_path", default="", help="default <root>/VideoReward")
     ap.add_argument("--reward_base_model_path", default="", help="default <root>/Qwen2-VL-2B-Instruct")
     ap.add_argument("--reward_checkpoint_mode", default="v3", choices=("v1", "v2", "v3"))
-    ap.add_argument("--clip_model_path", default="", help="default <root>/clip-vit-large-patch14")
-    ap.add_argument("--pickscore_model_path", default="", help="default <root>/PickScore_v1")
-    ap.add_argument("--pickscore_processor_path", default="", help="default <root>/CLIP-ViT-H-14-laion2B-s32B-b79K")
-    ap.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    ap.add_argument("--clip_model_path", default="", help="default <root>/clip-vit-large-patch14 (openai/clip-vit-large-patch14)")
+    ap.add_argument("--pickscore_model_path", default="", help="default <root>/PickScore_v1 (yuvalkirstain/PickScore_v1)")
+    ap.add_argument("--pickscore_processor_path", default="", help="default <root>/CLIP-ViT-H-14-laion2B-s32B-b79K "
+                    "(laion/CLIP-ViT-H-14-laion2B-s32B-b79K, tokenizer and processor files only)")
+    ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
     ap.add_argument("--max_pixels", type=int, default=200704)
     ap.add_argument("--min_pixels", type=int, default=0, help="0 = VideoAlign's default (100352)")
     ap.add_argument("--sample_fps", type=float, default=2.0)
     ap.add_argument("--video_fps", type=float, default=24.0)
+    ap.add_argument("--verbose", action="store_true", help="show the libraries' warnings and progress bars")
     return ap.parse_args(argv)
 
 
-def _cuda() -> bool:
-    """Whether CUDA is usable (imported lazily so --help stays fast)."""
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag's value, with the config's reward rules, before any model loads."""
     import torch
 
-    return torch.cuda.is_available()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run; user errors print one line to stderr and return 2."""
-    args = parse_args(argv)
+    at_least("--max_pixels", args.max_pixels, 1)
+    at_least("--min_pixels", args.min_pixels, 0)
+    at_least("--sample_fps", args.sample_fps, 0, strict=True)
+    at_least("--video_fps", args.video_fps, 0, strict=True)
+    cfg = Config()
+    cfg.reward.reward_max_pixels, cfg.reward.reward_sample_fps = args.max_pixels, args.sample_fps
+    cfg.reward.reward_min_pixels = args.min_pixels or cfg.reward.reward_min_pixels
+    if args.min_pixels == 0 and args.max_pixels < cfg.reward.reward_min_pixels:
+        raise SageGRPOError(f"--max_pixels {args.max_pixels} is below VideoAlign's default --min_pixels "
+                            f"{cfg.reward.reward_min_pixels}; give --min_pixels too")
     try:
-        pairs = list_inputs(Path(args.videos))
-        metrics = build_metrics(args)
-        rows = score_all(pairs, metrics, args.device, args.video_fps)
-        write_tables(rows, Path(args.out))
+        check_values(cfg)
     except SageGRPOError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise SageGRPOError(str(err).replace("--reward_", "--")) from None
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise SageGRPOError(f"--device {args.device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SageGRPOError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SageGRPOError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPUs")
+    metric_names(args.metrics)
+    out = Path(args.out)
+    for path in (out.with_suffix(".csv"), out.with_suffix(".json")):
+        check_output_file(path, "--out")
+
+
+def run(argv: list[str] | None) -> int:
+    """Check everything, load the metrics, score, write; raises SageGRPOError on user errors."""
+    args = parse_args(argv)
+    check_args(args)
+    pairs, guessed = list_inputs(Path(args.videos))
+    from sage_grpo.video import check_mp4_support
+
+    check_mp4_support()
+    quiet_libraries(args.verbose)
+    metrics = build_metrics(args)
+    if guessed:
+        warn(f"{len(guessed)} of {len(pairs)} videos have no <name>.txt beside them; their prompts were taken from "
+             f"the file names (e.g. {guessed[0]}), which TA, CLIPScore and PickScore then score against")
+    rows = score_all(pairs, metrics, args.device, args.video_fps)
+    out = Path(args.out)
+    write_tables(rows, out)
     means, failed = summarise(rows)
-    print(f"scored {len(rows)} videos -> {Path(args.out).with_suffix('.csv')}, {Path(args.out).with_suffix('.json')}")
+    tables = f"{out.with_suffix('.csv')}, {out.with_suffix('.json')}"
+    dead = [k for k, n in failed.items() if n == len(rows)]
+    if dead:
+        what = "every video failed to score" if len(dead) == len(means) else f"no video could be scored for {', '.join(dead)}"
+        raise SageGRPOError(f"{what} ({len(rows)} videos; see the warnings above); the tables are in {tables}")
+    print(f"scored {len(rows)} videos -> {tables}")
     for k, v in means.items():
         print(f"  {k:>12s}: {v: .4f}" + (f"  ({failed[k]} failed)" if failed[k] else ""))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run; user errors print one `error:` line to stderr and return 2."""
+    try:
+        return run(argv)
+    except SageGRPOError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ def test_video_roundtrip(tmp_path):
 def test_generate_one_prompt_and_a_prompt_file(tiny_diffusers_dir, tmp_path):
     import generate
 
-    common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size", "16x24",
+    common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size", "16x32",
               "--num_inference_steps", "3"]
     [path] = generate.main([*common, "--prompt", "a red ball rolls", "--output_path", str(tmp_path / "one.mp4")])
     frames, fps = read_video(path)
-    assert path == tmp_path / "one.mp4" and frames.shape == (5, 3, 16, 24) and fps == 24.0
+    assert path == tmp_path / "one.mp4" and frames.shape == (5, 3, 16, 32) and fps == 24.0
     meta = json.loads((tmp_path / "one_config.json").read_text())
     assert meta["prompt"] == "a red ball rolls" and meta["sampler"] == "ode" and meta["layout"] == "diffusers"
     # Same seed -> same video; the SDE sampler draws noise -> a different one.
@@ -101,7 +101,7 @@ def test_text_encoders_are_offloaded_once_prompts_are_cached(tiny_diffusers_dir,
 
     monkeypatch.setattr(TextEmbeddingCache, "offload_encoders", spy)
     common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size",
-              "16x24", "--num_inference_steps", "2", "--prompt", "a", "--prompt", "b", "--output_path", str(tmp_path)]
+              "16x32", "--num_inference_steps", "2", "--prompt", "a", "--prompt", "b", "--output_path", str(tmp_path)]
     generate.main(common)
     assert calls == [3]  # two prompts + the empty negative prompt, then offload (model.offload_text_encoder: true)
     cfg = tmp_path / "c.yaml"

@@ -18,7 +18,7 @@ def test_two_ranks_split_prompts_and_match_one_process(tiny_diffusers_dir, tmp_p
     prompts = tmp_path / "p.txt"
     prompts.write_text("a cat\na dog\na red ball\n")
     common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size",
-              "16x24", "--num_inference_steps", "3", "--prompt_file", str(prompts)]
+              "16x32", "--num_inference_steps", "3", "--prompt_file", str(prompts)]
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
            str(REPO / "generate.py"), *common, "--output_path", str(tmp_path / "two")]
     proc = subprocess.run(run, capture_output=True, text=True, cwd=REPO, timeout=300)

@@ -10,7 +10,6 @@ import torch
 from rewards_fixtures import TINY_MIN_PIXELS, smooth_videos, tiny_dirs  # noqa: F401 - fixture
 
 from sage_grpo.errors import SageGRPOError
-from sage_grpo.rewards.video_io import read_mp4, write_mp4
 from sage_grpo.rewards.videoalign import (
     CHAT_PREFIX,
     CHAT_SUFFIX,
@@ -29,6 +28,7 @@ from sage_grpo.rewards.videoalign_ckpt import (
     remap_v2,
     remap_v3,
 )
+from sage_grpo.video import read_video, write_video
 
 PROMPTS = ["a red fox jumps over a log", "ocean waves at dusk, slow camera pan", ""]
 
@@ -217,8 +217,8 @@ def test_in_memory_equals_mp4_round_trip(tmp_path, reward, videos):
         back = []
         for i in range(videos.shape[0]):
             p = tmp_path / f"v{i}_{lossless}.mp4"
-            write_mp4(p, videos[i], fps=24, quality=8, lossless=lossless)
-            frames, fps = read_mp4(p)
+            write_video(p, videos[i], fps=24, quality=8, lossless=lossless)
+            frames, fps = read_video(p)
             assert fps == 24 and frames.shape == videos[i].shape
             back.append(frames)
         disk = reward(torch.stack(back), PROMPTS)

@@ -65,6 +65,14 @@ def clip_preprocess(frames: torch.Tensor, pcfg: dict, quantize: bool = True) -> 
     return (x / 255.0 - mean) / std
 
 
+# Hugging Face hub ids of (model, processor) per metric; download_weights.sh `metrics` fetches them into
+# <root>/clip-vit-large-patch14, <root>/PickScore_v1 and <root>/CLIP-ViT-H-14-laion2B-s32B-b79K.
+HUB_IDS = {
+    "clipscore": ("openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14"),
+    "pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
+}
+
+
 class ClipVideoScore:
     """Frame-averaged image-text similarity with a CLIP model; ``kind`` "clipscore" or "pickscore"."""
 
@@ -87,9 +95,12 @@ class ClipVideoScore:
         self.default_weights = {self.components[0]: 1.0}
         model_path = Path(model_path)
         processor_path = Path(processor_path) if processor_path else model_path
-        for p, what in ((model_path, "model"), (processor_path, "processor")):
+        for p, what, hub in ((model_path, "model", HUB_IDS[kind][0]), (processor_path, "processor", HUB_IDS[kind][1])):
             if not (p / "config.json").is_file() and not (p / "tokenizer_config.json").is_file():
-                raise SageGRPOError(f"{kind} {what} directory {p} has no config/tokenizer files: download it there")
+                raise SageGRPOError(
+                    f"{kind} {what} directory {p} has no config/tokenizer files: download {hub} there "
+                    f"(hf download {hub} --local-dir {p}; ./download_weights.sh metrics fetches all three into ckpts/)"
+                )
         self.device = torch.device(device)
         self.dtype = dtype
         self.num_frames = int(num_frames)

@@ -1,0 +1,86 @@
+"""Shared pieces of the command-line scripts: an argparse whose errors are one `error:` line, output-path checks
+made before any model loads, and quiet third-party logging unless `--verbose`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import typing
+from pathlib import Path
+
+from sage_grpo.errors import SageGRPOError
+
+__all__ = ["CLIParser", "check_writable_dir", "check_output_file", "quiet_libraries", "show_progress", "at_least"]
+
+
+class CLIParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise SageGRPOError, so `run_cli` prints one `error: ...` line and exits 2
+    (plain argparse prints the whole usage block first). `--help` still prints and exits 0."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # --out must not silently mean --output_path
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise SageGRPOError(message)
+
+
+def at_least(flag: str, value: float, low: float, *, strict: bool = False) -> None:
+    """`--flag` must be >= low (> low with strict)."""
+    if value < low or (strict and value == low):
+        raise SageGRPOError(f"{flag} must be {'>' if strict else '>='} {low:g}, got {value:g}")
+
+
+def check_writable_dir(directory: str | Path, flag: str) -> Path:
+    """Create `directory` (and parents) and prove a file can be written in it; a parent that is a file, a read-only
+    or virtual file system (/proc) or missing permissions become one message naming `flag`. Call before any model
+    loads, so that minutes of sampling are never lost to an unwritable output."""
+    d = Path(directory)
+    probe = d
+    while not probe.exists() and probe != probe.parent:  # the nearest existing ancestor
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise SageGRPOError(f"{flag} {directory}: {probe} is a file, not a folder; choose another path")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d, prefix=".write_probe_"):
+            pass
+    except OSError as err:
+        raise SageGRPOError(f"{flag} {directory} is not writable ({err.strerror or err}); choose another path") from None
+    return d
+
+
+def check_output_file(path: str | Path, flag: str) -> Path:
+    """The folder of `path` is writable and `path` itself is not a folder."""
+    p = Path(path)
+    if p.is_dir():
+        raise SageGRPOError(f"{flag}: {p} is a folder; give a file name")
+    check_writable_dir(p.parent, flag)
+    return p
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """Silence diffusers' and transformers' warnings (e.g. "Guiders are ... experimental", load-report tables) and
+    progress bars unless `verbose`; errors still show. Call before loading models."""
+    if verbose:
+        return
+    try:
+        from diffusers.utils import logging as dlog
+
+        dlog.set_verbosity_error()
+        dlog.disable_progress_bar()
+    except ImportError:
+        pass
+    try:
+        from transformers.utils import logging as tlog
+
+        tlog.set_verbosity_error()
+        tlog.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def show_progress(verbose: bool = False) -> bool:
+    """Progress bars only on an interactive terminal (tqdm's redraws fill non-interactive logs), or with --verbose."""
+    return verbose or sys.stderr.isatty()
