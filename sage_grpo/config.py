@@ -175,10 +175,11 @@ class OptimConfig:
     weight_decay: float = opt(0.01, "Decoupled weight decay.")
     max_steps: int = opt(10000, "Training steps (rollout + update rounds).")
     warmup_steps: int = opt(0, "Linear learning-rate warm-up in optimizer updates.")
-    gradient_accumulation_steps: int = opt(1, "Rollout batches whose gradients are accumulated before one optimizer update.")
+    gradient_accumulation_steps: int = opt(1, "Rollout rounds (steps) whose gradients are accumulated into one optimizer update: with 8 GPUs, batch_size 2 and 4 rounds an update sees the paper's 64 videos. The KL controller, the warm-up and the anchor refresh count optimizer updates.")
+    updates_per_rollout: int = opt(1, "Optimizer updates per rollout round, each on a disjoint share of the rank's samples (1 = the authors': the ratio of the update is then exactly 1 and clipping never acts; > 1 lets the ratio leave 1). Needs gradient_accumulation_steps 1.")
     max_grad_norm: float = opt(1.0, "Gradient-norm clip; <= 0 disables it.")
     use_muon: bool = opt(True, "Muon for >= 2-D weight matrices and AdamW for the rest; False = AdamW everywhere.")
-    seed: int = opt(42, "Base seed; rank seeds are seed + dp_rank.")
+    seed: int = opt(42, "Base seed. Every draw is seeded by a hash of it with what names the draw: rollout noise with (step, prompt text and seed column, generation, diffusion step), timestep permutations with (step, video), the prompt shuffle with the epoch; results do not depend on the rank count.")
     clip_range: float = opt(1e-4, "PPO clip range of the ratio (tiny because log-probs are averaged over latent elements).")
     adv_clip_max: float = opt(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max].")
     timestep_fraction: float = opt(1.0, "Fraction of the T steps trained per sample: ceil(T * fraction).")
@@ -513,6 +514,7 @@ def check_values(cfg: Config) -> None:
         "dp_replicate": cfg.parallel.dp_replicate,
         "gradient_accumulation_steps": o.gradient_accumulation_steps,
         "mini_batch_size_per_update": o.mini_batch_size_per_update,
+        "updates_per_rollout": o.updates_per_rollout,
         "update_ref_model_step": k.update_ref_model_step,
         "kl_history": k.kl_history,
         "validation_num_inference_steps": v.validation_num_inference_steps,
@@ -600,6 +602,21 @@ def check_values(cfg: Config) -> None:
             f"--reward_weights must be a JSON object of numbers like '{{\"VQ\":0.5,\"MQ\":0.5,\"TA\":1.0}}', "
             f"got {cfg.reward.reward_weights!r}"
         ) from None
+    if d.batch_size % o.mini_batch_size_per_update:
+        raise SageGRPOError(f"--mini_batch_size_per_update {o.mini_batch_size_per_update} must divide --batch_size "
+                            f"{d.batch_size} (the rollout and the update run the rank's videos in those chunks)")
+    chunks = d.batch_size // o.mini_batch_size_per_update
+    if chunks % o.updates_per_rollout:
+        raise SageGRPOError(f"--updates_per_rollout {o.updates_per_rollout} must divide batch_size / "
+                            f"mini_batch_size_per_update = {chunks} (each update takes whole micro-batches)")
+    accum = o.gradient_accumulation_steps
+    if o.updates_per_rollout > 1 and accum > 1:
+        raise SageGRPOError("--updates_per_rollout > 1 and --gradient_accumulation_steps > 1 cannot be combined; "
+                            "set one of them to 1")
+    for name, value in (("max_steps", o.max_steps), ("save_interval", cfg.checkpoint.save_interval)):
+        if value % accum:
+            raise SageGRPOError(f"--{name} {value} must be a multiple of --gradient_accumulation_steps {accum} "
+                                "(checkpoints and the end of training fall on optimizer updates)")
     if cfg.checkpoint.resume_from_checkpoint and not cfg.checkpoint.output_dir:
         raise SageGRPOError("--resume_from_checkpoint needs --output_dir")
 

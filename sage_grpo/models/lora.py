@@ -20,6 +20,8 @@ __all__ = [
     "load_lora",
     "saved_lora_settings",
     "load_dcp_transformer",
+    "adapter_parameters",
+    "merged_state_dict",
 ]
 
 ADAPTER_NAME = "default"
@@ -152,3 +154,33 @@ def load_dcp_transformer(transformer, path: str | Path) -> None:
             "pass a full fine-tuning checkpoint of the same model (a LoRA run's adapter goes to --lora_path)"
         ) from None
     set_model_state_dict(transformer, state["model"])
+
+
+def adapter_parameters(transformer) -> dict[str, torch.nn.Parameter]:
+    """The trained adapter's parameters by peft name (the live tensors, for copying anchor adapter sets)."""
+    tag = f".{ADAPTER_NAME}."
+    return {n: p for n, p in transformer.named_parameters() if "lora_" in n and tag in n}
+
+
+def merged_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """The transformer's weights with the LoRA update merged in, under the plain model's key names (no peft
+    `base_layer` / `lora_*` keys): W' = W + (alpha / r) B A, what peft's merge_and_unload computes, so the state
+    dict loads into an unwrapped HunyuanVideo15Transformer3DModel. Without adapters: the plain state dict."""
+    sd = transformer.state_dict()
+    if not any("lora_" in k for k in sd):
+        return dict(sd)
+    cfg = transformer.peft_config[ADAPTER_NAME]
+    scale = cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
+    out = {}
+    for k, v in sd.items():
+        if "lora_" in k:
+            continue
+        if ".base_layer." in k:
+            module = k.rsplit(".base_layer.", 1)[0]
+            if k.endswith(".base_layer.weight"):
+                a = sd[f"{module}.lora_A.{ADAPTER_NAME}.weight"].float()  # [r, in]
+                b = sd[f"{module}.lora_B.{ADAPTER_NAME}.weight"].float()  # [out, r]
+                v = (v.float() + scale * (b @ a)).to(v.dtype)
+            k = k.replace(".base_layer.", ".")
+        out[k] = v
+    return out

@@ -1,0 +1,667 @@
+#!/usr/bin/env python
+"""SAGE-GRPO post-training of HunyuanVideo-1.5.
+
+One step: every data-parallel rank takes batch_size videos of the step's prompt groups (G rollouts per prompt, a
+group may span ranks) and samples them with the SDE sampler (T steps, CFG), storing x_0..x_T and each step's
+log-prob; the VAE decodes them, the reward scores them (failures masked), the rewards of all ranks give
+group-relative advantages; the anchor's means are computed for the trained (sample, step) pairs unless the anchor
+equals the rollout policy; then the shared GRPO update (sage_grpo/grpo.py) re-scores each pair with grad, weights the
+clipped surrogate by the equalizer S_t, adds lambda_KL (beta_pos KL_pos + beta_vel KL_vel) and backpropagates.
+Gradients of `gradient_accumulation_steps` rounds make one optimizer update (Muon + AdamW, warm-up, grad clip);
+the KL coefficient adapts once per update from the rank-averaged L_KL; the anchor is refreshed every
+`update_ref_model_step` updates. Validation samples ODE videos; checkpoints resume exactly.
+
+    python post_train.py --config configs/tiny_cpu.yaml                          # tiny model, one CPU process
+    torchrun --nproc_per_node 8 post_train.py --config configs/single_node_8gpu.yaml --enable_fsdp False
+    bash run_post_train.sh                                                       # the same, with AUTO_RESUME=1
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from sage_grpo.config import Config, config_to_dict, dump_yaml, load_config, torch_dtype, validate
+from sage_grpo.errors import SageGRPOError, run_cli
+
+
+def print0(info, *args) -> None:
+    if info.is_main:
+        print("[post_train]", *args, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------ checks
+
+
+def check_supported(cfg: Config, world_size: int) -> None:
+    """Flags whose machinery is not built yet are refused, never silently ignored."""
+    p = cfg.parallel
+    if p.sp_size > 1:
+        raise SageGRPOError("--sp_size > 1 (Ulysses sequence parallelism) is not available yet; use --sp_size 1")
+    if p.dp_replicate > 1:
+        raise SageGRPOError("--dp_replicate > 1 (HSDP) is not available yet; use --dp_replicate 1")
+    if p.enable_fsdp and world_size > 1:
+        raise SageGRPOError("--enable_fsdp (FSDP2 sharding) is not available yet under torchrun; pass --enable_fsdp "
+                            "False to replicate the model on every rank (gradients are all-reduced)")
+    if not cfg.data.train_video_csv:
+        raise SageGRPOError("--train_video_csv is required: a prompt file (.csv with a `prompt` column, .txt or .jsonl)")
+
+
+def check_output_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SageGRPOError(f"--output_dir {path!r} is not writable ({e.strerror}); choose another directory") from None
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ setup
+
+
+@dataclass
+class Run:
+    """Everything the phases share. Counters: `step` = rollout rounds done, `updates` = optimizer updates done."""
+
+    cfg: Config
+    info: object
+    out: Path
+    pipe: object
+    transformer: torch.nn.Module
+    optimizer: object
+    trainable: list
+    anchor: object
+    controller: object
+    reward: object
+    cache: object
+    sampler: object
+    prompts: list
+    val_records: list
+    settings: object
+    val_settings: object
+    shape: tuple
+    val_shape: tuple
+    step_weights: torch.Tensor
+    variance: torch.Tensor
+    logger: object = None
+    step: int = 0
+    updates: int = 0
+    accum_rounds: int = 0  # rounds accumulated into the pending update
+    stats: dict = field(default_factory=dict)
+
+
+class Anchor:
+    """The reference pi_ref of KL_pos. Full fine-tuning: a frozen copy (on CPU between uses with
+    `reference_mode_offload`). LoRA: never a second model: the fixed anchor is the base with the adapter disabled,
+    the moving anchor a second set of adapter weights swapped into the adapter for its forwards.
+    `synced`: the anchor equals the current policy (initial, or just refreshed, and no update since)."""
+
+    def __init__(self, transformer, cfg: Config, device):
+        from sage_grpo.kl import kl_variant
+
+        self.variant = kl_variant(cfg.kl)
+        self.uses_pos = self.variant in ("fixed", "moving", "dual", "dual_fixed")
+        self.moving = cfg.kl.use_moving_KL and self.uses_pos
+        self.every = cfg.kl.update_ref_model_step
+        self.offload = cfg.kl.reference_mode_offload
+        self.lora = cfg.model.use_lora
+        self.device = device
+        self.transformer = transformer
+        self.synced = True
+        self.refreshed_at = 0  # optimizer update of the last refresh (0 = the initial model)
+        self.model = None
+        self.adapter: dict[str, torch.Tensor] | None = None
+        if not self.uses_pos:
+            return
+        if self.lora:
+            if self.moving:
+                from sage_grpo.models.lora import adapter_parameters
+
+                self.adapter = {k: p.detach().clone() for k, p in adapter_parameters(transformer).items()}
+        else:
+            self.model = copy.deepcopy(transformer).requires_grad_(False).eval()
+            if self.offload:
+                self.model.to("cpu")
+
+    def due(self, updates: int) -> bool:
+        return self.moving and updates - self.refreshed_at >= self.every
+
+    @torch.no_grad()
+    def refresh(self, updates: int) -> None:
+        """Copy the policy into the anchor (parameter to parameter: each rank its own shards under FSDP2)."""
+        if self.lora:
+            from sage_grpo.models.lora import adapter_parameters
+
+            for k, p in adapter_parameters(self.transformer).items():
+                self.adapter[k].copy_(p)
+        else:
+            for a, p in zip(self.model.parameters(), self.transformer.parameters()):
+                a.copy_(p)
+        self.refreshed_at, self.synced = updates, True
+
+    @contextmanager
+    def active(self):
+        """Within: `self.module` computes the anchor's forward."""
+        if self.lora and not self.moving:
+            self.transformer.disable_adapters()
+            try:
+                yield self.transformer
+            finally:
+                self.transformer.enable_adapters()
+        elif self.lora:
+            from sage_grpo.models.lora import adapter_parameters
+
+            live = adapter_parameters(self.transformer)
+            saved = {k: p.detach().clone() for k, p in live.items()}
+            with torch.no_grad():
+                for k, p in live.items():
+                    p.copy_(self.adapter[k])
+            try:
+                yield self.transformer
+            finally:
+                with torch.no_grad():
+                    for k, p in live.items():
+                        p.copy_(saved[k])
+        else:
+            if self.offload:
+                self.model.to(self.device)
+            try:
+                yield self.model
+            finally:
+                if self.offload:
+                    self.model.to("cpu")
+
+    def state(self, updates: int) -> dict:
+        return {"synced": self.synced, "refreshed_at": self.refreshed_at}
+
+    @property
+    def is_initial(self) -> bool:
+        return self.refreshed_at == 0
+
+
+def ensure_tiny_model(cfg: Config, info) -> None:
+    """The tiny default model is built on first use (seconds); real weights are never fetched here."""
+    from sage_grpo.models.tiny_checkpoint import TINY_CHECKPOINT_DIR, write_tiny_checkpoint
+    from sage_grpo.parallel.dist import barrier
+
+    target = cfg.model.model_path
+    if info.is_main and target and Path(target) == Path(TINY_CHECKPOINT_DIR) and not (Path(target) / "model_index.json").exists():
+        print0(info, f"building the tiny random model at {target}")
+        write_tiny_checkpoint(target)
+    barrier()
+
+
+def wrap_model(transformer, cfg: Config, info):
+    """Where the scale-out issue puts FSDP2 (fully_shard per block, then the root). Today every rank holds the whole
+    model and `sync_gradients` all-reduces the gradients before each optimizer step."""
+    if cfg.model.enable_gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return transformer
+
+
+def sync_gradients(params: list, info) -> None:
+    """Average the gradients over data-parallel ranks (every rank calls it with the same parameters)."""
+    if not info.distributed:
+        return
+    from sage_grpo.parallel.dist import all_reduce_sum
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        all_reduce_sum(p.grad).div_(info.dp_size)
+
+
+def load_validation_records(cfg: Config, prompts: list) -> list:
+    from sage_grpo.data import PromptRecord, read_prompts
+
+    v = cfg.validation
+    if v.valid_video_csv:
+        return read_prompts(v.valid_video_csv)
+    if v.validation_prompts:
+        return [PromptRecord(prompt=p, index=i) for i, p in enumerate(v.validation_prompts)]
+    return list(prompts[: min(4, len(prompts))])
+
+
+def setup(cfg: Config, info, resume: Path | None) -> Run:
+    from sage_grpo.data import GroupSampler, read_prompts
+    from sage_grpo.equalizer import equalizer_weights
+    from sage_grpo.kl import AdaptiveKLController
+    from sage_grpo.metrics import check_report_to
+    from sage_grpo.models.loading import load_pipeline
+    from sage_grpo.models.lora import setup_trainable
+    from sage_grpo.models.text_cache import TextEmbeddingCache
+    from sage_grpo.optim import build_optimizer
+    from sage_grpo.rewards import build_reward_from_config
+    from sage_grpo.rollout import SamplerSettings, latent_shape
+    from sage_grpo.schedule import sigma_schedule
+    from sage_grpo.sde import step_variance
+
+    m, r = cfg.model, cfg.rollout
+    check_report_to(cfg.logging.report_to if info.is_main else "none")
+    out = check_output_dir(cfg.checkpoint.output_dir)
+    prompts = read_prompts(cfg.data.train_video_csv)
+    val_records = load_validation_records(cfg, prompts)
+    ensure_tiny_model(cfg, info)
+
+    dtype = torch_dtype(m.dtype)
+    pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
+                         transformer_dtype=torch_dtype(m.master_weight_type), device=info.device)
+    transformer = pipe.transformer
+    trainable = setup_trainable(transformer, use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha,
+                                lora_dropout=m.lora_dropout, lora_target_modules=m.lora_target_modules,
+                                pretrained_lora_path=m.pretrained_lora_path)
+    transformer = wrap_model(transformer, cfg, info)
+    optimizer = build_optimizer([(n, p) for n, p in transformer.named_parameters() if p.requires_grad], cfg.optim)
+    anchor = Anchor(transformer, cfg, info.device)
+
+    cache = TextEmbeddingCache(pipe, info.device, dtype, m.text_embedding_cache_dir or None)
+    cache.precompute([p.prompt for p in prompts] + [rec.prompt for rec in val_records] + [r.neg_prompt])
+    if m.offload_text_encoder:
+        cache.offload_encoders()
+
+    settings = SamplerSettings.from_config(cfg)
+    sigmas = sigma_schedule(r.grpo_sampling_steps, r.flow_shift)
+    variance = step_variance(r.sde_type, sigmas[:-1], sigmas[1:], r.eta, sigma_max=sigmas[1], sage_clamp=r.sage_sigma_clamp)
+    s_t = (equalizer_weights(r.sde_type, sigmas, r.eta, cps_logprob=r.cps_logprob, sage_clamp=r.sage_sigma_clamp)
+           if cfg.optim.use_grad_balancing else torch.ones(r.grpo_sampling_steps))
+    v = cfg.validation
+    vh, vw = (int(x) for x in v.validation_fixed_size.lower().split("x"))
+    val_settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=v.validation_num_inference_steps,
+                                   shift=v.validation_timestep_shift, cfg_scale=v.validation_guidance_scale,
+                                   compute_dtype=dtype, autocast=settings.autocast, master_dtype=settings.master_dtype)
+    run = Run(
+        cfg=cfg, info=info, out=out, pipe=pipe, transformer=transformer, optimizer=optimizer, trainable=trainable,
+        anchor=anchor, controller=AdaptiveKLController.from_config(cfg.kl),
+        reward=build_reward_from_config(cfg, info.device), cache=cache,
+        sampler=GroupSampler(len(prompts), batch_size=cfg.data.batch_size, num_generations=cfg.data.num_generations,
+                             dp_size=info.dp_size, seed=cfg.optim.seed),
+        prompts=prompts, val_records=val_records, settings=settings, val_settings=val_settings,
+        shape=latent_shape(pipe.vae.config, r.sample_n_frames, r.height, r.width),
+        val_shape=latent_shape(pipe.vae.config, v.validate_video_length, vh, vw),
+        step_weights=s_t.float(), variance=variance.float(),
+    )
+    if resume is not None:
+        load_checkpoint(run, resume)
+    return run
+
+
+# ------------------------------------------------------------------------------------------------------ phases
+
+
+@dataclass
+class Round:
+    """One rollout round on this rank. b = batch_size videos."""
+
+    traj: object
+    rewards: dict  # component -> [b] (this rank)
+    advantages: torch.Tensor  # [b]
+    valid: torch.Tensor  # [b] bool
+    plan: torch.Tensor  # [b, k] trained diffusion steps per sample
+    metrics: dict
+
+
+def rollout_phase(run: Run):
+    """Sample this rank's videos of the next step -> (trajectory, the step's global group ids of my videos)."""
+    from sage_grpo.rollout import rollout
+    from sage_grpo.seeding import derive_seed, prompt_noise_seed
+
+    cfg, info = run.cfg, run.info
+    step_prompts = run.sampler.next_step()
+    mine = run.sampler.rank_slice(step_prompts, info.dp_rank)  # [(group, prompt index, generation)]
+    recs = [run.prompts[p] for _, p, _ in mine]
+    texts = [rec.prompt for rec in recs]
+    cond = run.cache.get(texts)
+    uncond = run.cache.get([cfg.rollout.neg_prompt] * len(texts)) if run.settings.use_cfg else None
+    run.transformer.eval()  # no LoRA dropout while sampling: the stored log-probs are the deterministic policy's
+    traj = rollout(
+        run.transformer, cond, uncond, prompts=texts, prompt_ids=torch.tensor([g for g, _, _ in mine]),
+        generation_ids=torch.tensor([gen for _, _, gen in mine]),
+        prompt_seeds=torch.tensor([prompt_noise_seed(rec.prompt, rec.seed, rec.index) for rec in recs]),
+        latent_shape=run.shape, settings=run.settings, image_tokens=run.pipe.vision_num_semantic_tokens,
+        base_seed=derive_seed(cfg.optim.seed, run.step), same_noise=cfg.rollout.use_same_noise,
+        storage_dtype=torch.float32, show_progress=info.is_main, chunk_size=cfg.optim.mini_batch_size_per_update,
+        device=info.device,
+    )
+    return traj
+
+
+def reward_phase(run: Run, traj) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
+    """Decode, score, gather all ranks' rewards -> (my components, my advantages [b], my valid [b], metrics)."""
+    from sage_grpo.advantage import group_advantages
+    from sage_grpo.parallel.dist import all_gather_cat
+    from sage_grpo.rollout import decode_latents
+
+    cfg, info = run.cfg, run.info
+    frames = decode_latents(run.pipe.vae, traj.final_latents)  # [b, F, 3, H, W] in [0, 1]
+    scores = run.reward(frames, traj.prompts)  # {"total": [b], component: [b]}
+    names = sorted(scores)
+    mine = torch.stack([scores[k].float().to(info.device) for k in names], dim=1)  # [b, K]
+    every = all_gather_cat(mine)  # [B_global, K] in dp-rank order (sp = 1)
+    groups = all_gather_cat(traj.prompt_ids.to(info.device))  # [B_global]
+    total = every[:, names.index("total")].cpu()
+    adv, valid = group_advantages(total, groups.cpu(), adv_clip_max=cfg.optim.adv_clip_max)
+    b = traj.batch_size
+    sl = slice(info.dp_rank * b, (info.dp_rank + 1) * b)
+    metrics = {}
+    for j, k in enumerate(names):
+        col = every[:, j].cpu().double()
+        ok = torch.isfinite(col)
+        metrics[f"reward/{k}_mean"] = float(col[ok].mean()) if ok.any() else math.nan
+        metrics[f"reward/{k}_std"] = float(col[ok].std(unbiased=False)) if ok.any() else math.nan
+    g = cfg.data.num_generations
+    grouped = total.reshape(-1, g)  # [groups, G]: the global batch is whole groups in order
+    metrics["reward/failed"] = int((~torch.isfinite(total)).sum())
+    metrics["adv/zero_std_groups_frac"] = float((grouped.std(dim=1, unbiased=False) == 0).float().mean())
+    metrics["adv/abs_mean"] = float(adv[valid].abs().mean()) if valid.any() else 0.0
+    metrics["adv/max"] = float(adv.max())
+    metrics["adv/min"] = float(adv.min())
+    return {k: scores[k] for k in names}, adv[sl].clone(), valid[sl].clone(), metrics
+
+
+def plan_round(run: Run, traj) -> torch.Tensor:
+    """The trained steps of each of my samples -> [b, k], from generators seeded by (seed, step, video)."""
+    from sage_grpo.grpo import plan_steps
+    from sage_grpo.seeding import derive_seed
+
+    cfg, b = run.cfg, traj.batch_size
+    first = run.info.dp_rank * b
+    gens = [torch.Generator().manual_seed(derive_seed(cfg.optim.seed, run.step, first + i, 0x7E5)) for i in range(b)]
+    return plan_steps(b, run.variance, cfg.optim.timestep_fraction, cfg.optim.enable_timestep_permutation, gens)
+
+
+def micro_batches_of(run: Run, plan: torch.Tensor) -> list[list]:
+    """Micro-batches per optimizer update of this round: the rollout's chunks, split over updates_per_rollout."""
+    from sage_grpo.grpo import micro_batches
+
+    chunks = list(torch.arange(plan.shape[0]).split(run.cfg.optim.mini_batch_size_per_update))
+    per_update = len(chunks) // run.cfg.optim.updates_per_rollout
+    return [micro_batches(plan, chunks[u * per_update : (u + 1) * per_update])
+            for u in range(run.cfg.optim.updates_per_rollout)]
+
+
+def anchor_means(run: Run, traj, batches: list) -> None:
+    """kl_compute_mode rollout_phase: the anchor's means of every planned pair, right after the rollout, kept on
+    CPU (skipped when the anchor equals the rollout policy: the update then uses the policy's own means)."""
+    from sage_grpo.rollout import policy_step
+
+    if not run.anchor.uses_pos or run.anchor.synced or run.cfg.kl.kl_compute_mode != "rollout_phase":
+        return
+    with run.anchor.active() as model, torch.no_grad():
+        for mbs in batches:
+            for mb in mbs:
+                mb.ref_mean = policy_step(model, traj, mb.samples, mb.steps, run.pipe.vision_num_semantic_tokens).mean.cpu()
+                run.stats["anchor_forwards"] = run.stats.get("anchor_forwards", 0) + len(mb.samples)
+
+
+def update_phase(run: Run, traj, adv, valid, batches: list, metrics: dict) -> None:
+    """Backpropagate the round's GRPO loss; take the optimizer step(s) when an update is complete."""
+    from sage_grpo.grpo import UpdateStats, grpo_backward
+    from sage_grpo.kl import kl_term_weights
+    from sage_grpo.optim import clip_grad_norm, lr_at
+    from sage_grpo.parallel.dist import all_reduce_sum
+    from sage_grpo.rollout import policy_step
+
+    cfg, info = run.cfg, run.info
+    beta_pos, beta_vel = kl_term_weights(cfg.kl)
+    if not run.anchor.uses_pos:
+        beta_pos = 0.0
+    tokens = run.pipe.vision_num_semantic_tokens
+    run.transformer.train()
+
+    def step_fn(i, t):
+        return policy_step(run.transformer, traj, i, t, tokens)
+
+    def anchor_fn(mb):
+        with run.anchor.active() as model:
+            run.stats["anchor_forwards"] = run.stats.get("anchor_forwards", 0) + len(mb.samples)
+            return policy_step(model, traj, mb.samples, mb.steps, tokens).mean
+
+    accum = cfg.optim.gradient_accumulation_steps
+    total = UpdateStats()
+    for mbs in batches:
+        pairs = sum(int(valid[mb.samples].sum()) for mb in mbs)
+        n_global = float(all_reduce_sum(torch.tensor(float(pairs), device=info.device)))
+        # mean over the valid pairs of all ranks (gradients are averaged over ranks) and of the accumulated rounds
+        normalizer = max(n_global, 1.0) / info.dp_size * accum
+        stats = UpdateStats()
+        for mb in mbs:
+            stats.merge(grpo_backward(
+                mb, step_fn, logp_old=traj.log_probs, advantages=adv, valid=valid, step_weights=run.step_weights,
+                clip_range=cfg.optim.clip_range, normalizer=normalizer, kl_coef=run.controller.value,
+                beta_pos=beta_pos, beta_vel=beta_vel, anchor_fn=anchor_fn, anchor_is_policy=run.anchor.synced,
+            ))
+            run.stats["update_forwards"] = run.stats.get("update_forwards", 0) + len(mb.samples)
+        total.merge(stats)
+        run.stats.setdefault("kl_sum", 0.0)
+        run.stats["kl_sum"] += stats.sums.get("kl/loss", 0.0)
+        run.stats["kl_pairs"] = run.stats.get("kl_pairs", 0) + stats.pairs
+        run.accum_rounds += 1 if cfg.optim.updates_per_rollout == 1 else 0
+        if cfg.optim.updates_per_rollout == 1 and run.accum_rounds < accum:
+            continue
+        optimizer_step(run, metrics, clip_grad_norm, lr_at, all_reduce_sum)
+    metrics.update(total.summary())
+    metrics["train/masked_pairs"] = total.masked_pairs
+
+
+def optimizer_step(run: Run, metrics: dict, clip_grad_norm, lr_at, all_reduce_sum) -> None:
+    """Sync, clip, step, count; then the KL controller moves with the rank-averaged L_KL of the update."""
+    cfg, info = run.cfg, run.info
+    sync_gradients(run.trainable, info)
+    norm = clip_grad_norm(run.trainable, cfg.optim.max_grad_norm)  # identical on every rank after the all-reduce
+    lr = lr_at(run.updates, cfg.optim.learning_rate, cfg.optim.warmup_steps)
+    kl = all_reduce_sum(torch.tensor([run.stats.pop("kl_sum", 0.0), float(run.stats.pop("kl_pairs", 0))],
+                                     dtype=torch.float64, device=info.device))
+    if math.isfinite(norm):
+        run.optimizer.set_lr(lr)
+        run.optimizer.step()
+        run.updates += 1
+        run.anchor.synced = False
+        metrics["train/skipped_update"] = 0
+    else:  # every rank sees the same norm, so every rank skips: no divergent collectives
+        metrics["train/skipped_update"] = 1
+    run.optimizer.zero_grad(set_to_none=True)
+    run.accum_rounds = 0
+    l_kl = float(kl[0] / kl[1]) if kl[1] > 0 else math.nan
+    if cfg.kl.kl_weight > 0:
+        metrics["kl/coef"] = run.controller.value  # the coefficient this update used
+        if metrics["train/skipped_update"] == 0:
+            run.controller.update(l_kl)
+    metrics["train/grad_norm"] = norm
+    metrics["train/lr"] = lr
+
+
+def validation(run: Run, step: int) -> dict:
+    """ODE videos of the validation prompts (split over ranks) -> output_dir/samples/step_{step:06d}/, scored."""
+    from sage_grpo.generation import sample_stem, sample_videos, write_sample
+    from sage_grpo.parallel.dist import all_reduce_sum
+
+    cfg, info = run.cfg, run.info
+    folder = run.out / "samples" / f"step_{step:06d}"
+    mine = run.val_records[info.rank :: info.world_size]
+    sums = torch.zeros(2, dtype=torch.float64, device=info.device)
+    for rec, frames in sample_videos(run.pipe, run.cache, mine, settings=run.val_settings, shape=run.val_shape,
+                                     base_seed=cfg.validation.validation_seed, negative_prompt=cfg.rollout.neg_prompt,
+                                     show_progress=info.is_main):
+        score = run.reward(frames[None].to(info.device), [rec.prompt])
+        total = float(score["total"][0])
+        write_sample(folder / f"{sample_stem(rec)}.mp4", frames, prompt=rec.prompt, fps=cfg.rollout.video_fps,
+                     meta={"step": step, "reward": {k: float(v[0]) for k, v in score.items()}})
+        if math.isfinite(total):
+            sums += torch.tensor([total, 1.0], dtype=torch.float64, device=info.device)
+    # every rank joins the reduction even with no prompt of its own
+    sums = all_reduce_sum(sums)
+    return {"val/reward_total": float(sums[0] / sums[1]) if sums[1] > 0 else math.nan, "val/videos": int(sums[1])}
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoints
+
+
+def train_state(run: Run) -> dict:
+    return {
+        "step": run.step, "updates": run.updates, "controller": run.controller.state_dict(),
+        "sampler": run.sampler.state_dict(), "anchor": run.anchor.state(run.updates),
+        "world_size": run.info.world_size, "config": config_to_dict(run.cfg),
+    }
+
+
+def save(run: Run) -> Path:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from sage_grpo.checkpoint import save_checkpoint
+    from sage_grpo.models.lora import merged_state_dict, save_lora
+
+    a = run.anchor
+    anchor_state = None if (a.model is None or a.is_initial) else a.model.state_dict()
+    anchor_lora = None if (a.adapter is None or a.is_initial) else a.adapter
+    path = save_checkpoint(
+        run.cfg.checkpoint.output_dir, run.step, rank=run.info.rank,
+        model_state=merged_state_dict(run.transformer),
+        optimizer_state=get_optimizer_state_dict(run.transformer, run.optimizer.optimizers),
+        train_state=train_state(run),
+        lora_writer=(lambda d: save_lora(run.transformer, d)) if run.cfg.model.use_lora else None,
+        anchor_state=anchor_state, anchor_lora=anchor_lora, total_limit=run.cfg.checkpoint.checkpoints_total_limit,
+    )
+    print0(run.info, f"checkpoint {path}")
+    return path
+
+
+def load_checkpoint(run: Run, path: Path) -> None:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from sage_grpo.checkpoint import dcp_load, exactness_diff, load_rng_state, read_train_state
+    from sage_grpo.models.lora import load_lora
+
+    state = read_train_state(path)
+    diffs = exactness_diff(state["config"], config_to_dict(run.cfg))
+    if diffs:
+        print0(run.info, "resuming with settings that differ from the saved run (the continuation is not exact): "
+               + "; ".join(diffs))
+    if run.cfg.model.use_lora:
+        load_lora(run.transformer, path / "lora")
+    else:
+        model = {"model": run.transformer.state_dict()}
+        dcp_load(model, path / "transformer", "transformer weights")
+        run.transformer.load_state_dict(model["model"])
+    opt = {"optimizer": get_optimizer_state_dict(run.transformer, run.optimizer.optimizers)}
+    dcp_load(opt, path / "optimizer", "optimizer state")
+    set_optimizer_state_dict(run.transformer, run.optimizer.optimizers, opt["optimizer"])
+    a = run.anchor
+    a.synced, a.refreshed_at = bool(state["anchor"]["synced"]), int(state["anchor"]["refreshed_at"])
+    if a.model is not None and not a.is_initial:
+        anchor = {"model": a.model.state_dict()}
+        dcp_load(anchor, path / "anchor", "anchor weights")
+        a.model.load_state_dict(anchor["model"])
+    if a.adapter is not None and not a.is_initial:
+        saved = load_file(path / "anchor_lora.safetensors")
+        for k in a.adapter:
+            a.adapter[k].copy_(saved[k])
+    run.controller.load_state_dict(state["controller"])
+    run.sampler.load_state_dict(state["sampler"])
+    run.step, run.updates = int(state["step"]), int(state["updates"])
+    load_rng_state(path, run.info.rank)
+    print0(run.info, f"resumed from {path} at step {run.step} ({run.updates} optimizer updates)")
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+
+def peak_memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB (peak RSS)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    import os
+
+    from sage_grpo.checkpoint import resolve_resume
+    from sage_grpo.metrics import MetricsLogger, plot_curves
+    from sage_grpo.parallel.dist import destroy, init_distributed
+
+    cfg = load_config(argv, prog="post_train.py", description=__doc__)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world_size=world)
+    check_supported(cfg, world)
+    resume = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.checkpoint.output_dir)
+    info = init_distributed(cfg.parallel.sp_size)
+    try:
+        run = setup(cfg, info, resume)
+        if info.is_main:
+            dump_yaml(cfg, run.out / "config.yaml")
+            run.logger = MetricsLogger(run.out, report_to=cfg.logging.report_to, run_name=cfg.logging.run_name,
+                                       project=cfg.logging.wandb_project, config=config_to_dict(cfg),
+                                       resume_step=run.step if resume is not None else None)
+        train(run)
+    finally:
+        destroy()
+    if info.is_main:
+        run.logger.close()
+        plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
+    return run.out
+
+
+def train(run: Run) -> None:
+    from sage_grpo.metrics import plot_curves
+
+    cfg, info = run.cfg, run.info
+    v, ck = cfg.validation, cfg.checkpoint
+    if v.validate_at_step0 and run.step == 0:
+        log(run, 0, validation(run, 0))
+    last_saved = run.step
+    bar = tqdm(total=cfg.optim.max_steps, initial=run.step, desc="steps", disable=not info.is_main)
+    while run.step < cfg.optim.max_steps:
+        t0 = time.perf_counter()
+        if run.accum_rounds == 0 and run.anchor.due(run.updates):
+            run.anchor.refresh(run.updates)
+        metrics: dict = {"kl/anchor_synced": int(run.anchor.synced)}
+        traj = rollout_phase(run)
+        t1 = time.perf_counter()
+        _, adv, valid, m = reward_phase(run, traj)
+        metrics.update(m)
+        t2 = time.perf_counter()
+        batches = micro_batches_of(run, plan_round(run, traj))
+        anchor_means(run, traj, batches)
+        t3 = time.perf_counter()
+        update_phase(run, traj, adv, valid, batches, metrics)
+        t4 = time.perf_counter()
+        run.step += 1
+        metrics["train/updates"] = run.updates
+        metrics.update({"perf/rollout_s": t1 - t0, "perf/reward_s": t2 - t1, "perf/anchor_s": t3 - t2,
+                        "perf/update_s": t4 - t3, "perf/step_s": t4 - t0, "mem/peak_gib": peak_memory_gib(info.device)})
+        if v.validation_interval and run.step % v.validation_interval == 0:
+            metrics.update(validation(run, run.step))
+            if info.is_main:
+                plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
+        if run.step % cfg.logging.log_interval == 0 or run.step == cfg.optim.max_steps:
+            log(run, run.step, metrics)
+        bar.update(1)
+        if ck.save_interval and run.step % ck.save_interval == 0:
+            save(run)
+            last_saved = run.step
+    bar.close()
+    if last_saved != run.step:  # the final checkpoint: collective, every rank calls it
+        save(run)
+
+
+def log(run: Run, step: int, metrics: dict) -> None:
+    if run.logger is not None:
+        run.logger.log(step, metrics)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    run_cli(main)

@@ -1,0 +1,173 @@
+"""Resumable checkpoints in the authors' layout, written atomically.
+
+    output_dir/checkpoint-{step}/
+        transformer/          DCP {"model": state dict}: plain HunyuanVideo15Transformer3DModel keys (LoRA merged in),
+                              what `generate.py --checkpoint_path .../transformer` loads
+        optimizer/            DCP {"optimizer": ...} (torch.distributed.checkpoint.state_dict of every optimizer)
+        lora/                 adapter_model.safetensors + adapter_config.json (LoRA runs; the weights resume loads)
+        anchor/               DCP {"model": ...} of a refreshed full-model anchor, or anchor_lora.safetensors
+                              (LoRA moving anchor); absent when the anchor is the initial model (rebuilt exactly)
+        rng_rank{r}.safetensors  torch CPU/CUDA generator states (dropout); every other draw is hash-seeded
+        train_state.json      step and update counters, KL controller, prompt sampler, anchor bookkeeping, config
+
+Everything is written into `checkpoint-{step}.tmp/` and renamed when complete (rank 0, after a barrier), so a
+directory named `checkpoint-N` is always whole and `--resume_from_checkpoint latest` takes the newest of them.
+Saving is collective: every rank calls `save_checkpoint` (the authors' rank-0-only final save hangs).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.parallel.dist import barrier
+
+__all__ = ["TRAIN_STATE", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save", "dcp_load",
+           "load_rng_state", "read_train_state", "exactness_diff"]
+
+TRAIN_STATE = "train_state.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first -> [(step, path)]."""
+    d = Path(output_dir)
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        m = _NAME.match(p.name)
+        if m and p.is_dir() and (p / TRAIN_STATE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def resolve_resume(spec: str, output_dir: str | Path) -> Path | None:
+    """`--resume_from_checkpoint` -> a checkpoint directory, or None to start fresh ('' or 'latest' with none yet)."""
+    if not spec:
+        return None
+    if spec == "latest":
+        found = list_checkpoints(output_dir)
+        return found[-1][1] if found else None
+    p = Path(spec)
+    if not (p / TRAIN_STATE).is_file():
+        raise SageGRPOError(f"--resume_from_checkpoint {spec!r} is not a complete checkpoint (no {TRAIN_STATE}); "
+                            f"pass output_dir/checkpoint-N or 'latest'")
+    return p
+
+
+def read_train_state(path: str | Path) -> dict:
+    return json.loads((Path(path) / TRAIN_STATE).read_text())
+
+
+def dcp_save(state: dict, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def dcp_load(state: dict, path: Path, what: str) -> None:
+    """Load into `state` in place; a checkpoint that does not fit is one user error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not (path / ".metadata").is_file():
+        raise SageGRPOError(f"checkpoint part {path} is missing ({what})")
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise SageGRPOError(f"{path} does not fit this run's {what} ({str(e).strip().splitlines()[-1][:300]}); "
+                            "resume with the settings of the saved run (model, --use_lora, --lora_r, --use_muon)") from None
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def load_rng_state(path: Path, rank: int) -> None:
+    f = path / f"rng_rank{rank}.safetensors"
+    if not f.is_file():
+        return  # saved by a different world size: the hash-seeded draws do not need it
+    state = load_file(f)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    rank: int,
+    model_state: dict,
+    optimizer_state: dict,
+    train_state: dict,
+    lora_writer=None,
+    anchor_state: dict | None = None,
+    anchor_lora: dict[str, torch.Tensor] | None = None,
+    total_limit: int = 0,
+) -> Path:
+    """Write checkpoint-{step} atomically (collective) -> its path. lora_writer(dir) writes the adapter (rank 0)."""
+    out = Path(output_dir)
+    final = out / f"checkpoint-{step}"
+    tmp = out / f"checkpoint-{step}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt that died half-way
+        tmp.mkdir(parents=True)
+    barrier()
+    dcp_save({"model": model_state}, tmp / "transformer")
+    dcp_save({"optimizer": optimizer_state}, tmp / "optimizer")
+    if anchor_state is not None:
+        dcp_save({"model": anchor_state}, tmp / "anchor")
+    save_file({k: v.contiguous() for k, v in _rng_state().items()}, tmp / f"rng_rank{rank}.safetensors")
+    if rank == 0:
+        if lora_writer is not None:
+            lora_writer(tmp / "lora")
+        if anchor_lora is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in anchor_lora.items()}, tmp / "anchor_lora.safetensors")
+        (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=1) + "\n")  # last file: marks completeness
+    barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        if total_limit > 0:
+            for _, old in list_checkpoints(out)[:-total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+# Settings whose change breaks an exact continuation (the run still resumes; the names are reported).
+_EXACT_KEYS = {
+    "model": ("dtype", "master_weight_type", "use_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
+    "data": ("train_video_csv", "batch_size", "num_generations"),
+    "rollout": None,  # every rollout setting
+    "reward": ("reward_model", "reward_weights", "reward_checkpoint_mode", "reward_max_pixels", "reward_min_pixels",
+               "reward_sample_fps"),
+    "kl": None,
+    "optim": ("learning_rate", "weight_decay", "warmup_steps", "gradient_accumulation_steps", "max_grad_norm",
+              "use_muon", "seed", "clip_range", "adv_clip_max", "timestep_fraction", "enable_timestep_permutation",
+              "use_grad_balancing", "mini_batch_size_per_update", "updates_per_rollout"),
+}
+
+
+def exactness_diff(saved: dict, current: dict) -> list[str]:
+    """Names of the settings (group.key) that differ between the saved and the current resolved config and make the
+    resumed run differ from an uninterrupted one."""
+    diffs = []
+    for group, keys in _EXACT_KEYS.items():
+        a, b = saved.get(group, {}), current.get(group, {})
+        for k in keys if keys is not None else sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                diffs.append(f"{group}.{k}: {a.get(k)!r} -> {b.get(k)!r}")
+    return diffs
