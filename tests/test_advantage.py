@@ -68,3 +68,20 @@ def test_clamp_and_groups_spanning_ranks_in_any_order():
 def test_shape_mismatch_fails():
     with pytest.raises(ValueError, match="equal 1-D"):
         group_advantages(torch.zeros(4), torch.zeros(3))
+
+
+def test_lower_clamp():
+    rewards = torch.tensor([1.0] * 99 + [0.0])  # the outlier is (0 - 0.99) / 0.0995 = -9.95 std below the mean
+    adv, _ = group_advantages(rewards, torch.zeros(100, dtype=torch.long), adv_clip_max=5.0)
+    assert adv.min().item() == pytest.approx(-5.0)
+    assert adv[:99].tolist() == pytest.approx([0.01 / np.std([1.0] * 99 + [0.0])] * 99, rel=1e-5)
+    adv3, _ = group_advantages(rewards, torch.zeros(100, dtype=torch.long), adv_clip_max=3.0)
+    assert adv3.min().item() == pytest.approx(-3.0)
+
+
+def test_near_constant_group_does_not_blow_rounding_noise_up():
+    # two rewards 1e-12 apart (float noise of a reward model): the eps keeps their advantages tiny instead of +-1
+    rewards = torch.tensor([1.0, 1.0 + 1e-12, 2.0, 3.0], dtype=torch.float64)
+    adv, _ = group_advantages(rewards, torch.tensor([0, 0, 1, 1]))
+    assert adv[:2].abs().max().item() < 1e-3
+    assert adv[2:].tolist() == pytest.approx([-1.0, 1.0], abs=1e-6)  # a real spread still gives full size

@@ -85,3 +85,18 @@ def test_weights_equalize_a_spread_of_more_than_an_order_of_magnitude():
     assert n.max() / n.min() > 10
     balanced = s.double() * n
     assert balanced.max() / balanced.min() < 1.0 + 1e-6
+
+
+def test_equalizer_honours_a_non_default_sage_clamp():
+    import math
+
+    clamp, eta = 0.9995, 0.5
+    s1 = SIG[1].item()
+    v0 = eta**2 * (math.log((1 - s1) / (1 - clamp)) - (1 - s1))  # step 0, written out (sigma_0 = 1 is clamped)
+    n = gradient_scale("sage_grpo", SIG, eta, sage_clamp=clamp)
+    assert n[0].item() == pytest.approx(abs(s1 - 1.0) / math.sqrt(v0), rel=1e-6)  # d mean / d v = dt at sigma 1
+    default = gradient_scale("sage_grpo", SIG, eta)
+    torch.testing.assert_close(n[1:], default[1:])  # only the clamped step changes
+    w = equalizer_weights("sage_grpo", SIG, eta, sage_clamp=clamp)
+    assert w[0].item() == pytest.approx(torch.median(n).item() / n[0].item(), rel=1e-5)
+    assert w[0].item() != pytest.approx(equalizer_weights("sage_grpo", SIG, eta)[0].item(), rel=1e-2)

@@ -144,3 +144,44 @@ def test_controller_skips_non_finite_kl_and_kl_off_is_zero():
 def test_dual_kl_with_an_empty_term_is_finite():
     total = dual_kl(torch.zeros(0), torch.tensor([0.2, 0.4]), beta_pos=1.0, beta_vel=0.5)
     assert total.item() == pytest.approx(0.15)
+
+
+@pytest.mark.parametrize("direction", ["paper", "classic"])
+def test_controller_reaches_lambda_max_at_the_last_warmup_update_whatever_the_kl(direction):
+    c = AdaptiveKLController(init=1e-7, lambda_min=1e-7, lambda_max=1e-5, target=1e-5, warmup_updates=5,
+                             history=2, direction=direction)
+    seen = [c.update(1.0) for _ in range(5)]  # KL 1e5 x target: the feedback rule must not act during warm-up
+    assert seen[-1] == 1e-5 and seen == pytest.approx([1e-7 + (1e-5 - 1e-7) * k / 5 for k in range(1, 6)])
+    after = c.update(1.0)  # the first feedback update
+    assert after == pytest.approx(1e-5 * 0.9 if direction == "paper" else 1e-5)  # classic: 1.1 x, clipped
+
+
+@pytest.mark.parametrize("direction,above,below", [("paper", 0.9, 1.1), ("classic", 1.1, 0.9)])
+def test_controller_dead_band_edges(direction, above, below):
+    target, v0 = 2e-3, 1e-6
+
+    def after(kl):
+        c = AdaptiveKLController(init=v0, lambda_min=1e-8, lambda_max=1e-4, target=target, warmup_updates=0,
+                                 history=1, direction=direction)
+        return c.update(kl)
+
+    for kl in (0.51 * target, 0.8 * target, 1.2 * target, 1.49 * target):  # inside [0.5, 1.5] target, off-centre
+        assert after(kl) == v0, kl
+    assert after(1.51 * target) == pytest.approx(v0 * above)
+    assert after(0.49 * target) == pytest.approx(v0 * below)
+
+
+def test_controller_does_not_record_an_infinite_kl():
+    c = AdaptiveKLController(init=1e-6, warmup_updates=0, history=3, target=1e-3)
+    c.update(1e-3)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        v = c.value
+        c.update(bad)
+        assert c.kl_mean == 1e-3 and c.value == v and c.state_dict()["kl_history"] == [1e-3]
+    assert c.num_updates == 4
+
+
+@pytest.mark.parametrize("init,expected", [(1e-3, 1e-5), (1e-9, 1e-7)])
+def test_controller_start_outside_the_bounds_without_warmup_is_clipped(init, expected):
+    c = AdaptiveKLController(init=init, lambda_min=1e-7, lambda_max=1e-5, target=1e-5, warmup_updates=0)
+    assert c.value == expected

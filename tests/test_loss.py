@@ -78,3 +78,25 @@ def test_stats_with_broadcast_shapes_and_mask():
                                       mask=torch.tensor([[True], [False]]))
     assert stats.ratio_max == 1.0 and stats.clipfrac == 0.0
     assert loss.item() == pytest.approx(-1.0)
+
+
+def test_logp_old_never_receives_a_gradient():
+    old = torch.tensor([0.1, -0.2, 0.3], requires_grad=True)  # e.g. re-scored under the same graph by mistake
+    new = torch.tensor([0.1, -0.1, 0.2], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    loss, _ = clipped_policy_loss(new, old * 1.0, adv, 0.2)  # old * 1.0: a non-leaf that requires grad
+    loss.backward()
+    assert old.grad is None and new.grad is not None and new.grad.abs().sum() > 0
+
+
+def test_ratio_stats_ignore_masked_entries():
+    old = torch.zeros(4)
+    new = torch.tensor([0.05, 0.3, 0.0, 0.1])  # ratios 1.051, 1.350, 1, 1.105; the 1 is masked out
+    mask = torch.tensor([True, True, False, True])
+    _, stats = clipped_policy_loss(new, old, torch.ones(4), 0.2, mask=mask)
+    kept = torch.exp(new[mask].double())
+    assert stats.ratio_min == pytest.approx(kept.min().item(), rel=1e-6)
+    assert stats.ratio_mean == pytest.approx(kept.mean().item(), rel=1e-6)
+    assert stats.ratio_max == pytest.approx(kept.max().item(), rel=1e-6)
+    assert stats.clipfrac == pytest.approx(1 / 3)  # only 1.35 leaves [0.8, 1.2], out of 3 kept entries
+    assert stats.approx_kl == pytest.approx(0.5 * (0.05**2 + 0.3**2 + 0.1**2) / 3, rel=1e-5)

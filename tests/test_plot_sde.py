@@ -25,3 +25,12 @@ def test_plot_script_bad_flags_give_one_message():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/plot_sde.py"), "--steps", "0", "--no-plots"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+
+
+def test_plot_script_refuses_a_silent_sage_schedule_with_the_shared_message():
+    # 84 steps with shift 4: sigma_1 = 1 - 1/333 is within 9e-6 of the 0.997 clamp and step 0's integral is < 0
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/plot_sde.py"), "--steps", "84", "--shift", "4",
+                           "--no-plots"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "sage_grpo step 0" in proc.stderr and "would inject no noise" in proc.stderr
+    assert "fewer steps (at most 83 with shift 4)" in proc.stderr
