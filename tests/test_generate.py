@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,175 @@ def test_text_encoders_are_offloaded_once_prompts_are_cached(tiny_diffusers_dir,
     cfg.write_text("model:\n  offload_text_encoder: false\n")
     generate.main([*common, "--config", str(cfg)])
     assert calls == [3]
+
+
+# ------------------------------------------------------------------------------------------------ issue 11
+# Every flag is checked (with the config's rules) before any model loads: each case also names a model path that
+# does not exist, so reaching the loader would give the "download_weights.sh" error instead of the flag's own.
+FLAG_ERRORS = [
+    (["--num_inference_steps", "0"], "--num_inference_steps must be >= 1"),
+    (["--num_inference_steps", "-3"], "--num_inference_steps must be >= 1"),
+    (["--num_inference_steps", "x"], "--num_inference_steps: invalid int value"),
+    (["--video_length", "10"], "--video_length must be 4k + 1"),
+    (["--video_length", "0"], "--video_length must be 4k + 1"),
+    (["--fixed_size", "33x33"], "--fixed_size height must be a positive multiple of 16"),
+    (["--fixed_size", "0x32"], "--fixed_size height must be a positive multiple of 16"),
+    (["--fixed_size", "40x40"], "--fixed_size height must be a positive multiple of 16"),
+    (["--flow_shift", "0"], "--flow_shift must be > 0"),
+    (["--sampler", "sage_grpo", "--eta", "50"], "--eta must be in (0, 1]"),
+    (["--sampler", "cps", "--eta", "2"], "--eta must be in (0, 1]"),
+    (["--cfg_scale", "-3"], "--cfg_scale must be >= 1"),
+    (["--fps", "0"], "--fps must be >= 1"),
+    (["--seed", str(2**64)], "--seed must fit in a signed 64-bit integer"),
+    (["--sage_sigma_clamp", "0.99"], "--sage_sigma_clamp applies to --sampler sage_grpo"),
+    (["--sampler", "sage_grpo", "--sage_sigma_clamp", "1.5"], "--sage_sigma_clamp must be in (0, 1)"),
+    (["--output_path", "x.mkv"], "only .mp4 videos are written"),
+    (["--checkpoint_path", "/nonexistent/checkpoint-1/transformer"], "--checkpoint_path /nonexistent"),
+    (["--lora_path", "/nonexistent/lora.safetensors"], "--lora_path /nonexistent"),
+    (["--offload_text_encoder", "maybe"], "--offload_text_encoder: 'maybe' is not a boolean"),
+    (["--num_inferenc", "3"], "unrecognized arguments"),
+]
+
+
+@pytest.fixture()
+def no_model_load(monkeypatch):
+    """Fail the test if anything tries to load the pipeline."""
+    import sage_grpo.models.loading as loading
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(loading, "load_pipeline", refuse)
+
+
+@pytest.mark.parametrize("extra, match", FLAG_ERRORS)
+def test_flag_values_are_checked_before_any_model_loads(extra, match, tmp_path, no_model_load):
+    import generate
+    from sage_grpo.errors import SageGRPOError
+
+    argv = ["--prompt", "x", "--model_path", "/nonexistent/weights", "--output_path", str(tmp_path / "out"), *extra]
+    with pytest.raises(SageGRPOError, match=re.escape(match)):
+        generate.main(argv)
+
+
+def test_empty_prompt_and_duplicate_indices(tmp_path, no_model_load):
+    import generate
+    from sage_grpo.errors import SageGRPOError
+
+    with pytest.raises(SageGRPOError, match="--prompt is empty"):
+        generate.main(["--prompt", " ", "--output_path", str(tmp_path)])
+    (tmp_path / "p.csv").write_text("prompt,index\na cat,3\na dog,3\n")
+    with pytest.raises(SageGRPOError, match="index 3 is used twice"):
+        generate.main(["--prompt_file", str(tmp_path / "p.csv"), "--output_path", str(tmp_path)])
+
+
+def test_unwritable_output_is_found_before_loading(tmp_path, no_model_load):
+    import generate
+    from sage_grpo.errors import SageGRPOError
+
+    (tmp_path / "file").write_text("")
+    for out, match in ((tmp_path / "file" / "videos", "is a file, not a folder"),
+                       (tmp_path / "file" / "v.mp4", "is a file, not a folder"),
+                       ("/proc/sage_grpo_out", "is not writable")):
+        with pytest.raises(SageGRPOError, match=match):
+            generate.main(["--prompt", "x", "--output_path", str(out)])
+
+
+@pytest.mark.parametrize("broken", ["no_binary", "not_installed"])
+def test_missing_ffmpeg_is_named_before_sampling(broken, tmp_path, monkeypatch, no_model_load):
+    import imageio_ffmpeg
+
+    import generate
+    from sage_grpo.errors import SageGRPOError
+
+    if broken == "no_binary":
+        def no_exe():
+            raise RuntimeError("No ffmpeg exe could be found. Install ffmpeg on your system")
+
+        monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", no_exe)
+    else:
+        monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
+    with pytest.raises(SageGRPOError, match=r"mp4 files need ffmpeg support.*pip install imageio-ffmpeg"):
+        generate.main(["--prompt", "x", "--output_path", str(tmp_path / "o.mp4")])
+
+
+def test_sage_clamp_of_the_config_is_honoured(tmp_path, monkeypatch, tiny_diffusers_dir):
+    """rollout.sage_sigma_clamp (YAML) and --sage_sigma_clamp reach the schedule check and the sampler settings."""
+    import generate
+    import sage_grpo.generation as generation
+    from sage_grpo.errors import SageGRPOError
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rollout:\n  sage_sigma_clamp: 0.99\n")
+    base = ["--prompt", "x", "--sampler", "sage_grpo", "--output_path", str(tmp_path / "o")]
+    with pytest.raises(SageGRPOError, match="sage_sigma_clamp 0.99"):  # 40 steps, shift 5: sigma_1 = 0.9949 > 0.99
+        generate.main([*base, "--config", str(cfg)])
+    seen = []
+
+    def spy(pipe, cache, records, *, settings, **kw):
+        seen.append(settings)
+        return iter(())
+
+    monkeypatch.setattr(generation, "sample_videos", spy)
+    tiny = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size", "16x32"]
+    generate.main([*base, *tiny, "--config", str(cfg), "--num_inference_steps", "4"])
+    generate.main([*base, *tiny, "--sage_sigma_clamp", "0.9999", "--num_inference_steps", "4"])
+    assert [s.sage_clamp for s in seen] == [0.99, 0.9999] and seen[0].sde_type == "sage_grpo"
+
+
+def test_cache_and_offload_flags_are_accepted():
+    import generate
+
+    args = generate.resolve_args(generate.build_parser().parse_args(
+        ["--prompt", "x", "--text_embedding_cache_dir", "/tmp/te", "--offload_text_encoder", "false"]))
+    assert args.text_embedding_cache_dir == "/tmp/te" and args.offload_text_encoder is False
+    args = generate.resolve_args(generate.build_parser().parse_args(["--prompt", "x"]))
+    assert args.text_embedding_cache_dir == "" and args.offload_text_encoder is True
+
+
+def test_generate_then_score_keeps_prompts_and_fps(tiny_diffusers_dir, tmp_path):
+    """generate writes <name>.txt with the exact prompt and the asked fps; score_videos scores that prompt."""
+    import csv
+    import importlib.util
+
+    import generate
+
+    prompts = ["a dog, running", "  Ünïcode prompt: 狗 "]
+    argv = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size", "16x32",
+            "--num_inference_steps", "2", "--fps", "12", "--output_path", str(tmp_path / "gen")]
+    paths = generate.main([*argv, *[x for p in prompts for x in ("--prompt", p)]])
+    assert [p.with_suffix(".txt").read_text(encoding="utf-8") for p in paths] == [p + "\n" for p in prompts]
+    assert all(read_video(p)[1] == 12.0 for p in paths)
+    assert json.loads(paths[0].with_name(paths[0].stem + "_config.json").read_text())["fps"] == 12
+    spec = importlib.util.spec_from_file_location("score_videos", REPO / "scripts" / "score_videos.py")
+    sv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sv)
+    out = tmp_path / "scores"
+    assert sv.main(["--videos", str(tmp_path / "gen"), "--out", str(out), "--metrics", "brightness", "--device", "cpu",
+                    "--video_fps", "12"]) == 0
+    rows = list(csv.DictReader(out.with_suffix(".csv").open(encoding="utf-8")))
+    assert [r["prompt"] for r in rows[:-1]] == prompts
+
+
+@pytest.mark.slow
+def test_flag_errors_come_back_in_seconds_as_one_line():
+    """As a user runs it: exit 2, one `error:` line, no traceback, long before any weights could load."""
+    for extra, match in FLAG_ERRORS[::3]:
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, str(REPO / "generate.py"), "--prompt", "x", "--model_path", "/nonexistent",
+                            *extra], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and match in r.stderr, (extra, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and time.perf_counter() - t0 < 30
+
+
+@pytest.mark.slow
+def test_quiet_by_default_verbose_on_request(tiny_diffusers_dir, tmp_path):
+    argv = [sys.executable, str(REPO / "generate.py"), "--model_path", str(tiny_diffusers_dir), "--dtype", "fp32",
+            "--video_length", "5", "--fixed_size", "16x32", "--num_inference_steps", "2", "--prompt", "x"]
+    quiet = subprocess.run([*argv, "--output_path", str(tmp_path / "q")], capture_output=True, text=True, cwd=REPO,
+                           timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Guiders" not in quiet.stderr and "Loading weights" not in quiet.stderr and "rollout" not in quiet.stderr
+    loud = subprocess.run([*argv, "--output_path", str(tmp_path / "v"), "--verbose"], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert loud.returncode == 0 and "Guiders" in loud.stderr and "rollout" in loud.stderr

@@ -135,3 +135,99 @@ def test_bench_reward_runs(capsys):
     assert bench.main(["--batch", "2", "--frames", "9", "--height", "32", "--width", "48", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "in-memory batched" in out and "speed-up" in out
+
+
+# ------------------------------------------------------------------------------------------------ issue 11
+
+
+def _run(sv, argv, capsys):
+    rc = sv.main(argv)
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_score_videos_one_mp4_and_exact_prompt(video_folder, tmp_path, capsys):
+    """A single .mp4 is scored (it used to be read as a CSV); the .txt prompt is kept exactly."""
+    sv = load_script("score_videos")
+    d = tmp_path / "one"
+    d.mkdir()
+    write_video(d / "clip.mp4", smooth_videos(1, 5, 32, 32)[0])
+    (d / "clip.txt").write_text("  a dog, running \n", encoding="utf-8")
+    rc, out, err = _run(sv, ["--videos", str(d / "clip.mp4"), "--out", str(tmp_path / "t"), "--metrics", "brightness",
+                             "--device", "cpu"], capsys)
+    assert rc == 0 and "scored 1 videos" in out and err == ""
+    rows = list(csv.DictReader((tmp_path / "t.csv").open(encoding="utf-8")))
+    assert rows[0]["prompt"] == "  a dog, running "
+
+
+def test_score_videos_prompt_from_file_name_is_one_warning(video_folder, tmp_path, capsys):
+    sv = load_script("score_videos")
+    rc, _, err = _run(sv, ["--videos", str(video_folder), "--out", str(tmp_path / "t"), "--metrics", "brightness",
+                           "--device", "cpu"], capsys)
+    assert rc == 0 and err.startswith("warning: 1 of 2 videos have no <name>.txt") and len(err.splitlines()) == 1
+
+
+def test_score_videos_every_video_failed_exits_2(tmp_path, capsys):
+    sv = load_script("score_videos")
+    d = tmp_path / "bad"
+    d.mkdir()
+    for name in ("a.mp4", "b.mp4"):
+        (d / name).write_bytes(b"not a video")
+    rc, out, err = _run(sv, ["--videos", str(d), "--out", str(tmp_path / "t"), "--metrics", "brightness", "--device",
+                             "cpu"], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and lines[-1].startswith("error: every video failed to score (2 videos")
+    assert lines[0].startswith("warning: 2 of 2 videos have no <name>.txt")
+    assert all(line.startswith("warning: cannot decode video") for line in lines[1:3]) and "ffmpeg version" not in err
+    assert json.loads((tmp_path / "t.json").read_text())["n_failed"] == {"brightness": 2}  # the tables are written
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--out", "FILE/sub/table"], "is a file, not a folder"),
+        (["--out", "/proc/sage_grpo_scores"], "is not writable"),
+        (["--max_pixels", "0"], "--max_pixels must be >= 1"),
+        (["--sample_fps", "0"], "--sample_fps must be > 0"),
+        (["--video_fps", "-1"], "--video_fps must be > 0"),
+        (["--min_pixels", "5000", "--max_pixels", "4000"], "--min_pixels (5000) must be <= --max_pixels (4000)"),
+        (["--max_pixels", "4000"], "below VideoAlign's default --min_pixels"),
+        (["--metrics", "brightness,bogus"], "unknown reward 'bogus'"),
+        (["--device", "tpu:x"], "--device 'tpu:x' is not a device"),
+        (["--max_pixels", "lots"], "invalid int value"),
+    ],
+)
+def test_score_videos_flags_checked_before_loading(extra, message, video_folder, tmp_path, capsys):
+    """Flag errors are one line and come before any metric loads (the reward path here does not exist)."""
+    sv = load_script("score_videos")
+    (tmp_path / "FILE").write_text("")
+    extra = [x.replace("FILE", str(tmp_path / "FILE")) for x in extra]
+    argv = ["--videos", str(video_folder), "--out", str(tmp_path / "o"), "--device", "cpu", "--metrics",
+            "videoalign_local", "--reward_model_path", "/nonexistent", *extra]
+    rc, _, err = _run(sv, argv, capsys)
+    assert rc == 2 and err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_score_videos_cuda_unavailable(video_folder, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    sv = load_script("score_videos")
+    rc, _, err = _run(sv, ["--videos", str(video_folder), "--out", str(tmp_path / "o"), "--device", "cuda"], capsys)
+    assert rc == 2 and "CUDA is not available" in err
+
+
+def test_score_videos_unsupported_input_type(tmp_path, capsys):
+    sv = load_script("score_videos")
+    (tmp_path / "list.txt").write_text("x\n")
+    rc, _, err = _run(sv, ["--videos", str(tmp_path / "list.txt"), "--out", str(tmp_path / "o"), "--device", "cpu"],
+                      capsys)
+    assert rc == 2 and "give a folder of .mp4 files, one .mp4 or a .csv" in err
+
+
+@pytest.mark.parametrize("metric, hub", [("clipscore", "openai/clip-vit-large-patch14"),
+                                         ("pickscore", "yuvalkirstain/PickScore_v1")])
+def test_missing_clip_weights_name_the_hub_id(metric, hub, video_folder, tmp_path, capsys):
+    sv = load_script("score_videos")
+    rc, _, err = _run(sv, ["--videos", str(video_folder), "--out", str(tmp_path / "o"), "--device", "cpu",
+                           "--metrics", metric, "--pretrained_model_root", str(tmp_path)], capsys)
+    assert rc == 2 and f"download {hub} there" in err and "download_weights.sh metrics" in err

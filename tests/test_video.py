@@ -1,0 +1,37 @@
+"""sage_grpo.video: the one mp4 module (write, read, ffmpeg check) and the prompt file beside a video."""
+
+import pytest
+import torch
+
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.video import check_mp4_support, read_prompt_file, read_video, write_prompt_file, write_video
+
+
+def test_lossless_roundtrip_is_exact(tmp_path):
+    frames = torch.rand(5, 3, 16, 24, generator=torch.Generator().manual_seed(0))
+    write_video(tmp_path / "v.mp4", frames, fps=10, lossless=True)
+    back, fps = read_video(tmp_path / "v.mp4")
+    assert fps == 10 and torch.equal(back, (frames * 255).round() / 255)
+
+
+def test_unreadable_video_is_one_line_without_the_ffmpeg_banner(tmp_path):
+    (tmp_path / "bad.mp4").write_bytes(b"not a video")
+    with pytest.raises(SageGRPOError) as info:
+        read_video(tmp_path / "bad.mp4")
+    msg = str(info.value)
+    assert msg.startswith(f"cannot decode video {tmp_path / 'bad.mp4'}") and "\n" not in msg and "ffmpeg version" not in msg
+
+
+def test_ffmpeg_is_found():
+    assert check_mp4_support()
+
+
+def test_prompt_file(tmp_path):
+    v = tmp_path / "a.mp4"
+    assert read_prompt_file(v) is None
+    write_prompt_file(v, "line one\nline two  ")
+    assert read_prompt_file(v) == "line one\nline two  "
+    (tmp_path / "a.txt").write_bytes(b"windows prompt\r\n")
+    assert read_prompt_file(v) == "windows prompt"
+    (tmp_path / "a.txt").write_text("   \n")
+    assert read_prompt_file(v) is None
