@@ -81,16 +81,41 @@ def test_same_noise_shares_only_the_initial_noise(tiny_pipe, text_cache):
 
 
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sde_type", ["sage_grpo", "cps"])
+@pytest.mark.parametrize("sde_type", ["sage_grpo", "cps", "flow_grpo", "dance_grpo"])
 def test_rescoring_stored_samples_gives_ratio_one(tiny_pipe, text_cache, storage, sde_type):
     s = SamplerSettings(sde_type=sde_type, eta=0.5, num_steps=3, cfg_scale=6.0)
     traj = _run(tiny_pipe, text_cache, s, storage_dtype=storage)
     assert traj.latents.dtype == storage
+    # finite everywhere (a NaN compares unequal to everything, so the equalities below alone would not say so),
+    # and every SDE step but cps' deterministic last one injects noise: a real log-density, not the 0 of V_t = 0
+    assert torch.isfinite(traj.latents.float()).all() and torch.isfinite(traj.log_probs).all()
+    noisy = traj.log_probs[:, :-1] if sde_type == "cps" else traj.log_probs
+    assert (noisy != 0).all()
     for step in range(3):
         out = policy_step(tiny_pipe.transformer, traj, torch.arange(2), step, tiny_pipe.vision_num_semantic_tokens)
         ratio = torch.exp(out.log_prob - traj.log_probs[:, step])
         assert torch.equal(ratio, torch.ones_like(ratio)), (step, ratio)
         assert torch.equal(out.prev_sample, traj.latents[:, step + 1])
+
+
+def test_sde_noise_differs_between_the_steps_of_a_trajectory(tiny_pipe, text_cache):
+    # Recover each step's standard-normal draw xi_t = (x_{t+1} - mean_t) / std_t from the stored trajectory: the
+    # draws of one sample at different steps must be independent (the step index is part of the noise seed).
+    s = SamplerSettings(sde_type="sage_grpo", eta=0.5, num_steps=3, cfg_scale=6.0)
+    traj = _run(tiny_pipe, text_cache, s)
+    xi = []
+    for step in range(3):
+        out = policy_step(tiny_pipe.transformer, traj, torch.arange(2), step, tiny_pipe.vision_num_semantic_tokens)
+        x_next = traj.latents[:, step + 1].double()
+        xi.append(((x_next - out.mean.double()) / out.std.double().view(-1, 1, 1, 1, 1)).reshape(2, -1))
+    n = xi[0].shape[1]  # 1152 elements per sample: a correlation of independent draws is ~ 1 / sqrt(n) = 0.03
+    for b in range(2):
+        for a in range(3):
+            assert xi[a][b].std().item() == pytest.approx(1.0, abs=0.1)  # really the standard-normal draw
+            for c in range(a + 1, 3):
+                corr = torch.corrcoef(torch.stack([xi[a][b], xi[c][b]]))[0, 1].item()
+                assert abs(corr) < 6 / n**0.5, (b, a, c, corr)
+    assert abs(torch.corrcoef(torch.stack([xi[0][0], xi[0][1]]))[0, 1].item()) < 6 / n**0.5  # and between samples
 
 
 def test_rescoring_subsets_and_gradients(tiny_pipe, text_cache):
