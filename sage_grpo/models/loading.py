@@ -179,6 +179,9 @@ def load_pipeline(
         from sage_grpo.models.authors_layout import load_authors_parts
 
         parts = load_authors_parts(loc.root, loc.version, tdt, vdt, dt, load_text_encoders)
+    from sage_grpo.models.attention import use_valid_token_attention
+
+    use_valid_token_attention(parts["transformer"])  # attention over valid tokens only (no dense [B,1,S,S] mask)
     scheduler_dir = loc.root / "scheduler"
     if (scheduler_dir / "scheduler_config.json").is_file():
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_dir)

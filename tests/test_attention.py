@@ -1,0 +1,176 @@
+"""Valid-token attention (sage_grpo.models.attention) against diffusers' own HunyuanVideo-1.5 processor."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from diffusers import HunyuanVideo15Transformer3DModel
+from hv_fixtures import *  # noqa: F401,F403
+
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.models.attention import (
+    ValidTokenAttnProcessor,
+    use_diffusers_attention,
+    use_valid_token_attention,
+    valid_lengths,
+    valid_token_attention_enabled,
+)
+from sage_grpo.models.tiny import tiny_transformer_config
+
+TXT, B5, IMG = 24, 8, 4  # MLLM, ByT5 and image token slots (the real model: 1000, 256, 729)
+
+
+def _model(dtype=torch.float64, layers=2, seed=0):
+    torch.manual_seed(seed)
+    m = HunyuanVideo15Transformer3DModel(**{**tiny_transformer_config(), "num_layers": layers})
+    with torch.no_grad():  # some layers start at zero (proj_out): perturb all so every weight matters
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m.to(dtype)
+
+
+def _inputs(dtype, txt_valid=(17, 3), b5_valid=(5, 1), image=False, seed=1):
+    """A CFG-like batch: prompts with different valid MLLM and ByT5 lengths (right padding, as the encoders give)."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(txt_valid)
+    cfg = tiny_transformer_config()
+
+    def mask(n, valid):
+        return torch.stack([torch.arange(n) < v for v in valid]).long()
+
+    return dict(
+        hidden_states=torch.randn(b, cfg["in_channels"], 3, 4, 6, generator=g).to(dtype),  # 72 video tokens
+        timestep=torch.tensor([700.0, 300.0, 500.0][:b]).to(dtype),
+        encoder_hidden_states=torch.randn(b, TXT, cfg["text_embed_dim"], generator=g).to(dtype),
+        encoder_attention_mask=mask(TXT, txt_valid),
+        encoder_hidden_states_2=torch.randn(b, B5, cfg["text_embed_2_dim"], generator=g).to(dtype),
+        encoder_attention_mask_2=mask(B5, b5_valid),
+        image_embeds=torch.randn(b, IMG, cfg["image_embed_dim"], generator=g).to(dtype) * float(image),
+        return_dict=False,
+    )
+
+
+def _run(model, inputs, weight):
+    """Output and the gradients (parameters by name, and the latent input) of a weighted sum of it."""
+    model.zero_grad(set_to_none=True)
+    x = inputs["hidden_states"].clone().requires_grad_(True)
+    out = model(**{**inputs, "hidden_states": x})[0]
+    (out.double() * weight).sum().backward()
+    grads = {n: p.grad.double() if p.grad is not None else torch.zeros_like(p, dtype=torch.float64)
+             for n, p in model.named_parameters() if p.requires_grad}
+    return out.detach().double(), grads, x.grad.double()
+
+
+def _max_rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _compare(dtype, tol_out, tol_grad, checkpointing=False, **kw):
+    stock = _model(dtype)
+    ours = use_valid_token_attention(copy.deepcopy(stock))
+    if checkpointing:
+        stock.enable_gradient_checkpointing()
+        ours.enable_gradient_checkpointing()
+    inputs = _inputs(dtype, **kw)
+    w = torch.randn(inputs["hidden_states"].shape[0], tiny_transformer_config()["out_channels"], 3, 4, 6,
+                    generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    out_s, g_s, gx_s = _run(stock, inputs, w)
+    out_o, g_o, gx_o = _run(ours, inputs, w)
+    assert torch.isfinite(out_o).all()
+    assert (out_o - out_s).abs().max() <= tol_out * out_s.abs().max(), float((out_o - out_s).abs().max())
+    assert _max_rel(gx_o, gx_s) <= tol_grad
+    worst = max(g_s, key=lambda n: float((g_o[n] - g_s[n]).abs().max()))
+    assert float((g_o[worst] - g_s[worst]).abs().max()) <= tol_grad * max(float(g.abs().max()) for g in g_s.values()), worst
+    return stock, ours
+
+
+def test_fp64_equals_diffusers_processor_cfg_batch_of_different_lengths():
+    _compare(torch.float64, 1e-12, 1e-11)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fp32_outputs_and_gradients_match(checkpointing):
+    _compare(torch.float32, 1e-5, 1e-5, checkpointing=checkpointing)
+
+
+@pytest.mark.parametrize("kw", [dict(txt_valid=(9, 9), b5_valid=(2, 2)), dict(txt_valid=(24, 5, 5), b5_valid=(8, 0, 0)),
+                                dict(image=True), dict(txt_valid=(12,), b5_valid=(0,))])
+def test_other_batches(kw):
+    """Equal lengths (one call), full-length and empty ByT5 prompts, runs of equal lengths, i2v image tokens, batch 1."""
+    _compare(torch.float32, 1e-5, 1e-5, **kw)
+
+
+def test_bf16_to_bf16_rounding():
+    """bf16: ours is as close to the fp64 result as diffusers' processor is (and to a few bf16 ulps of it)."""
+    ref = _model(torch.float64)
+    inputs64 = _inputs(torch.float64)
+    inputs16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs64.items()}
+    with torch.no_grad():
+        exact = ref(**inputs64)[0]
+        stock = copy.deepcopy(ref).to(torch.bfloat16)
+        out_s = stock(**inputs16)[0].double()
+        out_o = use_valid_token_attention(stock)(**inputs16)[0].double()
+    scale = exact.abs().max()
+    err_s, err_o = (out_s - exact).abs().max() / scale, (out_o - exact).abs().max() / scale
+    assert err_o <= 1.5 * err_s + 2**-8, (err_o, err_s)
+    assert (out_o - out_s).abs().max() / scale <= 2**-5  # a few bf16 ulps of the largest value
+
+
+def test_lora_adapters_train_through_the_processor():
+    from sage_grpo.models.lora import setup_trainable
+
+    stock = _model(torch.float32)
+    setup_trainable(stock, use_lora=True, lora_r=4, lora_alpha=8)
+    with torch.no_grad():  # lora_B starts at zero: make the adapters change the output
+        for n, p in stock.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    ours = use_valid_token_attention(copy.deepcopy(stock))
+    assert type(ours.transformer_blocks[0].attn.to_q).__module__.startswith("peft")
+    inputs = _inputs(torch.float32)
+    w = torch.randn(2, 4, 3, 4, 6, dtype=torch.float64)
+    out_s, g_s, _ = _run(stock, inputs, w)
+    out_o, g_o, _ = _run(ours, inputs, w)
+    assert g_s and all("lora_" in n for n in g_s)
+    assert _max_rel(out_o, out_s) <= 1e-5
+    for n in g_s:
+        assert (g_o[n] - g_s[n]).abs().max() <= 1e-5 * max(float(g.abs().max()) for g in g_s.values()), n
+
+
+def test_switching_is_idempotent_and_survives_deepcopy():
+    stock = _model(torch.float64, layers=1)
+    m = copy.deepcopy(stock)
+    use_valid_token_attention(m)
+    use_valid_token_attention(m)
+    block = m.transformer_blocks[0]
+    assert len(block._forward_pre_hooks) == 1 and valid_token_attention_enabled(m)
+    assert not isinstance(m.context_embedder.token_refiner.refiner_blocks[0].attn.processor, ValidTokenAttnProcessor)
+    twin = copy.deepcopy(m)
+    assert valid_token_attention_enabled(twin)
+    inputs = _inputs(torch.float64)
+    with torch.no_grad():
+        ref = stock(**inputs)[0]
+        torch.testing.assert_close(twin(**inputs)[0], ref, rtol=0, atol=1e-12)
+        use_diffusers_attention(m)  # the padding-cut hook must then do nothing
+        assert not valid_token_attention_enabled(m)
+        torch.testing.assert_close(m(**inputs)[0], ref, rtol=0, atol=0)
+
+
+def test_valid_lengths_cached_and_checked():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    assert valid_lengths(mask, 2, 4) == (3, 1)
+    assert valid_lengths(mask, 2, 2) == (2, 1)  # capped by the (cut) token count
+    assert valid_lengths(None, 3, 5) == (5, 5, 5)
+    with pytest.raises(SageGRPOError, match="valid encoder tokens first"):
+        valid_lengths(torch.tensor([[1, 0, 1]], dtype=torch.bool), 1, 3)
+
+
+def test_not_a_hunyuan_transformer():
+    with pytest.raises(SageGRPOError, match="HunyuanVideo15Transformer3DModel"):
+        use_valid_token_attention(torch.nn.Linear(2, 2))
+
+
+def test_load_pipeline_makes_it_the_default(tiny_pipe):
+    assert valid_token_attention_enabled(tiny_pipe.transformer)
