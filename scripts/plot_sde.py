@@ -2,6 +2,9 @@
 against sigma (paper Fig. 4), for one rollout schedule. Prints the tables and writes PNGs.
 
     python scripts/plot_sde.py --steps 20 --shift 5 --eta 0.5 --out outputs/sde_plots
+
+A step whose variance is 0 (cps's last step) has no gradient scale: the plots leave it out (the equalizer's N_t = 1
+guard is not a measurement), and the training update never trains it.
 """
 
 from __future__ import annotations
@@ -11,26 +14,36 @@ from pathlib import Path
 
 import torch
 
+from sage_grpo.cli import CLIParser, at_least, check_writable_dir
 from sage_grpo.equalizer import equalizer_weights, gradient_scale
 from sage_grpo.errors import SageGRPOError, run_cli
 from sage_grpo.schedule import sigma_schedule
-from sage_grpo.sde import check_sage_schedule, step_variance
+from sage_grpo.sde import SAGE_SIGMA_CLAMP, check_sage_schedule, step_variance
 
 SDES = ("sage_grpo", "flow_grpo", "dance_grpo", "cps")
 
 
-def tables(steps: int, shift: float, eta: float) -> dict[str, dict[str, list[float]]]:
+def tables(steps: int, shift: float, eta: float, sage_clamp: float = SAGE_SIGMA_CLAMP) -> dict[str, dict[str, list[float]]]:
     """{sampler: {"std": [T], "N": [T], "S": [T]}} and the schedule under key "sigma"."""
     sig = sigma_schedule(steps, shift)
     out: dict[str, dict[str, list[float]]] = {"sigma": {"sigma": sig.tolist()}}
     for sde in SDES:
-        var = step_variance(sde, sig[:-1], sig[1:], eta, sigma_max=sig[1])
+        var = step_variance(sde, sig[:-1], sig[1:], eta, sigma_max=sig[1], sage_clamp=sage_clamp)
         out[sde] = {
             "std": var.clamp(min=0).sqrt().tolist(),
-            "N": gradient_scale(sde, sig, eta).tolist(),
-            "S": equalizer_weights(sde, sig, eta).tolist(),
+            "N": gradient_scale(sde, sig, eta, sage_clamp=sage_clamp).tolist(),
+            "S": equalizer_weights(sde, sig, eta, sage_clamp=sage_clamp).tolist(),
         }
     return out
+
+
+def plotted(t: dict, sde: str, key: str) -> list[float]:
+    """The values a plot shows: N_t and S_t of a zero-variance step are NaN (not drawn), since its N_t = 1 is the
+    equalizer's guard, not a gradient scale."""
+    vals = t[sde][key]
+    if key == "std":
+        return list(vals)
+    return [float("nan") if std == 0 else v for v, std in zip(vals, t[sde]["std"])]
 
 
 def print_tables(t: dict, steps: int, shift: float, eta: float) -> None:
@@ -65,7 +78,7 @@ def plot(t: dict, steps: int, shift: float, eta: float, out: Path) -> list[Path]
     for name, key, xlabel, ylabel, title, xs, yscale in specs:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for sde in SDES:
-            ax.plot(xs, t[sde][key], marker="o", ms=3, label=sde)
+            ax.plot(xs, plotted(t, sde, key), marker="o", ms=3, label=sde)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_yscale(yscale)
@@ -82,19 +95,28 @@ def plot(t: dict, steps: int, shift: float, eta: float, out: Path) -> list[Path]
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="rollout steps T (default 20)")
-    p.add_argument("--shift", type=float, default=5.0, help="schedule shift (default 5)")
-    p.add_argument("--eta", type=float, default=0.5, help="noise level eta (default 0.5)")
+    p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="rollout steps T >= 1 (default 20)")
+    p.add_argument("--shift", type=float, default=5.0, help="schedule shift > 0 (default 5)")
+    p.add_argument("--eta", type=float, default=0.5, help="noise level eta in (0, 1] (default 0.5; cps needs <= 1)")
+    p.add_argument("--sage_sigma_clamp", type=float, default=SAGE_SIGMA_CLAMP,
+                   help=f"sage_grpo's sigma clamp inside the log, in (0, 1) (default {SAGE_SIGMA_CLAMP})")
     p.add_argument("--out", default="outputs/sde_plots", help="folder for the PNGs (default outputs/sde_plots)")
     p.add_argument("--no-plots", action="store_true", help="print the tables only")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.shift <= 0 or args.eta < 0:
-        raise SageGRPOError("need --steps >= 1, --shift > 0 and --eta >= 0")
+    at_least("--steps", args.steps, 1)
+    at_least("--shift", args.shift, 0, strict=True)
+    if not 0 < args.eta <= 1:
+        raise SageGRPOError(f"--eta must be in (0, 1], got {args.eta:g} (at 0 no sampler injects noise and every "
+                            "S_t is 1; cps needs eta <= 1)")
+    if not 0 < args.sage_sigma_clamp < 1:
+        raise SageGRPOError(f"--sage_sigma_clamp must be in (0, 1), got {args.sage_sigma_clamp:g}")
+    if not args.no_plots:
+        check_writable_dir(args.out, "--out")
     torch.set_printoptions(precision=4)
     if args.eta > 0:  # every sage_grpo step must inject noise (at eta = 0 every sampler is the ODE)
-        check_sage_schedule(args.steps, args.shift)
-    t = tables(args.steps, args.shift, args.eta)
+        check_sage_schedule(args.steps, args.shift, args.sage_sigma_clamp)
+    t = tables(args.steps, args.shift, args.eta, args.sage_sigma_clamp)
     print_tables(t, args.steps, args.shift, args.eta)
     if not args.no_plots:
         for path in plot(t, args.steps, args.shift, args.eta, Path(args.out)):

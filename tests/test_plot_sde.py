@@ -1,3 +1,5 @@
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +36,54 @@ def test_plot_script_refuses_a_silent_sage_schedule_with_the_shared_message():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "sage_grpo step 0" in proc.stderr and "would inject no noise" in proc.stderr
     assert "fewer steps (at most 83 with shift 4)" in proc.stderr
+
+
+def _load():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_sde", ROOT / "scripts/plot_sde.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eta", "0"], "--eta must be in (0, 1]"),  # every S_t would be 1 and no sampler injects noise
+    (["--eta", "1.5"], "--eta must be in (0, 1]"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--shift", "0"], "--shift must be > 0"),
+    (["--sage_sigma_clamp", "1"], "--sage_sigma_clamp must be in (0, 1)"),
+    (["--steps", "two"], "invalid int value"),
+])
+def test_plot_flags_each_have_their_own_message(argv, message):
+    from sage_grpo.errors import SageGRPOError
+
+    with pytest.raises(SageGRPOError, match=re.escape(message)):
+        _load().main([*argv, "--no-plots"])
+
+
+def test_the_clamp_hint_names_a_flag_the_script_has(capsys):
+    """The refusal suggests --sage_sigma_clamp, and plot_sde.py takes it: a clamp closer to 1 allows 100 steps."""
+    from sage_grpo.errors import SageGRPOError
+
+    mod = _load()
+    with pytest.raises(SageGRPOError, match="--sage_sigma_clamp closer to 1"):
+        mod.main(["--steps", "100", "--no-plots"])
+    mod.main(["--steps", "100", "--sage_sigma_clamp", "0.99999", "--no-plots"])
+    assert "T = 100" in capsys.readouterr().out
+
+
+def test_zero_variance_step_is_not_plotted():
+    mod = _load()
+    t = mod.tables(20, 5.0, 0.5)
+    assert t["cps"]["std"][-1] == 0 and t["cps"]["N"][-1] == 1.0  # the equalizer's guard value ...
+    assert math.isnan(mod.plotted(t, "cps", "N")[-1]) and math.isnan(mod.plotted(t, "cps", "S")[-1])  # ... not drawn
+    assert not any(math.isnan(x) for x in mod.plotted(t, "cps", "N")[:-1] + mod.plotted(t, "sage_grpo", "N"))
+
+
+def test_unwritable_out_is_refused_before_computing(tmp_path):
+    from sage_grpo.errors import SageGRPOError
+
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SageGRPOError, match="is a file, not a folder"):
+        _load().main(["--out", str(tmp_path / "f" / "plots")])
