@@ -169,3 +169,46 @@ def test_build_reward_with_demo_rewards():
     with pytest.raises(SageGRPOError, match="unknown component 'VQ'"):
         build_reward(reward_model="color", reward_weights=SETTING_B)
     assert build_reward(reward_model="color", reward_weights="").weights == {"color": 1.0}
+
+
+def test_negative_weight_applies_a_penalty():
+    """A negative weight subtracts its component: total = 1 * VQ - 0.5 * TA."""
+    r = Table({"VQ": [1.0, 2.0, 0.5], "TA": [3.0, 4.0, -1.0]})
+    out = CompositeReward({"a": r}, parse_reward_weights('{"VQ": 1, "TA": -0.5}', ("VQ", "TA")))(vids(3), ["p 0", "p 1", "p 2"])
+    assert out["total"].tolist() == [1.0 - 1.5, 2.0 - 2.0, 0.5 + 0.5]
+
+
+def test_empty_weights_and_a_component_named_total_are_refused():
+    with pytest.raises(SageGRPOError, match="non-empty JSON object"):
+        parse_reward_weights("{}", VALID)
+    with pytest.raises(SageGRPOError, match="'total', which is reserved"):
+        CompositeReward({"a": Table({"total": [1.0], "VQ": [2.0]})})
+
+
+class PixelMean:
+    """Scores each video by its own mean pixel value; refuses batches of more than one video (a batch failure)."""
+
+    components = ("mean",)
+    default_weights = {"mean": 1.0}
+
+    def __call__(self, videos, prompts):
+        if videos.shape[0] > 1:
+            raise RuntimeError("out of memory")
+        return {"mean": videos.mean(dim=(1, 2, 3, 4))}
+
+
+def test_per_video_fallback_scores_each_video_itself():
+    """After the batch fails, video i is scored from videos[i] (a reward that reads its input would notice)."""
+    v = torch.stack([torch.full((2, 3, 4, 4), x) for x in (0.1, 0.5, 0.9)])  # [3, 2, 3, 4, 4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = score_safely(PixelMean(), v, ["a", "b", "c"])
+    assert out["mean"].tolist() == pytest.approx([0.1, 0.5, 0.9])
+
+
+def test_brightness_clamps_out_of_range_pixels():
+    """Pixels outside [0, 1] (a decoder overshoot) count as 0 or 1: luma stays in [0, 1]."""
+    assert BrightnessReward()(_const_video((2.0, 2.0, 2.0)), [""])["brightness"].item() == pytest.approx(1.0)
+    assert BrightnessReward()(_const_video((-1.0, -1.0, -1.0)), [""])["brightness"].item() == pytest.approx(0.0)
+    got = BrightnessReward()(_const_video((1.5, -0.5, 0.5)), [""])["brightness"].item()
+    assert got == pytest.approx(0.299 * 1.0 + 0.587 * 0.0 + 0.114 * 0.5, abs=1e-6)

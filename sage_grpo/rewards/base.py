@@ -185,7 +185,10 @@ class CompositeReward:
         comps: list[str] = []
         for name, r in self.rewards.items():
             for c in r.components:
-                if c in comps or c == "total":
+                if c == "total":
+                    raise SageGRPOError(f"reward {name!r} names a component 'total', which is reserved for the weighted "
+                                        "sum of the components; rename that component")
+                if c in comps:
                     raise SageGRPOError(f"reward {name!r} provides component {c!r} which another reward provides too")
                 comps.append(c)
         self.components = tuple(comps)
