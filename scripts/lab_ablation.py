@@ -1,13 +1,13 @@
 #!/usr/bin/env python
-"""Ablation grid of the seconds-scale lab (issue 5): sampler x equalizer x KL variant over seeds, on a CPU.
+"""Ablation grid of the seconds-scale lab: sampler x equalizer x KL variant over seeds, on a CPU.
 
     python scripts/lab_ablation.py --quick              # 2-D ring, 3 seeds, 30 iterations: a few minutes on 2 cores
     python scripts/lab_ablation.py --seeds 5            # 2-D and 16-D, 5 seeds, 60 iterations
     python scripts/lab_ablation.py --quick --out outputs/lab_quick --workers 2
 
 Grid: {dance_grpo, flow_grpo, sage_grpo, cps} x {equalizer off, on} x {KL: none, fixed, stepwise, moving, dual}.
-Writes to --out: summary.csv (one row per run), table_d{D}.md (mean ± std over seeds), curves.csv (per iteration),
-steps.csv (per step: noise std, S_t, N_t, measured gradient norms), and PNG figures (with matplotlib installed,
+Writes to --out: summary.csv (one row per run), table.csv (mean and std per cell), table_d{D}.md (mean ± std over
+seeds), curves.csv (per iteration), steps.csv (per step: noise std, S_t, N_t, measured gradient norms), and PNG figures (with matplotlib installed,
 the "plot" extra). Pre-trained base models are cached per (dim, seed) under --out/base/.
 
 Each grid cell runs single-threaded (tiny MLPs gain nothing from intra-op threads and lose to their
@@ -25,26 +25,36 @@ from pathlib import Path
 
 import torch
 
+from sage_grpo.cli import CLIParser, at_least, check_writable_dir
+from sage_grpo.errors import run_cli
 from sage_grpo.lab import KL_VARIANTS, LAB_SAMPLERS, LabConfig
 from sage_grpo.lab.ablation import init_worker, pretrain_job, run_job
 from sage_grpo.lab.report import aggregate, format_table, plot_all, write_csv
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2-D only, 3 seeds, 30 iterations (under 5 min on 2 cores)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3 with --quick, else 5)")
     p.add_argument("--out", type=Path, default=Path("outputs/lab"), help="output directory (git-ignored outputs/)")
-    p.add_argument("--dims", type=int, nargs="+", default=None, help="data dimensions (default: 2 quick, 2 16 full)")
+    p.add_argument("--dims", type=int, nargs="+", default=None, help="data dimensions >= 2 (default: 2 quick, 2 16 full)")
     p.add_argument("--iterations", type=int, default=None, help="GRPO iterations per run (default: 30 quick, 60)")
     p.add_argument("--samplers", nargs="+", default=list(LAB_SAMPLERS), choices=LAB_SAMPLERS)
     p.add_argument("--kls", nargs="+", default=list(KL_VARIANTS), choices=KL_VARIANTS)
     p.add_argument("--workers", type=int, default=2, help="cells run in parallel (one thread each)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     args = p.parse_args(argv)
-    args.seeds = args.seeds or (3 if args.quick else 5)
-    args.dims = args.dims or ([2] if args.quick else [2, 16])
-    args.iterations = args.iterations or (30 if args.quick else 60)
+    # `is None`, not `or`: an explicit 0 is an error, never silently the default
+    args.seeds = (3 if args.quick else 5) if args.seeds is None else args.seeds
+    args.dims = ([2] if args.quick else [2, 16]) if args.dims is None else args.dims
+    args.iterations = (30 if args.quick else 60) if args.iterations is None else args.iterations
+    at_least("--seeds", args.seeds, 1)
+    at_least("--iterations", args.iterations, 1)
+    at_least("--workers", args.workers, 1)
+    for d in args.dims:
+        at_least("--dims", d, 2)  # a ring needs two dimensions
+    args.dims = list(dict.fromkeys(args.dims))
+    args.samplers, args.kls = list(dict.fromkeys(args.samplers)), list(dict.fromkeys(args.kls))
     return args
 
 
@@ -57,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     torch.set_num_threads(1)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out: Path = check_writable_dir(args.out, "--out")
     seeds = list(range(args.seeds))
     base_cfg = LabConfig(iterations=args.iterations)
     jobs = [
@@ -115,4 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

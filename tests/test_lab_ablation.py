@@ -42,3 +42,31 @@ def test_ablation_script_writes_table_csv_and_cache(tmp_path, capsys):
     assert mod.main(argv) == 0  # second run reuses the cached base models
     assert [p.stat().st_mtime_ns for p in (tmp_path / "base").iterdir()] == mtimes
     assert (tmp_path / "table_d2.md").read_text().startswith("| Method |")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "0"], "--seeds must be >= 1"),  # was silently 5 (`args.seeds or 5`)
+    (["--iterations", "0"], "--iterations must be >= 1"),  # was silently 60
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--dims", "1"], "--dims must be >= 2"),
+    (["--seeds", "x"], "invalid int value"),
+])
+def test_bad_values_are_one_error_not_the_default(argv, message):
+    from sage_grpo.errors import SageGRPOError
+
+    with pytest.raises(SageGRPOError, match=message):
+        _load_script().parse_args(argv)
+
+
+def test_help_names_no_internal_issue(capsys):
+    with pytest.raises(SystemExit):
+        _load_script().parse_args(["--help"])
+    assert "issue" not in capsys.readouterr().out.lower()
+
+
+def test_unwritable_out(tmp_path):
+    from sage_grpo.errors import SageGRPOError
+
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SageGRPOError, match="is a file, not a folder"):
+        _load_script().main(["--out", str(tmp_path / "f" / "lab"), "--quick"])
