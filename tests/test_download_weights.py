@@ -1,0 +1,52 @@
+"""download_weights.sh: argument checks before anything is created, --dry-run, and the metrics target."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "download_weights.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _run(tmp_path, *args):
+    env = {**os.environ, "CKPTS": str(tmp_path / "ck"), "PATH": "/usr/bin:/bin"}  # no `hf` on this PATH
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("args, message", [(["bogus"], "unknown argument 'bogus'"),
+                                           (["reward", "metrics"], "give one target")])
+def test_bad_arguments_are_refused_before_anything_is_created(tmp_path, args, message):
+    r = _run(tmp_path, *args)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "ckpts").exists()
+
+
+def test_dry_run_prints_the_commands_only(tmp_path):
+    r = _run(tmp_path, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "hf download hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v" in r.stdout
+    assert "hf download KlingTeam/VideoReward" in r.stdout and "dry run: nothing was downloaded" in r.stdout
+    assert not (tmp_path / "ck").exists()
+
+
+def test_metrics_target_fills_the_folders_score_videos_reads(tmp_path):
+    from sage_grpo.rewards.clip_metrics import HUB_IDS
+
+    r = _run(tmp_path, "metrics", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    ck = tmp_path / "ck"
+    for hub, folder in ((HUB_IDS["clipscore"][0], "clip-vit-large-patch14"), (HUB_IDS["pickscore"][0], "PickScore_v1"),
+                        (HUB_IDS["pickscore"][1], "CLIP-ViT-H-14-laion2B-s32B-b79K")):
+        line = next(x for x in r.stdout.splitlines() if f"hf download {hub} " in x)
+        assert line.rstrip().endswith(f"--local-dir {ck / folder}")
+
+
+@pytest.mark.skipif(shutil.which("hf", path="/usr/bin:/bin") is not None, reason="hf is installed system-wide")
+def test_missing_hf_cli_is_one_error(tmp_path):
+    r = _run(tmp_path, "reward")
+    assert r.returncode == 1 and "the 'hf' CLI is missing" in r.stderr and not (tmp_path / "ck").exists()
