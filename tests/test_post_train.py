@@ -1,0 +1,280 @@
+"""post_train.py end to end on the tiny HunyuanVideo-1.5 (CPU): outputs, exact resume, KL variants, samplers,
+anchor cadence, gradient independence of the micro-batch size, accumulation, masked rewards, crash recovery."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sage_grpo.checkpoint import list_checkpoints
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("post_train", ROOT / "post_train.py")
+pt = importlib.util.module_from_spec(_spec)
+sys.modules["post_train"] = pt  # dataclasses look their module up there
+_spec.loader.exec_module(pt)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "hv")
+
+
+def _args(model, out, *extra):
+    return ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(model), "--output_dir", str(out),
+            "--train_video_csv", str(ROOT / "configs/tiny_prompts.txt"), "--grpo_sampling_steps", "4",
+            "--sample_n_frames", "5", "--max_steps", "2", "--save_interval", "0", "--report_to", "none", *extra]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    """The trained transformer of the newest checkpoint, as a plain state dict."""
+    from sage_grpo.models.loading import load_pipeline
+    from sage_grpo.models.lora import load_dcp_transformer
+
+    step, path = list_checkpoints(out)[-1]
+    cfg = json.loads((path / "train_state.json").read_text())["config"]
+    pipe = load_pipeline(model_path=cfg["model"]["model_path"], dtype="fp32", load_text_encoders=False)
+    load_dcp_transformer(pipe.transformer, path / "transformer")
+    return pipe.transformer.state_dict()
+
+
+def _stable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "mem/"))} for r in rows]
+
+
+def test_two_steps_write_everything_and_train(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--validation_interval", "2", "--validation_num_inference_steps", "2",
+                  "--validate_video_length", "5"))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for k, v in r.items():
+            assert v is not None and (not isinstance(v, float) or math.isfinite(v)), (k, v)
+    assert rows[0]["train/ratio_min"] == rows[0]["train/ratio_max"] == 1.0  # re-scored in the rollout's chunks
+    assert rows[1]["val/videos"] == 4
+    assert (out / "curves.png").stat().st_size > 0 and (out / "config.yaml").is_file()
+    videos = sorted((out / "samples" / "step_000002").glob("*.mp4"))
+    assert len(videos) == 4 and all(v.with_suffix(".txt").is_file() for v in videos)
+    assert [s for s, _ in list_checkpoints(out)] == [2]  # the final checkpoint
+    from sage_grpo.models.loading import load_pipeline
+
+    base = load_pipeline(model_path=str(tiny_model), dtype="fp32", load_text_encoders=False).transformer.state_dict()
+    trained = _weights(out)
+    changed = [k for k in base if not torch.equal(base[k], trained[k])]
+    assert len(changed) > len(base) // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
+def test_resume_is_exact(tiny_model, tmp_path, lora):
+    extra = ["--update_ref_model_step", "1", "--kl_warmup_updates", "1", "--kl_weight", "1e-2", "--kl_coef", "1e-3",
+             "--kl_min_coef", "1e-4", "--learning_rate", "1e-3"]
+    if lora:
+        extra += ["--use_lora", "--lora_r", "4", "--lora_alpha", "8"]
+    full, half = tmp_path / "full", tmp_path / "half"
+    pt.main(_args(tiny_model, full, "--max_steps", "4", *extra))
+    pt.main(_args(tiny_model, half, "--max_steps", "4", "--save_interval", "2", *extra, "--max_steps", "2"))
+    pt.main(_args(tiny_model, half, "--max_steps", "4", "--save_interval", "2", *extra,
+                  "--resume_from_checkpoint", "latest"))
+    a, b = (list_checkpoints(d)[-1][1] for d in (full, half))
+    sa, sb = (json.loads((p / "train_state.json").read_text()) for p in (a, b))
+    assert sa["step"] == sb["step"] == 4 and sa["controller"] == sb["controller"] and sa["anchor"] == sb["anchor"]
+    wa, wb = _weights(full), _weights(half)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _stable(read_metrics(full / "metrics.jsonl")) == _stable(read_metrics(half / "metrics.jsonl"))
+    # optimizer state: compare the DCP shards byte for byte through a fresh load
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    for p in (a, b):
+        dcp_to_torch_save(p / "optimizer", p / "opt.pt")
+    oa, ob = (torch.load(p / "opt.pt", weights_only=True)["optimizer"]["state"] for p in (a, b))
+    assert oa.keys() == ob.keys() and len(oa) > 0
+    for k in oa:
+        for name in oa[k]:
+            assert torch.equal(torch.as_tensor(oa[k][name]), torch.as_tensor(ob[k][name])), (k, name)
+    del dcp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,flags", [
+    ("none", ["--kl_weight", "0"]),
+    ("fixed", ["--use_moving_KL", "False", "--use_dual_kl", "False"]),
+    ("moving", ["--use_dual_kl", "False"]),
+    ("stepwise", ["--use_dual_kl", "--dual_kl_moving_weight", "0"]),
+    ("dual", []),
+    ("dual_training_phase", ["--kl_compute_mode", "training_phase", "--reference_mode_offload"]),
+])
+def test_kl_variants_run(tiny_model, tmp_path, variant, flags):
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "3", "--update_ref_model_step", "2", *flags))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    has_pos = variant in ("fixed", "moving", "dual", "dual_training_phase")
+    assert ("kl/pos" in rows[-1]) == has_pos and ("kl/vel" in rows[-1]) == (variant in ("stepwise", "dual", "dual_training_phase"))
+    assert ("kl/coef" in rows[-1]) == (variant != "none")
+    if has_pos:
+        assert rows[0]["kl/pos"] == 0.0  # the anchor is the rollout policy at step 1
+        assert rows[1]["kl/pos"] > 0  # one update later it is not
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", ["dance_grpo", "flow_grpo", "sage_grpo", "cps"])
+def test_every_sampler_trains(tiny_model, tmp_path, sampler):
+    pt.main(_args(tiny_model, tmp_path, "--sde_type", sampler, "--max_steps", "1"))
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert row["train/ratio_min"] == row["train/ratio_max"] == 1.0 and row["train/grad_norm"] > 0
+
+
+def _count_calls(monkeypatch):
+    """Record, per step, how many anchor forwards ran."""
+    calls = []
+    orig_update = pt.update_phase
+
+    def spy(run, *a, **k):
+        before = run.stats.get("anchor_forwards", 0)
+        orig_update(run, *a, **k)
+        calls.append((run.step, run.anchor.refreshed_at, run.stats.get("anchor_forwards", 0) - before))
+
+    orig_anchor = pt.anchor_means
+
+    def spy_anchor(run, *a, **k):
+        run.stats["pre"] = run.stats.get("anchor_forwards", 0)
+        orig_anchor(run, *a, **k)
+        run.stats["anchor_rollout_phase"] = run.stats.get("anchor_forwards", 0) - run.stats["pre"]
+        calls.append(("rollout_phase", run.step, run.stats["anchor_rollout_phase"]))
+
+    monkeypatch.setattr(pt, "update_phase", spy)
+    monkeypatch.setattr(pt, "anchor_means", spy_anchor)
+    return calls
+
+
+def test_anchor_refresh_cadence_and_skipped_forwards(tiny_model, tmp_path, monkeypatch):
+    calls = _count_calls(monkeypatch)
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "5", "--update_ref_model_step", "2"))
+    pre = [c[2] for c in calls if c[0] == "rollout_phase"]
+    refreshed = [c[1] for c in calls if c[0] != "rollout_phase"]
+    # refreshes before steps 3 and 5 (after updates 2 and 4): the anchor equals the rollout policy at steps 1, 3, 5
+    assert refreshed == [0, 0, 2, 2, 4]
+    pairs = 4 * 4  # batch 4 x ceil(4 steps * 1.0)
+    assert pre == [0, pairs, 0, pairs, 0]
+
+
+def test_gradient_does_not_depend_on_micro_batch_size(tiny_model, tmp_path, monkeypatch):
+    grads = {}
+
+    def capture(run, metrics, *a):
+        grads[run.cfg.optim.mini_batch_size_per_update] = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in run.trainable]
+        run.optimizer.zero_grad()
+        run.accum_rounds = 0
+
+    import sage_grpo.rollout as rollout_mod
+
+    real_rollout = rollout_mod.rollout
+
+    def one_chunk(*a, **k):  # the same rollout for every micro-batch size: only the update's split differs
+        return real_rollout(*a, **{**k, "chunk_size": 0})
+
+    monkeypatch.setattr(pt, "optimizer_step", capture)
+    monkeypatch.setattr(rollout_mod, "rollout", one_chunk)
+    for mb in (1, 2, 4):
+        pt.main(_args(tiny_model, tmp_path / str(mb), "--max_steps", "1", "--mini_batch_size_per_update", str(mb)))
+    for mb in (2, 4):
+        for g1, g2 in zip(grads[1], grads[mb]):
+            torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-5 * float(g1.abs().max()) + 1e-12)
+    assert any(float(g.abs().max()) > 0 for g in grads[1])
+
+
+def test_accumulation_counts_updates(tiny_model, tmp_path):
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "4", "--gradient_accumulation_steps", "2",
+                  "--update_ref_model_step", "2", "--kl_warmup_updates", "4"))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["train/updates"] for r in rows] == [0, 1, 1, 2]
+    assert ["train/grad_norm" in r for r in rows] == [False, True, False, True]
+    # the refresh counts updates: the first is due after update 2 (step 5), not after 2 rounds
+    assert [r["kl/anchor_synced"] for r in rows] == [1, 1, 0, 0]
+    # the KL coefficient warms up per update: 1e-7 + (1e-5 - 1e-7) * k / 4 for updates k = 0, 1
+    assert rows[1]["kl/coef"] == pytest.approx(1e-7) and rows[3]["kl/coef"] == pytest.approx(1e-7 + 9.9e-6 / 4)
+
+
+def test_failed_rewards_are_masked_and_counted(tiny_model, tmp_path, monkeypatch):
+    orig = pt.reward_phase
+
+    def nan_first(run, traj):
+        real = run.reward
+
+        def broken(videos, prompts):
+            out = real(videos, prompts)
+            out["total"] = out["total"].clone()
+            out["total"][0] = float("nan")
+            return out
+
+        run.reward = broken
+        try:
+            return orig(run, traj)
+        finally:
+            run.reward = real
+
+    monkeypatch.setattr(pt, "reward_phase", nan_first)
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "1"))
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert row["reward/failed"] == 1 and row["train/masked_pairs"] == 4
+    assert math.isfinite(row["train/loss"]) and math.isfinite(row["train/grad_norm"])
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tiny_model, tmp_path, monkeypatch):
+    orig = pt.update_phase
+
+    def crash(run, *a, **k):
+        if run.step == 2:  # the third step dies after checkpoint-2
+            raise KeyboardInterrupt
+        return orig(run, *a, **k)
+
+    monkeypatch.setattr(pt, "update_phase", crash)
+    with pytest.raises(KeyboardInterrupt):
+        pt.main(_args(tiny_model, tmp_path, "--max_steps", "4", "--save_interval", "2"))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+    monkeypatch.setattr(pt, "update_phase", orig)
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "4", "--save_interval", "2", "--resume_from_checkpoint", "latest"))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
+def test_generate_loads_a_training_checkpoint(tiny_model, tmp_path, lora):
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "1", "--learning_rate", "1e-2", *(["--use_lora"] if lora else [])))
+    ckpt = list_checkpoints(out)[-1][1]
+    vids = []
+    for extra in ([], ["--checkpoint_path", str(ckpt / "transformer")]):
+        dest = tmp_path / f"gen{len(vids)}.mp4"
+        r = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"),
+                            "--model_path", str(tiny_model), "--prompt", "a red ball rolls", "--video_length", "5",
+                            "--num_inference_steps", "2", "--output_path", str(dest), *extra],
+                           capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        vids.append(dest.read_bytes())
+    assert vids[0] != vids[1]  # the trained weights were loaded
+
+
+def test_user_errors_before_any_model_loads(tmp_path):
+    with pytest.raises(SageGRPOError, match="sp_size"):
+        pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--sp_size", "2", "--num_generations", "2",
+                 "--output_dir", str(tmp_path)])
+    with pytest.raises(SageGRPOError, match="mini_batch_size_per_update"):
+        pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--mini_batch_size_per_update", "3",
+                 "--output_dir", str(tmp_path)])
+    with pytest.raises(SageGRPOError, match="not a complete checkpoint"):
+        pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--resume_from_checkpoint", str(tmp_path),
+                 "--output_dir", str(tmp_path)])
