@@ -26,7 +26,7 @@ what=""
 for arg in "$@"; do
   case "$arg" in
     --dry-run|-n) dry_run=1 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     diffusers|authors|reward|metrics)
       [ -z "$what" ] || { echo "error: give one target, got '$what' and '$arg'; $usage" >&2; exit 2; }
       what="$arg" ;;
