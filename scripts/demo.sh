@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The main job on the embedded tiny default, on a CPU, in about a minute after the one-time install:
+# The main job on the embedded tiny default, on a CPU, in a few minutes after the one-time install:
 #  1. the SDE noise / equalizer tables of the rollout schedule and their plots (paper Fig. 4 and 9);
 #  2. a tiny random HunyuanVideo-1.5, built locally, loaded through the real loading code, generating videos with
 #     the ODE and with the sage_grpo SDE;
 #  3. those videos scored by a tiny random VideoReward through the real VideoAlign loading / scoring path, and by
-#     the weight-free demo rewards (random weights: the numbers show the plumbing, not quality).
-# The GRPO training loop itself (post_train.py) is not built yet; see the README's status table.
+#     the weight-free demo rewards (random weights: the numbers show the plumbing, not quality);
+#  4. GRPO training (post_train.py, configs/tiny_cpu.yaml) of the tiny model against the brightness reward, then
+#     before/after videos of fixed prompts and seeds, a frame strip and the learning statistics.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/_setup.sh "plot,lora"
@@ -32,4 +33,13 @@ python scripts/score_videos.py --videos "$out/videos" --out "$out/scores" \
   --metrics videoalign_local,brightness,temporal_consistency --pretrained_model_root "$tiny" \
   --dtype fp32 --min_pixels 3136
 cat "$out/scores.csv"
+echo "== 4. GRPO training on the tiny default (configs/tiny_cpu.yaml, brightness reward) -> $out/train"
+rm -rf "$out/train"
+python post_train.py --config configs/tiny_cpu.yaml --output_dir "$out/train"
+python scripts/demo_compare.py --run "$out/train" --out "$out/before_after"
 echo "== all demo steps done; outputs in $out"
+echo "   metrics:      $out/train/metrics.jsonl"
+echo "   curves:       $out/train/curves.png"
+echo "   checkpoint:   $(ls -d "$out"/train/checkpoint-* | tail -1)"
+echo "   videos:       $out/before_after/before/ and $out/before_after/after/"
+echo "   frame strip:  $out/before_after/strip.png"

@@ -278,3 +278,23 @@ def test_user_errors_before_any_model_loads(tmp_path):
     with pytest.raises(SageGRPOError, match="not a complete checkpoint"):
         pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--resume_from_checkpoint", str(tmp_path),
                  "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_export_loads_with_from_pretrained(tiny_model, tmp_path):
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "1", "--learning_rate", "1e-2", "--use_lora"))
+    ckpt = list_checkpoints(out)[-1][1]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/export_checkpoint.py"), "--checkpoint", str(ckpt),
+                        "--out", str(tmp_path / "exp")], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    exported = HunyuanVideo15Transformer3DModel.from_pretrained(tmp_path / "exp").state_dict()
+    trained = _weights(out)
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
+    # the merged LoRA differs from the base
+    from sage_grpo.models.loading import load_pipeline
+
+    base = load_pipeline(model_path=str(tiny_model), dtype="fp32", load_text_encoders=False).transformer.state_dict()
+    assert any(not torch.equal(base[k], exported[k]) for k in base)

@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Before/after of a training run: the same prompts and seeds sampled (ODE, the validation settings of the run's
+config) with the base weights and with the run's last checkpoint, scored by the run's reward, written as mp4s and a
+side-by-side frame strip; and the learning statistics of metrics.jsonl (mean reward of the first and last 10 steps,
+their difference in standard errors).
+
+    python scripts/demo_compare.py --run outputs/tiny_run --out outputs/demo/before_after
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
+
+
+def learning_stats(metrics_path: Path, window: int = 10) -> dict:
+    """Mean rollout reward of the first and last `window` steps and (last - first) / standard error."""
+    rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+    r = [row["reward/total_mean"] for row in rows if row.get("reward/total_mean") is not None]
+    if len(r) < 2 * window:
+        raise SageGRPOError(f"{metrics_path} has {len(r)} steps; the comparison needs at least {2 * window}")
+    first, last = r[:window], r[-window:]
+
+    def mean_var(x):
+        m = sum(x) / len(x)
+        return m, sum((v - m) ** 2 for v in x) / (len(x) - 1)
+
+    (m1, v1), (m2, v2) = mean_var(first), mean_var(last)
+    se = math.sqrt(v1 / window + v2 / window)
+    return {"steps": len(r), "first_mean": m1, "last_mean": m2, "std_errors": (m2 - m1) / se if se > 0 else math.inf}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="output_dir of a post_train.py run (config.yaml, metrics.jsonl, checkpoint-N)")
+    p.add_argument("--out", required=True, help="folder for the before/after videos and strip.png")
+    p.add_argument("--prompts", type=int, default=3, help="how many validation prompts to compare")
+    args = p.parse_args(argv)
+    run = Path(args.run)
+    if not (run / "config.yaml").is_file():
+        raise SageGRPOError(f"--run {args.run!r} holds no config.yaml: pass a post_train.py output_dir")
+    from sage_grpo.checkpoint import list_checkpoints
+
+    ckpts = list_checkpoints(run)
+    if not ckpts:
+        raise SageGRPOError(f"--run {args.run!r} holds no complete checkpoint")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stats = learning_stats(run / "metrics.jsonl")
+
+    import torch
+
+    from sage_grpo.config import load_config, torch_dtype
+    from sage_grpo.data import read_prompts
+    from sage_grpo.generation import sample_stem, sample_videos, write_sample
+    from sage_grpo.models.loading import load_pipeline
+    from sage_grpo.models.lora import load_dcp_transformer
+    from sage_grpo.models.text_cache import TextEmbeddingCache
+    from sage_grpo.rewards import build_reward_from_config
+    from sage_grpo.rollout import SamplerSettings, latent_shape
+
+    cfg = load_config(["--config", str(run / "config.yaml")])
+    m, v = cfg.model, cfg.validation
+    dtype = torch_dtype(m.dtype)
+    pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype)
+    pipe.transformer.requires_grad_(False).eval()
+    cache = TextEmbeddingCache(pipe, "cpu", dtype)
+    records = read_prompts(cfg.data.train_video_csv)[: args.prompts]
+    h, w = (int(x) for x in v.validation_fixed_size.lower().split("x"))
+    shape = latent_shape(pipe.vae.config, v.validate_video_length, h, w)
+    settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=v.validation_num_inference_steps,
+                               shift=v.validation_timestep_shift, cfg_scale=v.validation_guidance_scale,
+                               compute_dtype=dtype)
+    reward = build_reward_from_config(cfg)
+    frames: dict[str, list] = {}
+    scores: dict[str, list[float]] = {}
+    for tag in ("before", "after"):
+        if tag == "after":
+            load_dcp_transformer(pipe.transformer, ckpts[-1][1] / "transformer")
+        frames[tag], scores[tag] = [], []
+        for rec, video in sample_videos(pipe, cache, records, settings=settings, shape=shape,
+                                        base_seed=v.validation_seed, negative_prompt=cfg.rollout.neg_prompt):
+            score = float(reward(video[None], [rec.prompt])["total"][0])
+            write_sample(out / tag / f"{sample_stem(rec)}.mp4", video, prompt=rec.prompt, fps=cfg.rollout.video_fps,
+                         meta={"weights": tag, "reward": score})
+            frames[tag].append(video)
+            scores[tag].append(score)
+    strip = out / "strip.png"
+    _write_strip(frames, scores, [r.prompt for r in records], strip)
+    result = {**stats, "reward_before": sum(scores["before"]) / len(records),
+              "reward_after": sum(scores["after"]) / len(records), "checkpoint": str(ckpts[-1][1]), "strip": str(strip)}
+    (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    del torch
+    return result
+
+
+def _write_strip(frames: dict, scores: dict, prompts: list[str], path: Path) -> None:
+    """Rows: prompt x (before, after); columns: 4 frames spread over the video."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n, cols = len(prompts), 4
+    fig, axes = plt.subplots(2 * n, cols, figsize=(cols * 1.6, 2 * n * 1.75), squeeze=False)
+    for i in range(n):
+        for j, tag in enumerate(("before", "after")):
+            video = frames[tag][i]  # [F, 3, H, W]
+            idx = [round(k * (video.shape[0] - 1) / (cols - 1)) for k in range(cols)]
+            for c, f in enumerate(idx):
+                ax = axes[2 * i + j][c]
+                ax.imshow(video[f].permute(1, 2, 0).clamp(0, 1).numpy())
+                ax.set_xticks([])
+                ax.set_yticks([])
+                if c == 0:
+                    ax.set_ylabel(f"{tag}\n{scores[tag][i]:.3f}", fontsize=7)
+            if j == 0:
+                axes[2 * i][0].set_title(prompts[i][:40], fontsize=7, loc="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    run_cli(main)
