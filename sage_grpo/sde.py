@@ -190,6 +190,9 @@ def step_variance(
     sage_grpo:  eta^2 * [log((1 - sigma_next) / (1 - min(sigma, clamp))) - delta]   (paper Eq. 5, exact integral)
     cps:        (sigma_next * sin(eta * pi / 2))^2
     ode:        0
+
+    sage_grpo with eta > 0 refuses (SageGRPOError, the message of `check_sage_schedule`) a step whose V_t <= 0:
+    such a step would silently inject no noise.
     """
     check_sampler(sde_type)
     sigma = torch.as_tensor(sigma)
