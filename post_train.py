@@ -258,6 +258,7 @@ def setup(cfg: Config, info, resume: Path | None) -> Run:
     pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
                          transformer_dtype=torch_dtype(m.master_weight_type), device=info.device)
     transformer = pipe.transformer
+    torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
     trainable = setup_trainable(transformer, use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha,
                                 lora_dropout=m.lora_dropout, lora_target_modules=m.lora_target_modules,
                                 pretrained_lora_path=m.pretrained_lora_path)
