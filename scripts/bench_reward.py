@@ -26,16 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     """Build/load the reward, time both paths, print a small report."""
     import torch
 
-    from sage_grpo.config import torch_dtype
+    from sage_grpo.cli import CLIParser, at_least, quiet_libraries
+    from sage_grpo.config import DTYPES, torch_dtype
+    from sage_grpo.errors import SageGRPOError
     from sage_grpo.rewards.tiny import write_tiny_base, write_tiny_videoreward
     from sage_grpo.rewards.videoalign import VideoAlignReward
     from sage_grpo.video import read_video, write_video
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reward_model_path", default="", help="empty = build the tiny checkpoint")
     ap.add_argument("--reward_base_model_path", default="")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--dtype", default="fp32", choices=DTYPES)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--frames", type=int, default=33)
     ap.add_argument("--height", type=int, default=64)
@@ -43,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min_pixels", type=int, default=28 * 28 * 4, help="tiny default; the real one is 100352")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
+    for flag in ("batch", "frames", "height", "width", "min_pixels", "repeats"):
+        at_least(f"--{flag}", getattr(args, flag), 1)
+    if bool(args.reward_model_path) != bool(args.reward_base_model_path):
+        raise SageGRPOError("give both --reward_model_path and --reward_base_model_path, or neither (tiny model)")
+    quiet_libraries()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_reward_"))
     if not args.reward_model_path:
@@ -97,4 +104,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sage_grpo.errors import run_cli
+
+    sys.exit(run_cli(main))

@@ -16,16 +16,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sage_grpo.cli import CLIParser, check_writable_dir, quiet_libraries  # noqa: E402
 from sage_grpo.config import DTYPES  # noqa: E402
 from sage_grpo.errors import run_cli  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pretrained_model_root", default="ckpts", help="the authors' layout root")
     p.add_argument("--pretrained_transformer_version", default="480p_t2v")
     p.add_argument("--out", required=True, help="output directory (diffusers layout)")
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--verbose", action="store_true", help="show the libraries' warnings and progress bars")
     a = p.parse_args()
 
     from sage_grpo.errors import SageGRPOError
@@ -36,6 +38,8 @@ def main() -> None:
     loc = locate_model(a.pretrained_model_root, "", a.pretrained_transformer_version)
     if loc.layout != "authors":
         raise SageGRPOError(f"{loc.root} is already in the diffusers layout")
+    check_writable_dir(a.out, "--out")  # before minutes of loading
+    quiet_libraries(a.verbose)
     pipe = load_pipeline(a.pretrained_model_root, "", a.pretrained_transformer_version, dtype=a.dtype)
     out = Path(a.out)
     pipe.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")

@@ -15,16 +15,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sage_grpo.cli import CLIParser, check_writable_dir, quiet_libraries  # noqa: E402
+from sage_grpo.errors import run_cli  # noqa: E402
 from sage_grpo.models.tiny_checkpoint import TINY_CHECKPOINT_DIR, write_tiny_checkpoint  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=TINY_CHECKPOINT_DIR, help=f"output directory (default: {TINY_CHECKPOINT_DIR})")
     p.add_argument("--layout", choices=("diffusers", "authors"), default="diffusers")
     p.add_argument("--seed", type=int, default=0, help="weight seed (same seed = same weights in both layouts)")
     p.add_argument("--version", default="480p_t2v", help="authors' transformer sub-folder name")
     a = p.parse_args()
+    check_writable_dir(a.out, "--out")
+    quiet_libraries()
     t0 = time.time()
     out = write_tiny_checkpoint(a.out, a.layout, a.seed, a.version)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
@@ -32,4 +36,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -16,12 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sage_grpo.cli import CLIParser, check_writable_dir  # noqa: E402
+from sage_grpo.errors import run_cli  # noqa: E402
 from sage_grpo.rewards.tiny import write_tiny_base, write_tiny_videoreward  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, write both directories, print their sizes."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="VideoReward directory to write")
     ap.add_argument("--base-out", default="", help="base model directory (default: <out>/../Qwen2-VL-2B-Instruct)")
     ap.add_argument("--layout", choices=("old", "new"), default="old", help="checkpoint key layout (old = published)")
@@ -29,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     base = Path(args.base_out) if args.base_out else out.parent / "Qwen2-VL-2B-Instruct"
+    check_writable_dir(out, "--out")
+    check_writable_dir(base, "--base-out")
     write_tiny_base(base, seed=args.seed)
     write_tiny_videoreward(out, base, layout=args.layout, seed=args.seed + 1)
     for d in (base, out):
@@ -38,4 +42,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -231,3 +231,21 @@ def test_missing_clip_weights_name_the_hub_id(metric, hub, video_folder, tmp_pat
     rc, _, err = _run(sv, ["--videos", str(video_folder), "--out", str(tmp_path / "o"), "--device", "cpu",
                            "--metrics", metric, "--pretrained_model_root", str(tmp_path)], capsys)
     assert rc == 2 and f"download {hub} there" in err and "download_weights.sh metrics" in err
+
+
+@pytest.mark.parametrize("argv, message", [(["--batch", "0"], "--batch must be >= 1"),
+                                           (["--dtype", "fp64"], "invalid choice"),
+                                           (["--reward_model_path", "x"], "give both")])
+def test_bench_reward_flags_are_checked(argv, message):
+    from sage_grpo.errors import SageGRPOError
+
+    with pytest.raises(SageGRPOError, match=message):
+        load_script("bench_reward").main(argv)
+
+
+def test_make_tiny_videoalign_checks_out_first(tmp_path):
+    from sage_grpo.errors import SageGRPOError
+
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SageGRPOError, match="is a file, not a folder"):
+        load_script("make_tiny_videoalign").main(["--out", str(tmp_path / "f" / "VideoReward")])
