@@ -104,7 +104,7 @@ class DataConfig:
     train_video_csv: str = opt("", "Training prompts: CSV with column `prompt` (optional `index`, `seed`, `ref_image_path`), .txt one per line, or .jsonl.")
     batch_size: int = opt(2, "Videos per data-parallel rank per rollout.")
     num_generations: int = opt(4, "Group size G: rollouts per prompt. A group may span consecutive data-parallel ranks.")
-    num_workers: int = opt(2, "Prompt data-loader worker processes.")
+    num_workers: int = opt(2, "Accepted for the authors' launch scripts; post_train.py reads the prompt list once at start and uses no loader workers, so every value behaves the same.")
 
 
 @dataclass
