@@ -317,3 +317,21 @@ def test_two_ranks_match_one_process(tiny_model, tmp_path):
     for a, b in zip(two, one):  # the same rollouts (hash-seeded noise), rewards and gradients up to float rounding
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
         assert a["reward/total_mean"] == pytest.approx(b["reward/total_mean"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_trains_against_the_tiny_videoreward(tiny_model, tmp_path):
+    """Two steps with the VideoAlign reward through its real loading and scoring path (tiny random VideoReward)."""
+    from sage_grpo.rewards.tiny import write_tiny_base, write_tiny_videoreward
+
+    base = write_tiny_base(tmp_path / "Qwen2-VL-2B-Instruct")
+    reward = write_tiny_videoreward(tmp_path / "VideoReward", base, layout="new")
+    pt.main(_args(tiny_model, tmp_path / "run", "--reward_model", "videoalign_local", "--reward_model_path",
+                  str(reward), "--reward_base_model_path", str(base), "--reward_weights", '{"VQ":0.5,"MQ":0.5,"TA":1.0}',
+                  "--reward_dtype", "fp32", "--reward_min_pixels", "3136"))
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for key in ("reward/VQ_mean", "reward/MQ_mean", "reward/TA_mean", "reward/total_mean", "train/grad_norm"):
+            assert math.isfinite(r[key]), (key, r[key])
+        assert r["reward/failed"] == 0
