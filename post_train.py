@@ -182,7 +182,7 @@ class Anchor:
                 if self.offload:
                     self.model.to("cpu")
 
-    def state(self, updates: int) -> dict:
+    def state(self) -> dict:
         return {"synced": self.synced, "refreshed_at": self.refreshed_at}
 
     @property
@@ -511,7 +511,7 @@ def validation(run: Run, step: int) -> dict:
 def train_state(run: Run) -> dict:
     return {
         "step": run.step, "updates": run.updates, "controller": run.controller.state_dict(),
-        "sampler": run.sampler.state_dict(), "anchor": run.anchor.state(run.updates),
+        "sampler": run.sampler.state_dict(), "anchor": run.anchor.state(),
         "world_size": run.info.world_size, "config": config_to_dict(run.cfg),
     }
 

@@ -55,8 +55,6 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stats = learning_stats(run / "metrics.jsonl")
 
-    import torch
-
     from sage_grpo.config import load_config, torch_dtype
     from sage_grpo.data import read_prompts
     from sage_grpo.generation import sample_stem, sample_videos, write_sample
@@ -98,7 +96,6 @@ def main(argv=None) -> dict:
               "reward_after": sum(scores["after"]) / len(records), "checkpoint": str(ckpts[-1][1]), "strip": str(strip)}
     (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
-    del torch
     return result
 
 
