@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> Path:
     validate(cfg, world_size=world)
     check_supported(cfg, world)
     resume = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.checkpoint.output_dir)
-    info = init_distributed(cfg.parallel.sp_size)
+    info = init_distributed(cfg.parallel.sp_size, cfg.parallel.dp_replicate)
     try:
         run = setup(cfg, info, resume)
         if info.is_main:

@@ -2,18 +2,25 @@
 
 `python post_train.py` without torchrun is world size 1: no process group is created and every collective below
 is a no-op. Under torchrun the group is NCCL on GPUs and gloo on CPU. Ranks are laid out dp x sp with contiguous
-sequence-parallel groups (rank = dp_rank * sp_size + sp_rank), so a data-parallel rank's sp peers are neighbours.
+sequence-parallel groups (rank = dp_rank * sp_size + sp_rank), so a data-parallel rank's sp peers are neighbours
+(on one node: the sp all-to-all stays on NVLink).
+
+The device mesh has three named dimensions, (dp_replicate, dp_shard, sp), of sizes
+(R, dp / R, sp) with dp = world / sp: FSDP2 shards parameters over the flattened (dp_shard, sp) ranks and
+replicates them R times (HSDP when R > 1); the Ulysses all-to-all runs inside `sp`; group-relative rewards are
+gathered over `dp` (every rank with the same sp_rank). The divisibility rules are `config.validate`'s, checked
+before any process group exists.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "all_reduce_sum", "all_gather_cat", "barrier", "broadcast_object",
+__all__ = ["DistInfo", "init_distributed", "build_mesh", "all_reduce_sum", "all_gather_cat", "barrier", "broadcast_object",
            "destroy"]
 
 
@@ -24,6 +31,29 @@ class DistInfo:
     local_rank: int = 0
     sp_size: int = 1
     device: torch.device = torch.device("cpu")
+    dp_replicate: int = 1
+    mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh (dp_replicate, dp_shard, sp) or None
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp_size // self.dp_replicate
+
+    @property
+    def sp_group(self):
+        """Process group of my sequence-parallel peers (None when sp = 1)."""
+        return self.mesh.get_group("sp") if self.mesh is not None and self.sp_size > 1 else None
+
+    @property
+    def dp_group(self):
+        """Process group of the ranks with my sp_rank across all data-parallel ranks (None when dp = 1)."""
+        return self.mesh["dp"].get_group() if self.mesh is not None and self.dp_size > 1 else None
+
+    @property
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards over: 1-D (dp_shard * sp) or, for HSDP, 2-D (dp_replicate, dp_shard * sp)."""
+        if self.mesh is None:
+            return None
+        return self.mesh["dp_replicate", "dp_shard_sp"] if self.dp_replicate > 1 else self.mesh["dp_shard_sp"]
 
     @property
     def dp_size(self) -> int:
@@ -46,9 +76,23 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(sp_size: int = 1) -> DistInfo:
+def build_mesh(device_type: str, world: int, sp_size: int, dp_replicate: int):
+    """DeviceMesh (dp_replicate, dp_shard, sp) plus the flattened views "dp" (dp_replicate x dp_shard) and
+    "dp_shard_sp" (dp_shard x sp). Needs the default process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = world // sp_size
+    mesh = init_device_mesh(device_type, (dp_replicate, dp // dp_replicate, sp_size),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "sp"))
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+    return mesh
+
+
+def init_distributed(sp_size: int = 1, dp_replicate: int = 1) -> DistInfo:
     """Read torchrun's environment, pick the device (cuda:LOCAL_RANK when CUDA is present) and, for world size > 1,
-    create the default process group (NCCL on GPU, gloo on CPU)."""
+    create the default process group (NCCL on GPU, gloo on CPU) and the device mesh. The geometry must already
+    have passed `config.validate(cfg, world_size)`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -59,7 +103,9 @@ def init_distributed(sp_size: int = 1) -> DistInfo:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank=rank, world_size=world, local_rank=local, sp_size=sp_size, device=device)
+    mesh = build_mesh(device.type, world, sp_size, dp_replicate) if world > 1 else None
+    return DistInfo(rank=rank, world_size=world, local_rank=local, sp_size=sp_size, device=device,
+                    dp_replicate=dp_replicate, mesh=mesh)
 
 
 def _active() -> bool:
