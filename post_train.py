@@ -337,19 +337,38 @@ def rollout_phase(run: Run):
     return traj
 
 
-def reward_phase(run: Run, traj) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
-    """Decode, score, gather all ranks' rewards -> (my components, my advantages [b], my valid [b], metrics)."""
-    from sage_grpo.advantage import group_advantages
+def score_videos(run: Run, traj) -> tuple[list[str], torch.Tensor]:
+    """Decode and score this data-parallel rank's videos -> (component names, [b, K] scores), each video decoded and
+    scored once per sequence-parallel group: the sp peers hold the same b videos, each takes a contiguous share,
+    and the shares are all-gathered inside the group."""
     from sage_grpo.parallel.dist import all_gather_cat
     from sage_grpo.rollout import decode_latents
 
+    info, b = run.info, traj.batch_size
+    names = sorted(["total", *run.reward.components])
+    share = -(-b // info.sp_size)  # ceil(b / sp) rows per sp rank; the last ranks may get fewer (or none)
+    lo, hi = min(info.sp_rank * share, b), min((info.sp_rank + 1) * share, b)
+    mine = torch.full((share, len(names)), math.nan, device=info.device)  # [share, K], NaN rows = padding
+    if hi > lo:
+        frames = decode_latents(run.pipe.vae, traj.final_latents[lo:hi])  # [n, F, 3, H, W] in [0, 1]
+        scores = run.reward(frames, traj.prompts[lo:hi])  # {"total": [n], component: [n]}
+        mine[: hi - lo] = torch.stack([scores[k].float().to(info.device) for k in names], dim=1)
+    if info.sp_size > 1:
+        mine = all_gather_cat(mine, group=info.sp_group)  # [sp * share, K]
+    return names, mine[:b]
+
+
+def reward_phase(run: Run, traj) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
+    """Score, gather the rewards of all data-parallel ranks (a group may span several), group-relative advantages
+    -> (my components, my advantages [b], my valid [b], metrics)."""
+    from sage_grpo.advantage import group_advantages
+    from sage_grpo.parallel.dist import all_gather_cat
+
     cfg, info = run.cfg, run.info
-    frames = decode_latents(run.pipe.vae, traj.final_latents)  # [b, F, 3, H, W] in [0, 1]
-    scores = run.reward(frames, traj.prompts)  # {"total": [b], component: [b]}
-    names = sorted(scores)
-    mine = torch.stack([scores[k].float().to(info.device) for k in names], dim=1)  # [b, K]
-    every = all_gather_cat(mine)  # [B_global, K] in dp-rank order (sp = 1)
-    groups = all_gather_cat(traj.prompt_ids.to(info.device))  # [B_global]
+    names, mine = score_videos(run, traj)  # [b, K]
+    # over the ranks with my sp_rank: one copy of each data-parallel rank's videos, in dp-rank order
+    every = all_gather_cat(mine, group=info.dp_group)  # [B_global, K]
+    groups = all_gather_cat(traj.prompt_ids.to(info.device), group=info.dp_group)  # [B_global]
     total = every[:, names.index("total")].cpu()
     adv, valid = group_advantages(total, groups.cpu(), adv_clip_max=cfg.optim.adv_clip_max)
     b = traj.batch_size
@@ -367,7 +386,7 @@ def reward_phase(run: Run, traj) -> tuple[dict, torch.Tensor, torch.Tensor, dict
     metrics["adv/abs_mean"] = float(adv[valid].abs().mean()) if valid.any() else 0.0
     metrics["adv/max"] = float(adv.max())
     metrics["adv/min"] = float(adv.min())
-    return {k: scores[k] for k in names}, adv[sl].clone(), valid[sl].clone(), metrics
+    return {k: mine[:, j].cpu() for j, k in enumerate(names)}, adv[sl].clone(), valid[sl].clone(), metrics
 
 
 def plan_round(run: Run, traj) -> torch.Tensor:
@@ -432,7 +451,7 @@ def update_phase(run: Run, traj, adv, valid, batches: list, metrics: dict) -> No
     total = UpdateStats()
     for mbs in batches:
         pairs = sum(int(valid[mb.samples].sum()) for mb in mbs)
-        n_global = float(all_reduce_sum(torch.tensor(float(pairs), device=info.device)))
+        n_global = float(all_reduce_sum(torch.tensor(float(pairs), device=info.device), group=info.dp_group))
         # mean over the valid pairs of all ranks (gradients are averaged over ranks) and of the accumulated rounds
         normalizer = max(n_global, 1.0) / info.dp_size * accum
         stats = UpdateStats()
@@ -462,7 +481,7 @@ def optimizer_step(run: Run, metrics: dict, clip_grad_norm, lr_at, all_reduce_su
     norm = clip_grad_norm(run.trainable, cfg.optim.max_grad_norm)  # identical on every rank after the all-reduce
     lr = lr_at(run.updates, cfg.optim.learning_rate, cfg.optim.warmup_steps)
     kl = all_reduce_sum(torch.tensor([run.stats.pop("kl_sum", 0.0), float(run.stats.pop("kl_pairs", 0))],
-                                     dtype=torch.float64, device=info.device))
+                                     dtype=torch.float64, device=info.device), group=info.dp_group)
     if math.isfinite(norm):
         run.optimizer.set_lr(lr)
         run.optimizer.step()
@@ -489,19 +508,25 @@ def validation(run: Run, step: int) -> dict:
 
     cfg, info = run.cfg, run.info
     folder = run.out / "samples" / f"step_{step:06d}"
-    mine = run.val_records[info.rank :: info.world_size]
+    # prompts split over data-parallel ranks (sp peers make each video together); every rank runs the same number
+    # of forwards, since FSDP2 and Ulysses forwards are collective: short ranks repeat a prompt and discard it
+    per_rank = -(-len(run.val_records) // info.dp_size)
+    mine = run.val_records[info.dp_rank :: info.dp_size]
+    todo = mine + [run.val_records[0]] * (per_rank - len(mine))
     sums = torch.zeros(2, dtype=torch.float64, device=info.device)
-    for rec, frames in sample_videos(run.pipe, run.cache, mine, settings=run.val_settings, shape=run.val_shape,
-                                     base_seed=cfg.validation.validation_seed, negative_prompt=cfg.rollout.neg_prompt,
-                                     show_progress=info.is_main):
+    for j, (rec, frames) in enumerate(sample_videos(
+            run.pipe, run.cache, todo, settings=run.val_settings, shape=run.val_shape,
+            base_seed=cfg.validation.validation_seed, negative_prompt=cfg.rollout.neg_prompt,
+            show_progress=info.is_main)):
+        if j >= len(mine) or info.sp_rank != 0:  # padding, or an sp peer's copy: the sp leader writes and scores
+            continue
         score = run.reward(frames[None].to(info.device), [rec.prompt])
         total = float(score["total"][0])
         write_sample(folder / f"{sample_stem(rec)}.mp4", frames, prompt=rec.prompt, fps=cfg.rollout.video_fps,
                      meta={"step": step, "reward": {k: float(v[0]) for k, v in score.items()}})
         if math.isfinite(total):
             sums += torch.tensor([total, 1.0], dtype=torch.float64, device=info.device)
-    # every rank joins the reduction even with no prompt of its own
-    sums = all_reduce_sum(sums)
+    sums = all_reduce_sum(sums)  # every rank joins, sp peers add zeros
     return {"val/reward_total": float(sums[0] / sums[1]) if sums[1] > 0 else math.nan, "val/videos": int(sums[1])}
 
 
@@ -617,6 +642,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 def train(run: Run) -> None:
     from sage_grpo.metrics import plot_curves
+    from sage_grpo.parallel.dist import mean_metrics
 
     cfg, info = run.cfg, run.info
     v, ck = cfg.validation, cfg.checkpoint
@@ -648,7 +674,7 @@ def train(run: Run) -> None:
             if info.is_main:
                 plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
         if run.step % cfg.logging.log_interval == 0 or run.step == cfg.optim.max_steps:
-            log(run, run.step, metrics)
+            log(run, run.step, mean_metrics(metrics))  # collective: every rank reaches it at the same steps
         bar.update(1)
         if ck.save_interval and run.step % ck.save_interval == 0:
             save(run)

@@ -211,13 +211,16 @@ def test_failed_rewards_are_masked_and_counted(tiny_model, tmp_path, monkeypatch
     def nan_first(run, traj):
         real = run.reward
 
-        def broken(videos, prompts):
-            out = real(videos, prompts)
-            out["total"] = out["total"].clone()
-            out["total"][0] = float("nan")
-            return out
+        class Broken:  # the same reward (components and all), with the first video's total NaN
+            components = real.components
 
-        run.reward = broken
+            def __call__(self, videos, prompts):
+                out = real(videos, prompts)
+                out["total"] = out["total"].clone()
+                out["total"][0] = float("nan")
+                return out
+
+        run.reward = Broken()
         try:
             return orig(run, traj)
         finally:

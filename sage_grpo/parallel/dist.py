@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "build_mesh", "all_reduce_sum", "all_gather_cat", "barrier", "broadcast_object",
-           "destroy"]
+__all__ = ["DistInfo", "init_distributed", "build_mesh", "all_reduce_sum", "all_gather_cat", "barrier",
+           "broadcast_object", "mean_metrics", "destroy"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,9 @@ class DistInfo:
 
     @property
     def dp_group(self):
-        """Process group of the ranks with my sp_rank across all data-parallel ranks (None when dp = 1)."""
-        return self.mesh["dp"].get_group() if self.mesh is not None and self.dp_size > 1 else None
+        """Process group of the ranks with my sp_rank across all data-parallel ranks (None at world size 1; a
+        group of one rank when dp = 1, so that reductions over it never fall back to the whole world)."""
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
 
     @property
     def fsdp_mesh(self):
@@ -112,20 +113,34 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over all ranks (in place, also returned); identity at world size 1."""
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over the ranks of `group` (default: all ranks), in place and returned; identity at world size 1."""
     if _active():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
-def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate equally shaped tensors of all ranks along dim 0, in rank order."""
+def all_gather_cat(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Concatenate equally shaped tensors of the ranks of `group` (default: all) along dim 0, in rank order."""
     if not _active():
         return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts)
+
+
+def mean_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Each key's mean over the ranks that report it (ranks may report different keys, e.g. a phase that only
+    some ranks ran). Collective: every rank calls it once per logged step."""
+    if not _active():
+        return dict(metrics)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {k: float(v) for k, v in metrics.items()})
+    out: dict[str, float] = {}
+    for key in sorted({k for m in every for k in m}):
+        vals = [m[key] for m in every if key in m]
+        out[key] = sum(vals) / len(vals)
+    return out
 
 
 def barrier() -> None:

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Multi-node launcher: one torchrun per node, c10d rendezvous at MASTER_ADDR:MASTER_PORT. Run the same command on
+# every node with its own NODE_RANK (0 .. NNODES-1); the job starts when all NNODES have joined.
+#
+#   NNODES=8 NODE_RANK=<0..7> NPROC_PER_NODE=8 MASTER_ADDR=<node 0 host> MASTER_PORT=29500 \
+#     CONFIG=configs/multinode_64gpu.yaml bash run_post_train_multinode.sh --train_video_csv prompts.csv
+#   AUTO_RESUME=1 ... bash run_post_train_multinode.sh ...   # every node resumes from the newest complete checkpoint
+#
+# SLURM (one task per node; the variables come from the allocation):
+#   #SBATCH --nodes 8 --ntasks-per-node 1 --gpus-per-node 8
+#   export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+#   srun bash -c 'NNODES=$SLURM_NNODES NODE_RANK=$SLURM_NODEID bash run_post_train_multinode.sh --train_video_csv prompts.csv'
+# Plain ssh (hosts in hosts.txt, the first one is the master; the repository at the same path on every node):
+#   i=0; for h in $(cat hosts.txt); do
+#     ssh "$h" "cd /path/to/sage-grpo && NNODES=8 NODE_RANK=$i MASTER_ADDR=$(head -n 1 hosts.txt) \
+#       bash run_post_train_multinode.sh --train_video_csv prompts.csv" & i=$((i + 1)); done; wait
+# pdsh: pdsh -R exec -w ^hosts.txt ssh %h 'cd /path/to/sage-grpo && NNODES=8 NODE_RANK=%n MASTER_ADDR=node0 \
+#   bash run_post_train_multinode.sh ...'   (with -R exec, %n is the host's 0-based index in the list)
+#
+# output_dir must be a filesystem every node sees (checkpoints are written collectively by all ranks).
+# NPROC_PER_NODE defaults to the node's visible GPU count; MASTER_PORT to 29500; CONFIG to the 64-GPU config.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+missing=()
+for v in NNODES NODE_RANK MASTER_ADDR; do
+  [ -n "${!v:-}" ] || missing+=("$v")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "run_post_train_multinode.sh: set ${missing[*]} (see the usage at the top of this script)" >&2
+  exit 2
+fi
+for v in NNODES NODE_RANK; do
+  if ! [[ "${!v}" =~ ^[0-9]+$ ]]; then
+    echo "run_post_train_multinode.sh: $v must be a non-negative integer, got '${!v}'" >&2
+    exit 2
+  fi
+done
+if [ "$NODE_RANK" -ge "$NNODES" ]; then
+  echo "run_post_train_multinode.sh: NODE_RANK $NODE_RANK must be below NNODES $NNODES" >&2
+  exit 2
+fi
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  NPROC_PER_NODE=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
+fi
+MASTER_PORT="${MASTER_PORT:-29500}"
+CONFIG="${CONFIG:-configs/multinode_64gpu.yaml}"
+resume=()
+if [ "${AUTO_RESUME:-0}" = "1" ]; then
+  resume=(--resume_from_checkpoint latest)
+fi
+exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
+  --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "${RDZV_ID:-sage-grpo}" \
+  post_train.py --config "$CONFIG" "${resume[@]}" "$@"
