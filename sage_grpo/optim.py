@@ -57,8 +57,10 @@ the data-parallel mesh. Newton-Schulz needs the whole matrix (X X^T couples all 
   and `param.shape` is the global shape, so the 0.2 * sqrt(max(A, B)) scaling is right. It costs about 16
   collectives per matrix per step (~750 matrices in HunyuanVideo-1.5), every rank repeats every Newton-Schulz
   iteration, and it matched unsharded Muon only to bf16 rounding (stack notes). Good as the first sharded version.
-- The efficient scheme (the scale-out issue builds it as a subclass of torch.optim.Muon that overrides `step`, so
-  the state dict stays `momentum_buffer` per parameter and checkpoints are interchangeable):
+- The efficient scheme, built as `sage_grpo.parallel.muon.ShardedMuon` (a subclass of torch.optim.Muon that
+  overrides `step`, so the state dict stays `momentum_buffer` per parameter and checkpoints are interchangeable);
+  `build_optimizer` picks it when the Muon parameters are DTensors (one gather + one scatter per matrix, owners
+  round-robin; tested bitwise equal to torch.optim.Muon on 2 gloo ranks):
   1. momentum (lerp, Nesterov) is element-wise: update the local row shards, no communication;
   2. order the Muon matrices identically on every rank (parameter order of the group) and give matrix i an owner
      rank, round-robin i % world (or greedy by numel for balance);
@@ -244,6 +246,12 @@ class Optimizers:
                     state["step"] = 0
 
 
+def _is_dtensor(t: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def build_optimizer(named_params: Iterable[tuple[str, Tensor]], optim_cfg, *, materialize: bool = True) -> Optimizers:
     """Muon (2-D block weights) + AdamW (the rest), or AdamW alone when `optim_cfg.use_muon` is False.
 
@@ -265,9 +273,10 @@ def build_optimizer(named_params: Iterable[tuple[str, Tensor]], optim_cfg, *, ma
     optimizers: list[Optimizer] = []
     names: list[str] = []
     if muon:
-        optimizers.append(
-            torch.optim.Muon([p for _, p in muon], lr=lr, weight_decay=wd, adjust_lr_fn=MUON_ADJUST_LR_FN)
-        )
+        muon_cls = torch.optim.Muon
+        if any(_is_dtensor(p) for _, p in muon):  # FSDP2 shards: whole matrices on owner ranks (parallel/muon.py)
+            from sage_grpo.parallel.muon import ShardedMuon as muon_cls
+        optimizers.append(muon_cls([p for _, p in muon], lr=lr, weight_decay=wd, adjust_lr_fn=MUON_ADJUST_LR_FN))
         names.append("muon")
     if adamw:
         optimizers.append(torch.optim.AdamW([p for _, p in adamw], lr=lr, weight_decay=wd))
