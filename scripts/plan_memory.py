@@ -1,0 +1,463 @@
+"""Per-GPU memory plan of a post_train.py run with the real HunyuanVideo-1.5, computed without weights or a GPU.
+
+    python scripts/plan_memory.py --config configs/single_node_8gpu.yaml --world_size 8
+    python scripts/plan_memory.py --config configs/multinode_64gpu.yaml --world_size 64 --json
+    python scripts/plan_memory.py --config configs/single_node_8gpu.yaml --world_size 8 --gradient_accumulation_steps 8 \
+        --save_interval 200        # the paper's 64-video update on one 8-GPU node
+
+It takes the same `--config` and flags as post_train.py (sage_grpo.config.load_config / validate: an impossible
+geometry ends with one message), plus `--world_size`, `--gpu_memory_gib` (80), `--text_tokens`, `--attention`,
+`--vae_tiling`, `--fsdp_param_dtype`, `--overhead_gib` and `--json`.
+
+Where each number comes from
+----------------------------
+- Parameters: exact. The transformer is built on the meta device from its per-version config in diffusers' converter
+  (`scripts/convert_hunyuan_video1_5_to_diffusers.py`, TRANSFORMER_CONFIGS, copied below); LoRA adapters are added by
+  the project's own `setup_trainable` on that meta model; the Muon / AdamW split is the project's `goes_to_muon`.
+  The VAE is `AutoencoderKLHunyuanVideo15()` (the converter's default config). The text encoders and the reward model
+  are built on meta from the public config.json values copied below (Qwen2.5-VL-7B-Instruct text tower,
+  google/byt5-small encoder without the Glyph colour/font tokens (a few MB), Qwen2-VL-2B-Instruct with the VideoReward
+  vocabulary of 151,660 and its rm_head).
+- Transformer activations: an analytic count of the tensors one dual-stream block saves for backward (listed in
+  `block_activation_bytes`), checked against `torch.autograd.graph.saved_tensors_hooks` bytes on CPU at reduced
+  width (tests/test_plan_memory.py) and against the H100 per-block measurements in ../shared/spec/gpu_facts.md
+  (`--validate` prints both). The project runs the valid-token attention processor (sage_grpo/models/attention.py:
+  no dense mask, encoder tokens cut to the batch's longest valid prompt), so `--text_tokens` (valid MLLM + ByT5
+  tokens, default 256) sets the text length; `--attention diffusers` models diffusers' dense-mask processor (all
+  1,985 encoder tokens, a [B, 1, S, S] mask per block), which is what gpu_facts.md measured.
+- VAE decode: scaled by video volume from the one H100 measurement (352x624x81: 30.0 GiB untiled, 9.0 GiB tiled).
+  post_train.py does not enable VAE tiling today (`--vae_tiling` models it if it is added).
+- Reward forward, text-encoder forward, no-grad working sets, backward working set, CUDA context: estimates, marked
+  `est` in the table; not measured on a GPU.
+
+Sharding model (FSDP2, sage_grpo/parallel/dist.py): parameters, gradients, optimizer state and the full-fine-tuning
+anchor are sharded over dp_shard * sp ranks (HSDP replicates that over dp_replicate); a forward holds two unsharded
+blocks (current + prefetch) in `--fsdp_param_dtype` (a MixedPrecisionPolicy's param_dtype; default the compute dtype),
+the backward one block's unsharded fp32 gradient. Without FSDP every rank holds everything, and bf16 autocast over fp32
+master weights caches a bf16 copy of every trainable weight for the duration of a forward. (post_train.wrap_model does
+not wrap with FSDP2 yet: until it does, plan with --enable_fsdp False to see what a launch does today.)
+Ulysses sequence parallelism splits the video tokens over sp ranks; the text tokens are replicated on every sp rank
+except inside attention (after the all-to-all each rank holds all tokens for heads / sp).
+
+Phases (peak = the largest): encode (text encoders resident), rollout (no-grad forwards), decode + reward, anchor
+(no-grad forwards of the anchor, which is on the GPU only then when offloaded) and update (forward + backward of one
+micro-batch). Gradients are resident only in the update, except with gradient accumulation > 1, where they persist
+across rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sage_grpo.config import Config, build_parser, dp_degree, load_config, torch_dtype, validate  # noqa: E402
+from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
+
+GIB = 2**30
+
+# diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py, TRANSFORMER_CONFIGS (its 720p_i2v and distilled i2v /
+# 720p entries are empty there: no config to plan with).
+_BASE = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=54,
+             num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm", text_embed_dim=3584,
+             text_embed_2_dim=1472, image_embed_dim=1152, rope_theta=256.0, rope_axes_dim=(16, 56, 56),
+             use_meanflow=False)
+TRANSFORMER_CONFIGS = {
+    "480p_t2v": {**_BASE, "target_size": 640, "task_type": "t2v"},
+    "480p_i2v": {**_BASE, "target_size": 640, "task_type": "i2v"},
+    "720p_t2v": {**_BASE, "target_size": 960, "task_type": "t2v"},
+    "480p_t2v_distilled": {**_BASE, "target_size": 640, "task_type": "t2v"},
+}
+# Public config.json values (Hugging Face hub): Qwen/Qwen2.5-VL-7B-Instruct (text tower only, no lm_head) ...
+QWEN25_VL_7B_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4)
+# ... google/byt5-small (encoder only; Glyph-SDXL-v2 adds colour/font tokens: vocab rows of 1472, a few MB, not counted)
+BYT5_SMALL = dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+                  feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+# ... Qwen/Qwen2-VL-2B-Instruct, vocabulary resized to VideoReward's 151,660 tokens, plus rm_head (1536 -> 3).
+QWEN2_VL_2B_TEXT = dict(vocab_size=151660, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+QWEN2_VL_2B_VISION = dict(depth=32, embed_dim=1280, hidden_size=1536, mlp_ratio=4, num_heads=16, in_chans=3,
+                          patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+TEXT_LEN_MLLM, TEXT_LEN_BYT5, IMAGE_TOKENS = 1000, 256, 729  # the pipeline's text lengths (reference_system.md)
+
+# H100 measurements (../shared/spec/gpu_facts.md), bf16, random weights.
+GPU_FACTS = {
+    "block_act_gib": {(1, False): 2.86, (1, True): 0.28, (2, False): 5.93, (2, True): 0.28},  # diffusers processor
+    "block_geometry": dict(video_tokens=18018, text_tokens=1985, dim=2048, heads=16, mlp_dim=8192),
+    "vae_decode_gib": {False: 30.0, True: 9.0},  # one 352x624x81 latent
+    "vae_decode_pixels": 81 * 352 * 624,
+}
+# Estimates (not measured on a GPU).
+REWARD_GIB_PER_VIDEO = 0.5  # VideoAlign no-grad working set per video (3,024 vision patches, ~1.5k LM tokens)
+ENCODE_GIB = 1.0  # Qwen2.5-VL-7B forward over one 1,108-token prompt with output_hidden_states (29 x 1108 x 3584 bf16)
+
+# ------------------------------------------------------------------------------------------------- parameters
+
+
+def build_transformer(config: dict, device: str = "meta"):
+    """HunyuanVideo15Transformer3DModel from a config dict on `device` (meta: shapes only, no memory)."""
+    import torch
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    with torch.device(device):
+        return HunyuanVideo15Transformer3DModel.from_config(config)
+
+
+def count_transformer(model, *, use_lora: bool = False, lora_r: int = 8, lora_alpha: int = 16,
+                      lora_target_modules: list[str] | None = None) -> dict:
+    """Exact counts from a (meta) transformer: total, per block, trainable, Muon's share of the trainable."""
+    from sage_grpo.models.lora import setup_trainable
+    from sage_grpo.optim import goes_to_muon
+
+    blocks = model.transformer_blocks
+    out = {
+        "total": sum(p.numel() for p in model.parameters()),
+        "num_blocks": len(blocks),
+        "per_block": sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0,
+    }
+    if use_lora:
+        setup_trainable(model, use_lora=True, lora_r=lora_r, lora_alpha=lora_alpha,
+                        lora_target_modules=lora_target_modules or [])
+    else:
+        model.requires_grad_(True)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out["trainable"] = sum(p.numel() for _, p in trainable)
+    out["muon"] = sum(p.numel() for n, p in trainable if goes_to_muon(n, p))
+    out["frozen"] = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return out
+
+
+def count_frozen_parts() -> dict:
+    """Exact parameter counts of the VAE, text encoders and VideoAlign reward model (meta device)."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo15
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2VLConfig, T5Config, T5EncoderModel
+
+    from sage_grpo.rewards.videoalign_ckpt import VideoRewardNet
+
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    with torch.device("meta"):
+        vae = AutoencoderKLHunyuanVideo15()
+        te = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**QWEN25_VL_7B_TEXT))
+        byt5 = T5EncoderModel(T5Config(**BYT5_SMALL))
+        reward = VideoRewardNet(Qwen2VLConfig(text_config=QWEN2_VL_2B_TEXT, vision_config=QWEN2_VL_2B_VISION,
+                                              vocab_size=QWEN2_VL_2B_TEXT["vocab_size"]), 3)
+    return {"vae": n(vae), "vae_config": dict(vae.config), "text_encoder": n(te), "byt5": n(byt5), "reward": n(reward)}
+
+
+# ------------------------------------------------------------------------------------------------- activations
+
+
+def block_activation_bytes(*, batch: int, video_tokens: int, text_tokens: int, dim: int, heads: int, mlp_dim: int,
+                           elem: int, attention: str = "valid", sp: int = 1, checkpointing: bool = False,
+                           ln_stat_bytes: int = 4) -> int:
+    """Bytes one HunyuanVideo-1.5 dual-stream block saves for backward, per rank.
+
+    batch: samples in the forward (a CFG pair counts 2). video_tokens: the whole sequence (split over sp here);
+    text_tokens: encoder tokens the block sees (valid ones for the project's processor, 1,985 for diffusers').
+    elem: bytes of the compute dtype. ln_stat_bytes: LayerNorm mean/rstd (fp32 on CUDA, the compute dtype on CPU).
+    Per token, both streams (what saved_tensors_hooks shows, tests/test_plan_memory.py):
+      6 x [D]  modulated / normed / gated hidden states        2 x [D]  inputs of the out and FF projections
+      4 x [D]  q, k before and after the RMS QK-norm          2 x [M]  FF hidden (GELU input and output)
+      2 x [D]  fp32 copies of q, k for the rotary embedding (only when the compute dtype is not fp32)
+      2 x [H]  fp32 RMS-norm rstd                               4        LayerNorm mean / rstd
+    Attention, after the Ulysses all-to-all (all tokens, heads / sp): q, k, v, out [D / sp] + fp32 logsumexp [H / sp].
+    With batch > 1 one more [D / sp] per token (a contiguous copy of the attention output).
+    Per sample: 8 x [D] modulation vectors. diffusers' processor also saves its dense mask [S, S] in the compute
+    dtype (not split by sp). With gradient checkpointing only the block inputs are kept: [D] per local token.
+    """
+    if sp < 1 or heads % sp:
+        raise SageGRPOError(f"sp {sp} must divide the head count {heads}")
+    local_video = math.ceil(video_tokens / sp)
+    local_tokens = local_video + text_tokens  # text replicated on every sp rank
+    if checkpointing:
+        return batch * local_tokens * dim * elem
+    rotary = 2 * dim * 4 if elem != 4 else 0
+    per_token = (12 * dim + 2 * mlp_dim) * elem + rotary + 2 * heads * 4 + 4 * ln_stat_bytes
+    attn = (video_tokens + text_tokens) * (4 * dim * elem + heads * 4) // sp
+    if batch > 1:  # the attention output is copied to a contiguous [B, S, D] (a free view when B = 1)
+        attn += (video_tokens + text_tokens) * dim * elem // sp
+    total = local_tokens * per_token + attn + 8 * dim * elem
+    if attention == "diffusers":
+        total += (video_tokens + text_tokens) ** 2 * elem
+    return batch * total
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class PlanOptions:
+    world_size: int = 8
+    gpu_memory_gib: float = 80.0
+    text_tokens: int = 256
+    attention: str = "valid"
+    vae_tiling: bool = False
+    fsdp_param_dtype: str = ""  # "" = the compute dtype
+    overhead_gib: float = 2.0
+
+
+def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dict | None = None) -> dict:
+    """The per-GPU budget of `cfg` on `opts.world_size` GPUs. counts / frozen: precomputed parameter counts."""
+    version = cfg.model.pretrained_transformer_version
+    tcfg = TRANSFORMER_CONFIGS.get(version)
+    if tcfg is None:
+        raise SageGRPOError(f"no transformer config for --pretrained_transformer_version {version!r} in diffusers' "
+                            f"converter; planned versions: {', '.join(TRANSFORMER_CONFIGS)}")
+    if opts.world_size < 1:
+        raise SageGRPOError(f"--world_size must be >= 1, got {opts.world_size}")
+    if opts.gpu_memory_gib <= 0:
+        raise SageGRPOError(f"--gpu_memory_gib must be > 0, got {opts.gpu_memory_gib}")
+    if opts.attention not in ("valid", "diffusers"):
+        raise SageGRPOError(f"--attention must be valid or diffusers, got {opts.attention!r}")
+    if not 0 < opts.text_tokens <= TEXT_LEN_MLLM + TEXT_LEN_BYT5:
+        raise SageGRPOError(f"--text_tokens must be in 1..{TEXT_LEN_MLLM + TEXT_LEN_BYT5}, got {opts.text_tokens}")
+    heads, head_dim = tcfg["num_attention_heads"], tcfg["attention_head_dim"]
+    validate(cfg, opts.world_size, num_heads=heads)
+
+    m, p, d, r, o = cfg.model, cfg.parallel, cfg.data, cfg.rollout, cfg.optim
+    if counts is None:
+        counts = count_transformer(build_transformer(tcfg), use_lora=m.use_lora, lora_r=m.lora_r,
+                                   lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules)
+    if frozen is None:
+        frozen = count_frozen_parts()
+    sp, dp = p.sp_size, dp_degree(cfg, opts.world_size)
+    dp_shard = dp // p.dp_replicate
+    shard = dp_shard * sp if p.enable_fsdp else 1
+    e = torch_dtype(m.dtype).itemsize
+    mw = torch_dtype(m.master_weight_type).itemsize
+    re = torch_dtype(cfg.reward.reward_dtype).itemsize
+    gathered = torch_dtype(opts.fsdp_param_dtype or m.dtype).itemsize
+    autocast = mw != e  # predict_velocity autocasts when the master dtype differs from the compute dtype
+
+    # geometry
+    from sage_grpo.rollout import latent_shape
+
+    class _V:  # latent_shape reads these attributes of a VAE config
+        pass
+
+    vcfg = _V()
+    for k, v in frozen["vae_config"].items():
+        setattr(vcfg, k, v)
+    C, F, H, W = latent_shape(vcfg, r.sample_n_frames, r.height, r.width)
+    video_tokens = (F // tcfg["patch_size_t"]) * (H // tcfg["patch_size"]) * (W // tcfg["patch_size"])
+    text_tokens = opts.text_tokens if opts.attention == "valid" else TEXT_LEN_MLLM + TEXT_LEN_BYT5 + IMAGE_TOKENS
+    dim = heads * head_dim
+    mlp_dim = int(dim * tcfg["mlp_ratio"])
+    cfg_mult = 2 if r.cfg_scale != 1 else 1
+    fwd_batch = o.mini_batch_size_per_update * cfg_mult
+    L = counts["num_blocks"]
+    act = dict(video_tokens=video_tokens, text_tokens=text_tokens, dim=dim, heads=heads, mlp_dim=mlp_dim, elem=e,
+               attention=opts.attention, sp=sp)
+    block_full = block_activation_bytes(batch=fwd_batch, **act)
+    block_ckpt = block_activation_bytes(batch=fwd_batch, checkpointing=True, **act)
+
+    # memory terms (bytes per GPU)
+    total, trainable, muon = counts["total"], counts["trainable"], counts["muon"]
+    t = {}
+    t["policy weights"] = (total - trainable) * mw / shard + trainable * mw / shard
+    t["gradients"] = trainable * mw / shard
+    states = (muon * 1 + (trainable - muon) * 2) if o.use_muon else trainable * 2
+    t["optimizer state"] = states * mw / shard
+    from sage_grpo.kl import kl_variant
+
+    uses_pos = kl_variant(cfg.kl) in ("fixed", "moving", "dual", "dual_fixed")
+    if not uses_pos:
+        anchor = 0.0
+    elif m.use_lora:
+        anchor = (2 * trainable * mw / shard) if cfg.kl.use_moving_KL else 0.0  # adapter copy + swap buffer
+    else:
+        anchor = total * mw / shard
+    anchor_offloaded = uses_pos and not m.use_lora and cfg.kl.reference_mode_offload
+    t["anchor (resident)"] = 0.0 if anchor_offloaded else anchor
+    t["anchor (on GPU in its phase)"] = anchor
+    t["vae weights"] = frozen["vae"] * e
+    te_bytes = (frozen["text_encoder"] + frozen["byt5"]) * e
+    t["text encoders before offload"] = te_bytes
+    t["text encoders after offload"] = 0.0 if m.offload_text_encoder else te_bytes
+    t["reward model"] = frozen["reward"] * re
+    B, T = d.batch_size, r.grpo_sampling_steps
+    lat = C * F * H * W
+    cond = (TEXT_LEN_MLLM * tcfg["text_embed_dim"] + TEXT_LEN_BYT5 * tcfg["text_embed_2_dim"]) * e + (
+        TEXT_LEN_MLLM + TEXT_LEN_BYT5) * e
+    t["trajectory"] = B * ((T + 1) * lat * 4 + T * 4 + cond * cfg_mult)  # fp32 latents, log-probs, cond (+uncond)
+    block_params = counts["per_block"] + (trainable / L if m.use_lora else 0)
+    if p.enable_fsdp:
+        t["unsharded blocks (fwd)"] = 2 * block_params * gathered
+        t["unsharded block grad (bwd)"] = block_params * 4 if not m.use_lora else trainable / L * 4
+    else:
+        t["unsharded blocks (fwd)"] = trainable * e if autocast else 0.0  # autocast's cached bf16 weight copies
+        t["unsharded block grad (bwd)"] = 0.0
+    t["activations: one block, full"] = block_full
+    t["activations: one block, checkpointed"] = block_ckpt
+    if m.enable_gradient_checkpointing:
+        t["activations (update)"] = L * block_ckpt + 2 * block_full  # + recompute and backward working set (est)
+    else:
+        t["activations (update)"] = L * block_full + block_full  # + backward working set (est)
+    t["no-grad working set (est)"] = block_full  # rollout / anchor forwards: one block's tensors at a time
+    scale = (r.sample_n_frames * r.height * r.width) / GPU_FACTS["vae_decode_pixels"]
+    t["vae decode"] = GPU_FACTS["vae_decode_gib"][opts.vae_tiling] * GIB * scale
+    t["decoded frames"] = B * r.sample_n_frames * 3 * r.height * r.width * 4
+    rb = cfg.reward.reward_batch_size or B
+    t["reward forward (est)"] = REWARD_GIB_PER_VIDEO * GIB * min(rb, B)
+    t["text encoder forward (est)"] = ENCODE_GIB * GIB
+    t["overhead (est)"] = opts.overhead_gib * GIB
+
+    accum = o.gradient_accumulation_steps > 1
+    grads_idle = t["gradients"] if accum else 0.0
+    base = t["policy weights"] + t["optimizer state"] + t["anchor (resident)"] + t["vae weights"] + t[
+        "reward model"] + t["overhead (est)"]
+    phases = {
+        "encode": base + t["text encoders before offload"] + t["text encoder forward (est)"] + grads_idle,
+        "rollout": base + t["text encoders after offload"] + t["trajectory"] + t["unsharded blocks (fwd)"]
+        + t["no-grad working set (est)"] + grads_idle,
+        "decode+reward": base + t["text encoders after offload"] + t["trajectory"] + grads_idle
+        + max(t["vae decode"], t["decoded frames"] + t["reward forward (est)"]),
+        "anchor": base - t["anchor (resident)"] + t["anchor (on GPU in its phase)"] + t["text encoders after offload"]
+        + t["trajectory"] + t["unsharded blocks (fwd)"] + t["no-grad working set (est)"] + grads_idle,
+        "update": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
+        + t["unsharded blocks (fwd)"] + t["unsharded block grad (bwd)"] + t["activations (update)"],
+    }
+    peak_phase = max(phases, key=phases.get)
+    peak = phases[peak_phase]
+    return {
+        "setting": {
+            "version": version, "world_size": opts.world_size, "sp_size": sp, "dp_degree": dp,
+            "dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "fsdp": p.enable_fsdp, "shard_ranks": shard,
+            "batch_size": B, "num_generations": d.num_generations, "videos_per_round": B * dp,
+            "gradient_accumulation_steps": o.gradient_accumulation_steps,
+            "videos_per_update": B * dp * o.gradient_accumulation_steps,
+            "video": f"{r.sample_n_frames}x{r.height}x{r.width}", "latent": [C, F, H, W],
+            "video_tokens": video_tokens, "video_tokens_per_rank": math.ceil(video_tokens / sp),
+            "text_tokens": text_tokens, "attention": opts.attention, "forward_batch": fwd_batch,
+            "dtype": m.dtype, "master_weight_type": m.master_weight_type, "use_lora": m.use_lora,
+            "lora_r": m.lora_r if m.use_lora else None, "optimizer": "muon+adamw" if o.use_muon else "adamw",
+            "gradient_checkpointing": m.enable_gradient_checkpointing,
+            "anchor": ("none" if not uses_pos else "lora adapter copy" if m.use_lora else
+                       "offloaded to CPU" if anchor_offloaded else "resident"),
+            "offload_text_encoder": m.offload_text_encoder, "vae_tiling": opts.vae_tiling,
+        },
+        "params": {"transformer": total, "per_block": counts["per_block"], "num_blocks": L, "trainable": trainable,
+                   "muon": muon if o.use_muon else 0, "vae": frozen["vae"], "text_encoder": frozen["text_encoder"],
+                   "byt5": frozen["byt5"], "reward": frozen["reward"]},
+        "terms_gib": {k: v / GIB for k, v in t.items()},
+        "phases_gib": {k: v / GIB for k, v in phases.items()},
+        "peak_gib": peak / GIB, "peak_phase": peak_phase, "gpu_memory_gib": opts.gpu_memory_gib,
+        "fits": peak / GIB <= opts.gpu_memory_gib,
+        "headroom_gib": opts.gpu_memory_gib - peak / GIB,
+    }
+
+
+# ------------------------------------------------------------------------------------------------- validation
+
+
+def validate_against_gpu_facts() -> list[dict]:
+    """Predicted vs H100-measured per-block activations (diffusers processor, bf16) and VAE decode."""
+    g = GPU_FACTS["block_geometry"]
+    rows = []
+    for (b, ck), measured in GPU_FACTS["block_act_gib"].items():
+        pred = block_activation_bytes(batch=b, elem=2, attention="diffusers", checkpointing=ck, **{
+            k: g[k] for k in ("video_tokens", "dim", "heads", "mlp_dim")}, text_tokens=g["text_tokens"]) / GIB
+        note = ""
+        if ck:
+            # gpu_probe measured peak(4 blocks) - peak(2 blocks) / 2 with a bf16 model: with checkpointing the peak
+            # is at the end of backward, when every block's bf16 gradient is allocated: max(grad, saved inputs).
+            grad = 151_056_896 * 2 / GIB
+            note = f"saved inputs {pred:.3f}; the probe's difference of peaks = max(bf16 block grad {grad:.3f}, inputs)"
+            pred = max(pred, grad)
+        rows.append({"what": f"block activations, batch {b}, checkpointing {'on' if ck else 'off'}",
+                     "predicted_gib": pred, "measured_gib": measured, "ratio": pred / measured, "note": note})
+    for tiling, measured in GPU_FACTS["vae_decode_gib"].items():
+        rows.append({"what": f"VAE decode 352x624x81, tiling {'on' if tiling else 'off'}",
+                     "predicted_gib": measured, "measured_gib": measured, "ratio": 1.0,
+                     "note": "the planner uses this measurement (scaled by video volume at other sizes)"})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- output
+
+
+def render(pl: dict) -> str:
+    s, pr, tg, ph = pl["setting"], pl["params"], pl["terms_gib"], pl["phases_gib"]
+    lines = [
+        f"HunyuanVideo-1.5 {s['version']}: {pr['transformer']:,} parameters ({pr['num_blocks']} blocks x "
+        f"{pr['per_block']:,}); trainable {pr['trainable']:,} ({'LoRA r=' + str(s['lora_r']) if s['use_lora'] else 'full'})"
+        f", Muon share {pr['muon']:,}",
+        f"world {s['world_size']} = dp {s['dp_degree']} (replicate {s['dp_replicate']} x shard {s['dp_shard']}) x sp "
+        f"{s['sp_size']}; FSDP {'on: sharded over ' + str(s['shard_ranks']) + ' ranks' if s['fsdp'] else 'off'}; "
+        f"{s['videos_per_round']} videos per round x {s['gradient_accumulation_steps']} = {s['videos_per_update']} per update",
+        f"video {s['video']} -> latent {s['latent']}, {s['video_tokens']:,} video tokens ({s['video_tokens_per_rank']:,} "
+        f"per rank) + {s['text_tokens']} text tokens ({s['attention']} attention); forward batch {s['forward_batch']}"
+        f" (micro-batch x CFG); {s['dtype']} compute, {s['master_weight_type']} master, {s['optimizer']}, "
+        f"checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, anchor {s['anchor']}",
+        "",
+        f"{'term (GiB per GPU)':44s} {'GiB':>8s}",
+    ]
+    for k, v in tg.items():
+        lines.append(f"{k:44s} {v:8.2f}")
+    lines += ["", f"{'phase':44s} {'GiB':>8s}"]
+    for k, v in ph.items():
+        lines.append(f"{k:44s} {v:8.2f}{'  <- peak' if k == pl['peak_phase'] else ''}")
+    verdict = "fits" if pl["fits"] else "does NOT fit"
+    lines += ["", f"peak {pl['peak_gib']:.1f} GiB ({pl['peak_phase']}) {verdict} in {pl['gpu_memory_gib']:g} GiB "
+              f"(headroom {pl['headroom_gib']:.1f} GiB). (est) = estimate not measured on a GPU; see the docstring."]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None):
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own.add_argument("--world_size", type=int, default=int(os.environ.get("WORLD_SIZE", "8")),
+                     help="GPUs of the run (default 8, or $WORLD_SIZE).")
+    own.add_argument("--gpu_memory_gib", type=float, default=80.0, help="Memory per GPU in GiB (default 80).")
+    own.add_argument("--text_tokens", type=int, default=256,
+                     help="Valid text tokens (MLLM + ByT5) of the longest prompt in a forward (default 256).")
+    own.add_argument("--attention", default="valid", choices=("valid", "diffusers"),
+                     help="valid: the project's valid-token processor; diffusers: the dense-mask processor.")
+    own.add_argument("--vae_tiling", default="false", help="Model VAE tiling in the rollout decode (default false).")
+    own.add_argument("--fsdp_param_dtype", default="", help="Dtype of FSDP2's unsharded parameters (default --dtype).")
+    own.add_argument("--overhead_gib", type=float, default=2.0,
+                     help="CUDA context, NCCL buffers, allocator fragmentation (default 2, an estimate).")
+    own.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    own.add_argument("--validate", action="store_true", help="Also compare the activation model with gpu_facts.md.")
+    own.add_argument("-h", "--help", action="store_true")
+    args, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.help:
+        own.print_help()
+        print("\nplus every post_train.py flag:")
+        build_parser(prog="plan_memory.py").print_help()
+        sys.exit(0)
+    from sage_grpo.config import parse_bool
+
+    opts = PlanOptions(world_size=args.world_size, gpu_memory_gib=args.gpu_memory_gib, text_tokens=args.text_tokens,
+                       attention=args.attention, vae_tiling=parse_bool(args.vae_tiling, "--vae_tiling"),
+                       fsdp_param_dtype=args.fsdp_param_dtype, overhead_gib=args.overhead_gib)
+    if opts.fsdp_param_dtype:
+        torch_dtype(opts.fsdp_param_dtype)
+    cfg = load_config(rest, prog="plan_memory.py")
+    return cfg, opts, args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg, opts, args = parse_args(argv)
+    pl = plan(cfg, opts)
+    if args.validate:
+        pl["validation"] = validate_against_gpu_facts()
+    if args.json:
+        print(json.dumps(pl, indent=1))
+    else:
+        print(render(pl))
+        for row in pl.get("validation", []):
+            print(f"{row['what']:50s} predicted {row['predicted_gib']:6.3f}  measured {row['measured_gib']:6.3f}  "
+                  f"ratio {row['ratio']:.3f}  {row['note']}")
+    return pl
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,150 @@
+"""scripts/plan_memory.py: exact parameter counts on meta, the activation model against saved-tensor bytes, the
+sharding arithmetic and the CLI (one message for an impossible geometry)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import measure_memory as mm  # noqa: E402
+import plan_memory as pm  # noqa: E402
+
+from sage_grpo.config import Config, config_from_dict, read_yaml  # noqa: E402
+from sage_grpo.models.tiny import tiny_transformer_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def counts():
+    """Counts of the real 480p_t2v transformer (meta) and the frozen parts, shared by the plan tests."""
+    return pm.count_transformer(pm.build_transformer(pm.TRANSFORMER_CONFIGS["480p_t2v"])), pm.count_frozen_parts()
+
+
+def test_meta_count_equals_real_tiny_model():
+    cfg = tiny_transformer_config()
+    meta = pm.count_transformer(pm.build_transformer(cfg, "meta"))
+    real = pm.build_transformer(cfg, "cpu")
+    assert next(real.parameters()).device.type == "cpu"
+    assert meta["total"] == sum(t.numel() for t in real.state_dict().values())
+    assert meta["per_block"] == sum(t.numel() for k, t in real.state_dict().items() if k.startswith("transformer_blocks.0."))
+    # LoRA through the project's setup_trainable: the meta count equals the real adapter tensors
+    lora_meta = pm.count_transformer(pm.build_transformer(cfg, "meta"), use_lora=True, lora_r=4)
+    real_lora = pm.build_transformer(cfg, "cpu")
+    pm.count_transformer(real_lora, use_lora=True, lora_r=4)
+    assert lora_meta["trainable"] == sum(t.numel() for k, t in real_lora.state_dict().items() if "lora_" in k) > 0
+
+
+def test_real_transformer_count_matches_gpu_facts(counts):
+    c, frozen = counts
+    assert (c["total"], c["per_block"], c["num_blocks"]) == (8_326_608_160, 151_056_896, 54)  # gpu_facts.md
+    assert c["trainable"] == c["total"] and 8_153_726_976 < c["muon"] < c["total"]  # blocks' 2-D + refiner's 2-D
+    assert 7.0e9 < frozen["text_encoder"] < 7.1e9 and 2.2e9 < frozen["reward"] < 2.22e9
+
+
+# (heads, head_dim, mlp_ratio, batch, latent F/H/W, text MLLM/ByT5/image, valid MLLM/ByT5, attention, dtype)
+GEOMETRIES = [
+    (2, 64, 4.0, 1, (2, 8, 8), (48, 16, 8), (20, 4), "valid", torch.bfloat16),
+    (4, 32, 2.0, 2, (3, 4, 6), (40, 12, 6), (33, 5), "valid", torch.float32),
+    (3, 64, 4.0, 2, (2, 4, 8), (24, 8, 4), (10, 2), "diffusers", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES, ids=["valid-bf16-b1", "valid-fp32-b2-mlp2", "diffusers-bf16-b2"])
+def test_activation_model_matches_saved_tensors(geom):
+    heads, hd, ratio, b, latent, text, valid, attention, dtype = geom
+    for ckpt in (False, True):
+        kw = dict(mlp_ratio=ratio, batch=b, latent=latent, text=text, valid=valid, attention=attention,
+                  checkpointing=ckpt, dtype=dtype)
+        measured = mm.block_saved_bytes(heads, hd, **kw)
+        predicted = mm.predicted_block_bytes(heads, hd, **kw)
+        assert measured > 0
+        assert abs(predicted / measured - 1) < 0.02, (ckpt, predicted, measured)  # stated tolerance: 2%
+
+
+def test_activation_model_matches_gpu_facts():
+    rows = pm.validate_against_gpu_facts()
+    blocks = [r for r in rows if r["what"].startswith("block")]
+    assert len(blocks) == 4
+    for r in blocks:
+        assert abs(r["ratio"] - 1) < 0.03, r  # stated tolerance vs the H100 measurements: 3%
+
+
+def test_sp_splits_video_tokens_not_text():
+    kw = dict(batch=2, video_tokens=1000, text_tokens=100, dim=64, heads=4, mlp_dim=256, elem=2)
+    one = pm.block_activation_bytes(sp=1, checkpointing=True, **kw)
+    two = pm.block_activation_bytes(sp=2, checkpointing=True, **kw)
+    assert one == 2 * 1100 * 64 * 2 and two == 2 * 600 * 64 * 2
+    assert pm.block_activation_bytes(sp=2, **kw) < pm.block_activation_bytes(sp=1, **kw)
+
+
+def _cfg(path="configs/single_node_8gpu.yaml", **over) -> Config:
+    cfg = config_from_dict(read_yaml(ROOT / path))
+    for k, v in over.items():
+        group = next(g for g in dataclasses.fields(cfg) if hasattr(getattr(cfg, g.name), k))
+        setattr(getattr(cfg, group.name), k, v)
+    return cfg
+
+
+def test_sharding_arithmetic(counts):
+    c, frozen = counts
+    run = lambda cfg, world: pm.plan(cfg, pm.PlanOptions(world_size=world), c, frozen)["terms_gib"]  # noqa: E731
+    a, b = run(_cfg(), 8), run(_cfg(), 16)  # sp 2: dp_shard 4 -> 8
+    for k in ("policy weights", "gradients", "optimizer state", "anchor (on GPU in its phase)"):
+        assert b[k] == pytest.approx(a[k] / 2), k
+    for k in ("vae weights", "reward model", "trajectory", "activations (update)"):
+        assert b[k] == pytest.approx(a[k]), k
+    h = run(_cfg(dp_replicate=2), 16)  # HSDP: replicate 2 x shard 4 -> the 8-GPU shard size
+    assert h["policy weights"] == pytest.approx(a["policy weights"])
+    full = run(_cfg(enable_fsdp=False), 8)
+    assert full["policy weights"] == pytest.approx(8 * a["policy weights"])
+    n = c["total"]
+    assert a["policy weights"] == pytest.approx(n * 4 / 8 / pm.GIB)  # fp32 master, 8 shards
+    assert a["optimizer state"] == pytest.approx((c["muon"] + 2 * (n - c["muon"])) * 4 / 8 / pm.GIB)
+    adam = run(_cfg(use_muon=False), 8)
+    assert adam["optimizer state"] == pytest.approx(2 * n * 4 / 8 / pm.GIB)
+
+
+def test_offload_checkpointing_and_accumulation(counts):
+    c, frozen = counts
+    run = lambda cfg: pm.plan(cfg, pm.PlanOptions(world_size=8), c, frozen)  # noqa: E731
+    base = run(_cfg())
+    assert base["terms_gib"]["anchor (resident)"] == 0 and base["terms_gib"]["text encoders after offload"] == 0
+    resident = run(_cfg(reference_mode_offload=False))
+    assert resident["phases_gib"]["rollout"] == pytest.approx(
+        base["phases_gib"]["rollout"] + base["terms_gib"]["anchor (on GPU in its phase)"])
+    no_ckpt = run(_cfg(enable_gradient_checkpointing=False))
+    assert no_ckpt["terms_gib"]["activations (update)"] > 10 * base["terms_gib"]["activations (update)"]
+    assert not no_ckpt["fits"] and base["fits"]
+    acc = run(_cfg(gradient_accumulation_steps=8, save_interval=200))
+    assert acc["setting"]["videos_per_update"] == 64
+    assert acc["phases_gib"]["rollout"] == pytest.approx(base["phases_gib"]["rollout"] + base["terms_gib"]["gradients"])
+
+
+def test_cli_json(capsys):
+    pl = pm.main(["--config", str(ROOT / "configs/single_node_8gpu.yaml"), "--world_size", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] == pl["fits"] and out["setting"]["sp_size"] == 2 and out["peak_gib"] > 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--world_size", "6"], "num_generations"),  # dp 3 x batch 2 = 6 videos, G = 4
+    (["--world_size", "8", "--sp_size", "3"], "--sp_size 3 must divide"),
+    (["--world_size", "8", "--pretrained_transformer_version", "720p_i2v"], "no transformer config"),
+])
+def test_impossible_geometry_is_one_message(argv, needle, capsys):
+    from sage_grpo.errors import run_cli
+
+    with pytest.raises(SystemExit) as exc:
+        run_cli(pm.main, ["--config", str(ROOT / "configs/single_node_8gpu.yaml"), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and "Traceback" not in err and err.count("\n") == 1
