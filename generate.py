@@ -6,6 +6,7 @@
     python generate.py --pretrained_model_root ckpts --checkpoint_path outputs/checkpoint-500/transformer \\
         --valid_video_csv prompts.csv --output_path outputs/gen      # one mp4 per prompt in outputs/gen/
     torchrun --nproc_per_node 8 generate.py --valid_video_csv prompts.csv ...   # prompts split across ranks
+    torchrun --nproc_per_node 8 generate.py --sp_size 2 ...   # 4 groups of 2 ranks, each group shares one video
 
 The authors' flags keep their meaning; `--config` reads the `model:` and `validation:` sections of our YAML for
 everything not given on the command line. Sampling is the ODE (Euler) of diffusers' pipeline by default;
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
       "model.text_embedding_cache_dir, empty = in memory)")
     a("--offload_text_encoder", default=None, metavar="BOOL", help="move the text encoders off the device once the "
       "prompts are encoded (default: model.offload_text_encoder, true)")
+    a("--sp_size", type=int, default=1, help="Ulysses sequence-parallel degree under torchrun: each group of sp_size "
+      "ranks samples one video at a time (must divide the world size and the 16 heads; default 1; the prompts are "
+      "split over the world_size / sp_size groups)")
     a("--verbose", action="store_true", help="show the libraries' warnings and progress bars (hidden by default; "
       "the sampling bar shows on an interactive terminal)")
     return p
@@ -107,6 +111,8 @@ def _check_values(args: argparse.Namespace, cfg) -> None:
     if args.sampler != "ode" and not 0 < args.eta <= 1:
         raise SageGRPOError(f"--eta must be in (0, 1] for --sampler {args.sampler} (the rollouts use 0.3-0.7; above 1 "
                             f"the first steps inject more noise than the sample holds), got {args.eta:g}")
+    if args.sp_size < 1:
+        raise SageGRPOError(f"--sp_size must be >= 1, got {args.sp_size}")
     if not -MAX_SEED - 1 <= args.seed <= MAX_SEED:
         raise SageGRPOError(f"--seed must fit in a signed 64-bit integer, got {args.seed}")
     c = copy.deepcopy(cfg)
@@ -251,28 +257,26 @@ def main(argv: list[str] | None = None) -> list[Path]:
     check_mp4_support()  # before sampling, not after it
     quiet_libraries(args.verbose)
 
-    import torch
-    import torch.distributed as dist
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % args.sp_size:
+        raise SageGRPOError(f"--sp_size {args.sp_size} must divide the number of processes {world} "
+                            f"(torchrun --nproc_per_node x nodes)")
 
     from sage_grpo.generation import sample_videos, write_sample
     from sage_grpo.models.loading import load_pipeline, resolve_dtype
     from sage_grpo.models.lora import load_dcp_transformer, setup_trainable
     from sage_grpo.models.text_cache import TextEmbeddingCache
+    from sage_grpo.parallel.dist import barrier, destroy, init_distributed
+    from sage_grpo.parallel.ulysses import enable_sequence_parallel
     from sage_grpo.rollout import SamplerSettings, latent_shape
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before NCCL init, so its barrier does not land on GPU 0 for every rank
-    if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    info = init_distributed(args.sp_size, 1)  # no process group for one process
+    rank, device = info.rank, info.device
     dtype = resolve_dtype(args.dtype)
 
     if rank == 0:  # one writer; _ensure_model only builds the tiny default and never raises
         _ensure_model(args)
-    if world > 1:
-        dist.barrier()
+    barrier()
     pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype, device=device)
     if args.checkpoint_path:  # full weights first, then an adapter on top of them
         load_dcp_transformer(pipe.transformer, args.checkpoint_path)
@@ -280,6 +284,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
         setup_trainable(pipe.transformer, use_lora=True, lora_r=args.lora["r"], lora_alpha=args.lora["alpha"],
                         lora_target_modules=args.lora["targets"], pretrained_lora_path=args.lora_path)
     pipe.transformer.requires_grad_(False).eval()
+    # an sp group samples each of its videos together: same prompts and seeds on every peer, so the same inputs
+    enable_sequence_parallel(pipe.transformer, info.sp_group)
     if args.height * args.width > 256 * 256:
         pipe.vae.enable_tiling()
 
@@ -291,7 +297,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
                                shift=args.flow_shift, cfg_scale=args.cfg_scale, compute_dtype=dtype,
                                sage_clamp=args.sage_sigma_clamp)
     cache = TextEmbeddingCache(pipe, device, dtype, args.text_embedding_cache_dir or None)
-    mine = records[rank::world]
+    mine = records[info.dp_rank::info.dp_size]  # split over data-parallel groups; sp peers share their prompts
+    writer = info.sp_rank == 0  # one peer of each sp group writes (all of them hold the same frames)
     cache.precompute([r.prompt for r in mine] + ([args.negative_prompt] if settings.use_cfg else []))
     if args.offload_text_encoder:  # every prompt is cached: the encoders need no device memory while sampling
         cache.offload_encoders()
@@ -301,6 +308,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
                                      negative_prompt=args.negative_prompt,
                                      show_progress=rank == 0 and show_progress(args.verbose)):
         path = _output_file(args, rec, single)
+        if not writer:
+            continue
         meta = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
         meta.update(prompt=rec.prompt, index=rec.index, prompt_seed=rec.seed,
                     noise_seed=_noise_seed(rec), frames=int(frames.shape[0]),
@@ -310,9 +319,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
         written.append(path)
         print(f"[generate] rank {rank}: {path} ({frames.shape[0]} frames {args.height}x{args.width}, {meta['seconds']} s)", flush=True)
         t0 = time.time()
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    barrier()
+    destroy()
     return written
 
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import copy
 import math
+import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -98,6 +100,9 @@ class Run:
     step: int = 0
     updates: int = 0
     accum_rounds: int = 0  # rounds accumulated into the pending update
+    skipped_updates: int = 0  # updates dropped for a non-finite gradient norm or no valid pair (whole run)
+    failed_reward_steps: int = 0  # steps without a single finite reward (whole run)
+    failed_streak: int = 0  # ... in a row, up to now
     stats: dict = field(default_factory=dict)
 
 
@@ -382,6 +387,8 @@ def reward_phase(run: Run, traj) -> tuple[dict, torch.Tensor, torch.Tensor, dict
     g = cfg.data.num_generations
     grouped = total.reshape(-1, g)  # [groups, G]: the global batch is whole groups in order
     metrics["reward/failed"] = int((~torch.isfinite(total)).sum())
+    metrics["reward/videos"] = int(total.numel())
+    metrics["reward/failed_groups"] = int((~torch.isfinite(grouped)).all(dim=1).sum())  # trained with weight 0
     metrics["adv/zero_std_groups_frac"] = float((grouped.std(dim=1, unbiased=False) == 0).float().mean())
     metrics["adv/abs_mean"] = float(adv[valid].abs().mean()) if valid.any() else 0.0
     metrics["adv/max"] = float(adv.max())
@@ -482,14 +489,17 @@ def optimizer_step(run: Run, metrics: dict, clip_grad_norm, lr_at, all_reduce_su
     lr = lr_at(run.updates, cfg.optim.learning_rate, cfg.optim.warmup_steps)
     kl = all_reduce_sum(torch.tensor([run.stats.pop("kl_sum", 0.0), float(run.stats.pop("kl_pairs", 0))],
                                      dtype=torch.float64, device=info.device), group=info.dp_group)
-    if math.isfinite(norm):
+    # the same on every rank: the norm after the all-reduce, the pair count after its all-reduce
+    if math.isfinite(norm) and kl[1] > 0:
         run.optimizer.set_lr(lr)
         run.optimizer.step()
         run.updates += 1
         run.anchor.synced = False
         metrics["train/skipped_update"] = 0
-    else:  # every rank sees the same norm, so every rank skips: no divergent collectives
+    else:  # NaN/inf loss or gradients, or no valid pair: every rank skips, no divergent collectives
         metrics["train/skipped_update"] = 1
+        run.skipped_updates += 1
+    metrics["train/skipped_updates_total"] = run.skipped_updates
     run.optimizer.zero_grad(set_to_none=True)
     run.accum_rounds = 0
     l_kl = float(kl[0] / kl[1]) if kl[1] > 0 else math.nan
@@ -537,11 +547,28 @@ def train_state(run: Run) -> dict:
     return {
         "step": run.step, "updates": run.updates, "controller": run.controller.state_dict(),
         "sampler": run.sampler.state_dict(), "anchor": run.anchor.state(),
-        "world_size": run.info.world_size, "config": config_to_dict(run.cfg),
+        "skipped_updates": run.skipped_updates, "failed_reward_steps": run.failed_reward_steps,
+        "failed_streak": run.failed_streak, "world_size": run.info.world_size, "config": config_to_dict(run.cfg),
     }
 
 
 def save(run: Run) -> Path:
+    """Write checkpoint-{step} (collective). A failed write (disk full, read-only) ends the run with one message;
+    the older checkpoints are untouched."""
+    from sage_grpo.checkpoint import CheckpointWriteError, list_checkpoints
+
+    try:
+        path = write_checkpoint(run)
+    except CheckpointWriteError as err:
+        done = list_checkpoints(run.cfg.checkpoint.output_dir)
+        last = f"the last complete one is {done[-1][1]}" if done else "no complete checkpoint exists yet"
+        raise SageGRPOError(f"{err}; {last}. Free space or fix the permissions of --output_dir, then resume with "
+                            "--resume_from_checkpoint latest") from None
+    print0(run.info, f"checkpoint {path}")
+    return path
+
+
+def write_checkpoint(run: Run) -> Path:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from sage_grpo.checkpoint import save_checkpoint
@@ -550,7 +577,7 @@ def save(run: Run) -> Path:
     a = run.anchor
     anchor_state = None if (a.model is None or a.is_initial) else a.model.state_dict()
     anchor_lora = None if (a.adapter is None or a.is_initial) else a.adapter
-    path = save_checkpoint(
+    return save_checkpoint(
         run.cfg.checkpoint.output_dir, run.step, rank=run.info.rank,
         model_state=merged_state_dict(run.transformer),
         optimizer_state=get_optimizer_state_dict(run.transformer, run.optimizer.optimizers),
@@ -558,8 +585,6 @@ def save(run: Run) -> Path:
         lora_writer=(lambda d: save_lora(run.transformer, d)) if run.cfg.model.use_lora else None,
         anchor_state=anchor_state, anchor_lora=anchor_lora, total_limit=run.cfg.checkpoint.checkpoints_total_limit,
     )
-    print0(run.info, f"checkpoint {path}")
-    return path
 
 
 def load_checkpoint(run: Run, path: Path) -> None:
@@ -596,6 +621,8 @@ def load_checkpoint(run: Run, path: Path) -> None:
     run.controller.load_state_dict(state["controller"])
     run.sampler.load_state_dict(state["sampler"])
     run.step, run.updates = int(state["step"]), int(state["updates"])
+    run.skipped_updates = int(state.get("skipped_updates", 0))
+    run.failed_reward_steps, run.failed_streak = int(state.get("failed_reward_steps", 0)), int(state.get("failed_streak", 0))
     load_rng_state(path, run.info.rank)
     print0(run.info, f"resumed from {path} at step {run.step} ({run.updates} optimizer updates)")
 
@@ -650,38 +677,96 @@ def train(run: Run) -> None:
         log(run, 0, validation(run, 0))
     last_saved = run.step
     bar = tqdm(total=cfg.optim.max_steps, initial=run.step, desc="steps", disable=not info.is_main)
-    while run.step < cfg.optim.max_steps:
-        t0 = time.perf_counter()
-        if run.accum_rounds == 0 and run.anchor.due(run.updates):
-            run.anchor.refresh(run.updates)
-        metrics: dict = {"kl/anchor_synced": int(run.anchor.synced)}
-        traj = rollout_phase(run)
-        t1 = time.perf_counter()
-        _, adv, valid, m = reward_phase(run, traj)
-        metrics.update(m)
-        t2 = time.perf_counter()
-        batches = micro_batches_of(run, plan_round(run, traj))
-        anchor_means(run, traj, batches)
-        t3 = time.perf_counter()
-        update_phase(run, traj, adv, valid, batches, metrics)
-        t4 = time.perf_counter()
-        run.step += 1
-        metrics["train/updates"] = run.updates
-        metrics.update({"perf/rollout_s": t1 - t0, "perf/reward_s": t2 - t1, "perf/anchor_s": t3 - t2,
-                        "perf/update_s": t4 - t3, "perf/step_s": t4 - t0, "mem/peak_gib": peak_memory_gib(info.device)})
-        if v.validation_interval and run.step % v.validation_interval == 0:
-            metrics.update(validation(run, run.step))
-            if info.is_main:
-                plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
-        if run.step % cfg.logging.log_interval == 0 or run.step == cfg.optim.max_steps:
-            log(run, run.step, mean_metrics(metrics))  # collective: every rank reaches it at the same steps
-        bar.update(1)
-        if ck.save_interval and run.step % ck.save_interval == 0:
-            save(run)
-            last_saved = run.step
+    with StopRequest() as stop:
+        while run.step < cfg.optim.max_steps:
+            t0 = time.perf_counter()
+            if run.accum_rounds == 0 and run.anchor.due(run.updates):
+                run.anchor.refresh(run.updates)
+            metrics: dict = {"kl/anchor_synced": int(run.anchor.synced)}
+            traj = rollout_phase(run)
+            t1 = time.perf_counter()
+            _, adv, valid, m = reward_phase(run, traj)
+            metrics.update(m)
+            t2 = t3 = time.perf_counter()
+            # no finite reward on any rank (every rank sees the gathered rewards, so all agree): nothing to learn
+            if m["reward/failed"] == m["reward/videos"]:
+                run.failed_reward_steps += 1
+                run.failed_streak += 1
+            else:
+                run.failed_streak = 0
+                batches = micro_batches_of(run, plan_round(run, traj))
+                anchor_means(run, traj, batches)
+                t3 = time.perf_counter()
+                update_phase(run, traj, adv, valid, batches, metrics)
+            t4 = time.perf_counter()
+            run.step += 1
+            metrics["train/updates"] = run.updates
+            metrics["train/failed_reward_steps"] = run.failed_reward_steps
+            metrics.update({"perf/rollout_s": t1 - t0, "perf/reward_s": t2 - t1, "perf/anchor_s": t3 - t2,
+                            "perf/update_s": t4 - t3, "perf/step_s": t4 - t0,
+                            "mem/peak_gib": peak_memory_gib(info.device)})
+            if v.validation_interval and run.step % v.validation_interval == 0:
+                metrics.update(validation(run, run.step))
+                if info.is_main:
+                    plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
+            if run.step % cfg.logging.log_interval == 0 or run.step == cfg.optim.max_steps:
+                log(run, run.step, mean_metrics(metrics))  # collective: every rank reaches it at the same steps
+            bar.update(1)
+            if ck.save_interval and run.step % ck.save_interval == 0:
+                save(run)
+                last_saved = run.step
+            limit = cfg.reward.max_failed_reward_steps
+            if limit and run.failed_streak >= limit:
+                if last_saved != run.step:
+                    save(run)
+                raise SageGRPOError(
+                    f"no finite reward in the last {run.failed_streak} steps (--max_failed_reward_steps {limit}); "
+                    f"checkpoint-{run.step} is saved. Check the reward model (paths, --reward_dtype, "
+                    "--reward_max_pixels) and resume with --resume_from_checkpoint latest")
+            if stop.agreed(info.device):
+                if last_saved != run.step:
+                    save(run)
+                    last_saved = run.step
+                print0(info, f"stopped by {stop.signal or 'a signal on another rank'} after step {run.step}; "
+                       f"checkpoint-{run.step} is saved; continue with --resume_from_checkpoint latest")
+                break
     bar.close()
     if last_saved != run.step:  # the final checkpoint: collective, every rank calls it
         save(run)
+
+
+class StopRequest:
+    """SIGTERM (schedulers, torchrun forwarding a kill) or SIGINT (Ctrl-C) ask the loop to stop: the current step
+    finishes, the ranks agree (a rank that got no signal follows the others), a checkpoint is written and the run
+    exits 0. A second signal interrupts at once; the last complete checkpoint is then what a resume starts from."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        print(f"[post_train] {self.signal}: finishing this step, then a checkpoint (send it again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def agreed(self, device) -> bool:
+        """Whether any rank was asked to stop (collective: every rank calls it once per step)."""
+        from sage_grpo.parallel.dist import all_reduce_sum
+
+        flag = all_reduce_sum(torch.tensor([float(self.signal is not None)], device=device))
+        return float(flag[0]) > 0
 
 
 def log(run: Run, step: int, metrics: dict) -> None:

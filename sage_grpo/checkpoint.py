@@ -26,12 +26,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sage_grpo.errors import SageGRPOError
-from sage_grpo.parallel.dist import barrier
+from sage_grpo.parallel.dist import all_reduce_sum, barrier
 
-__all__ = ["TRAIN_STATE", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save", "dcp_load",
+__all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save", "dcp_load",
            "load_rng_state", "read_train_state", "exactness_diff"]
 
 TRAIN_STATE = "train_state.json"
+
+
+class CheckpointWriteError(SageGRPOError):
+    """A checkpoint could not be written (the message names the cause); older checkpoints are untouched."""
+
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -116,33 +121,61 @@ def save_checkpoint(
     anchor_lora: dict[str, torch.Tensor] | None = None,
     total_limit: int = 0,
 ) -> Path:
-    """Write checkpoint-{step} atomically (collective) -> its path. lora_writer(dir) writes the adapter (rank 0)."""
+    """Write checkpoint-{step} atomically (collective) -> its path. lora_writer(dir) writes the adapter (rank 0).
+
+    Everything goes to checkpoint-{step}.tmp, renamed when complete. A write that fails on any rank (disk full,
+    read-only output dir) is agreed by all ranks: the partial folder is removed, the older checkpoints stay as they
+    were, and every rank raises CheckpointWriteError (no rank is left waiting in a collective)."""
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f"checkpoint-{step}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt that died half-way
-        tmp.mkdir(parents=True)
-    barrier()
-    dcp_save({"model": model_state}, tmp / "transformer")
-    dcp_save({"optimizer": optimizer_state}, tmp / "optimizer")
-    if anchor_state is not None:
-        dcp_save({"model": anchor_state}, tmp / "anchor")
-    save_file({k: v.contiguous() for k, v in _rng_state().items()}, tmp / f"rng_rank{rank}.safetensors")
-    if rank == 0:
-        if lora_writer is not None:
-            lora_writer(tmp / "lora")
-        if anchor_lora is not None:
-            save_file({k: v.detach().contiguous().cpu() for k, v in anchor_lora.items()}, tmp / "anchor_lora.safetensors")
-        (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=1) + "\n")  # last file: marks completeness
-    barrier()
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        if total_limit > 0:
-            for _, old in list_checkpoints(out)[:-total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+
+    def agreed(stage) -> None:
+        err = None
+        try:
+            stage()
+        except Exception as e:  # noqa: BLE001 - OSError (disk full, permissions), or DCP's CheckpointException
+            err = e  # wrapping it (DCP raises on every rank when one rank's write failed)
+        failed = all_reduce_sum(torch.tensor([float(err is not None)]))
+        if float(failed[0]) > 0:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            barrier()
+            reason = (getattr(err, "strerror", None) or str(err)) if err is not None else "failed on another rank"
+            raise CheckpointWriteError(f"checkpoint-{step} could not be written to {out} ({reason}); the previous "
+                                       "checkpoints are intact") from None
+
+    def prepare() -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt that died half-way
+            tmp.mkdir(parents=True)
+
+    def write() -> None:
+        dcp_save({"model": model_state}, tmp / "transformer")
+        dcp_save({"optimizer": optimizer_state}, tmp / "optimizer")
+        if anchor_state is not None:
+            dcp_save({"model": anchor_state}, tmp / "anchor")
+        save_file({k: v.contiguous() for k, v in _rng_state().items()}, tmp / f"rng_rank{rank}.safetensors")
+        if rank == 0:
+            if lora_writer is not None:
+                lora_writer(tmp / "lora")
+            if anchor_lora is not None:
+                save_file({k: v.detach().contiguous().cpu() for k, v in anchor_lora.items()},
+                          tmp / "anchor_lora.safetensors")
+
+    def commit() -> None:
+        if rank == 0:
+            (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=1) + "\n")  # marks completeness
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+
+    agreed(prepare)
+    agreed(write)
+    agreed(commit)
+    if rank == 0 and total_limit > 0:  # only once the new checkpoint is complete
+        for _, old in list_checkpoints(out)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
 

@@ -4,6 +4,7 @@ made before any model loads, and quiet third-party logging unless `--verbose`.""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import typing
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from sage_grpo.errors import SageGRPOError
 
-__all__ = ["CLIParser", "check_writable_dir", "check_output_file", "quiet_libraries", "show_progress", "at_least"]
+__all__ = ["CLIParser", "finite_float", "check_writable_dir", "check_output_file", "quiet_libraries", "show_progress", "at_least"]
 
 
 class CLIParser(argparse.ArgumentParser):
@@ -22,8 +23,21 @@ class CLIParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # --out must not silently mean --output_path
         super().__init__(*args, **kwargs)
 
+    def add_argument(self, *args, **kwargs):
+        if kwargs.get("type") is float:  # nan and inf parse as floats but are never a meaningful setting
+            kwargs["type"] = finite_float
+        return super().add_argument(*args, **kwargs)
+
     def error(self, message: str) -> typing.NoReturn:
         raise SageGRPOError(message)
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a float that is not nan or +-inf (every float flag of our scripts goes through it)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def at_least(flag: str, value: float, low: float, *, strict: bool = False) -> None:

@@ -141,6 +141,7 @@ class RewardConfig:
     reward_min_pixels: int = opt(100352, "Min pixels per frame fed to VideoAlign (VideoAlign's frame-loading default).")
     reward_sample_fps: float = opt(2.0, "Frames per second sampled from the video for VideoAlign (81 frames at 24 fps -> 6 frames).")
     reward_batch_size: int = opt(0, "Videos per reward forward; 0 = all videos of the rank at once.")
+    max_failed_reward_steps: int = opt(3, "Stop, after writing a checkpoint, when this many steps in a row had no finite reward on any rank (such steps train nothing and are counted in train/failed_reward_steps); 0 = never stop.")
     reward_dtype: str = opt("bf16", "Dtype of the reward model.", DTYPES)
     clip_model_path: str = opt("", "openai/clip-vit-large-patch14 directory for the clipscore reward/metric; empty = <pretrained_model_root>/clip-vit-large-patch14.")
     pickscore_model_path: str = opt("", "yuvalkirstain/PickScore_v1 directory for the pickscore reward/metric; empty = <pretrained_model_root>/PickScore_v1.")
@@ -534,6 +535,7 @@ def check_values(cfg: Config) -> None:
         "checkpoints_total_limit": cfg.checkpoint.checkpoints_total_limit,
         "kl_warmup_updates": k.kl_warmup_updates,
         "reward_batch_size": cfg.reward.reward_batch_size,
+        "max_failed_reward_steps": cfg.reward.max_failed_reward_steps,
         "reward_min_pixels": cfg.reward.reward_min_pixels,
         "eta": r.eta,
         "kl_weight": k.kl_weight,

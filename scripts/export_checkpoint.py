@@ -20,16 +20,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sage_grpo.cli import CLIParser, check_writable_dir  # noqa: E402
 from sage_grpo.config import parse_bool  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
 
 
 def main(argv=None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="output_dir/checkpoint-N of post_train.py")
     p.add_argument("--out", required=True, help="directory to write (created; must be empty or absent)")
     p.add_argument("--merge_lora", default="True", help="LoRA runs: export merged weights (True) or base + adapter")
-    p.add_argument("--dtype", default="", help="dtype of the exported weights (fp32, bf16, fp16); default: the checkpoint's")
+    p.add_argument("--dtype", default="", choices=["", "fp32", "bf16", "fp16"],
+                   help="dtype of the exported weights; default: the checkpoint's master weight type")
     args = p.parse_args(argv)
     merge = parse_bool(args.merge_lora, "--merge_lora")
     ckpt, out = Path(args.checkpoint), Path(args.out)
@@ -38,6 +40,7 @@ def main(argv=None) -> Path:
         raise SageGRPOError(f"--checkpoint {args.checkpoint!r} is not a complete post_train.py checkpoint (no train_state.json)")
     if out.exists() and any(out.iterdir()):
         raise SageGRPOError(f"--out {args.out!r} exists and is not empty; choose a new directory")
+    check_writable_dir(out.parent, "--out")
     cfg = json.loads(state_file.read_text())["config"]
     m = cfg["model"]
 
@@ -51,10 +54,15 @@ def main(argv=None) -> Path:
     lora = ckpt / "lora"
     if merge or not lora.is_dir():
         load_dcp_transformer(pipe.transformer, ckpt / "transformer")
-    out.mkdir(parents=True, exist_ok=True)
-    pipe.transformer.save_pretrained(out, safe_serialization=True)
+    # written beside the target and renamed when complete: an interrupted export leaves no half-written --out
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.transformer.save_pretrained(tmp, safe_serialization=True)
     if not merge and lora.is_dir():
-        shutil.copytree(lora, out / "lora")
+        shutil.copytree(lora, tmp / "lora")
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    tmp.rename(out)
     print(f"[export] {out}")
     return out
 

@@ -16,6 +16,15 @@ def test_parser_errors_are_sage_errors_and_no_abbreviations():
         p.parse_args(["--out", "a"])
 
 
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "NaN", "1e999"])
+def test_float_flags_refuse_non_finite_values(text):
+    p = CLIParser()
+    p.add_argument("--scale", type=float)
+    assert p.parse_args(["--scale", "2.5"]).scale == 2.5
+    with pytest.raises(SageGRPOError, match="--scale: must be a finite number"):
+        p.parse_args([f"--scale={text}"])
+
+
 def test_at_least():
     at_least("--a", 1, 1)
     with pytest.raises(SageGRPOError, match="--a must be >= 1, got 0"):

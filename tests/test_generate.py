@@ -136,6 +136,8 @@ FLAG_ERRORS = [
     (["--lora_path", "/nonexistent/lora.safetensors"], "--lora_path /nonexistent"),
     (["--offload_text_encoder", "maybe"], "--offload_text_encoder: 'maybe' is not a boolean"),
     (["--num_inferenc", "3"], "unrecognized arguments"),
+    (["--sp_size", "0"], "--sp_size must be >= 1"),
+    (["--sp_size", "2"], "--sp_size 2 must divide the number of processes 1"),  # one process, no torchrun
 ]
 
 

@@ -56,3 +56,26 @@ def test_offload_still_encodes_new_prompts(text_cache, tiny_pipe):
     assert next(tiny_pipe.text_encoder.parameters()).device.type == "cpu"
     c = text_cache.get(["z"], dtype=torch.bfloat16)
     assert c.prompt_embeds.dtype == torch.bfloat16 and text_cache.num_encoded == 3
+
+
+def test_prompts_over_the_encoder_limits_are_truncated_with_a_warning(tiny_pipe, text_cache):
+    import warnings
+
+    from sage_grpo.models.text_cache import truncated_lengths
+
+    limit = tiny_pipe.tokenizer_max_length
+    short, long = "a cat", "a cat " * (2 * limit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text_cache.get([short])
+        assert not caught
+        got = text_cache.get([long, long + "and a red dog running"])
+    assert len(caught) == 2 and "limit is" in str(caught[0].message) and "cut off" in str(caught[0].message)
+    # what the warning claims is what the encoder did: every token slot is used and the extra words change nothing
+    assert int(got.prompt_mask[0].sum()) == limit
+    assert torch.equal(got.prompt_embeds[0], got.prompt_embeds[1])
+    assert int(text_cache.get([short]).prompt_mask.sum()) < limit
+    # the glyph encoder's own limit (bytes of the quoted text)
+    glyph = 'a sign that says "' + "x" * (3 * tiny_pipe.tokenizer_2_max_length) + '"'
+    assert [name for name, _, _ in truncated_lengths(tiny_pipe, glyph)][-1] == "glyph (ByT5) encoder"
+    assert truncated_lengths(tiny_pipe, 'a sign that says "hi"') == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,32 @@ def encoder_identity(pipe) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def truncated_lengths(pipe, prompt: str) -> list[tuple[str, int, int]]:
+    """[(encoder, tokens of the prompt, limit)] for each text encoder whose limit the prompt exceeds. diffusers'
+    `encode_prompt` truncates silently: the MLLM at `tokenizer_max_length` tokens after the system-prompt crop, the
+    glyph (ByT5) encoder at `tokenizer_2_max_length` bytes of the quoted text."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts, format_text_input
+
+    out = []
+    ids = pipe.tokenizer.apply_chat_template(format_text_input([prompt], pipe.system_message),
+                                             add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    n = len(ids[0]) - pipe.prompt_template_encode_start_idx  # tokens after the crop of the system prompt
+    if n > pipe.tokenizer_max_length:
+        out.append(("text encoder", n, pipe.tokenizer_max_length))
+    glyph = extract_glyph_texts(prompt)
+    if glyph is not None:
+        m = len(pipe.tokenizer_2(glyph, add_special_tokens=True)["input_ids"])
+        if m > pipe.tokenizer_2_max_length:
+            out.append(("glyph (ByT5) encoder", m, pipe.tokenizer_2_max_length))
+    return out
+
+
+def warn_if_truncated(pipe, prompt: str) -> None:
+    for name, n, limit in truncated_lengths(pipe, prompt):
+        warnings.warn(f"prompt {prompt[:60]!r}... has {n} tokens for the {name}, whose limit is {limit}: the rest is "
+                      "cut off (shorten the prompt to keep all of it)", stacklevel=3)
+
+
 class TextEmbeddingCache:
     """prompt -> TextConditioning [1, ...] on CPU in `dtype`; `get` batches them.
 
@@ -171,6 +198,7 @@ class TextEmbeddingCache:
             if self._offloaded:
                 self._move_encoders("cpu")
         self.num_encoded += 1
+        warn_if_truncated(pipe, prompt)
         return TextConditioning(pe, pm, be, bm).to("cpu")
 
     def lookup(self, prompt: str) -> TextConditioning:

@@ -114,9 +114,15 @@ def _active() -> bool:
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over the ranks of `group` (default: all ranks), in place and returned; identity at world size 1."""
+    """Sum over the ranks of `group` (default: all ranks), in place and returned; identity at world size 1. A CPU
+    tensor under NCCL (which reduces CUDA tensors only) makes a round trip through the current GPU."""
     if _active():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+            on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM, group=group)
+            t.copy_(on_gpu)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 

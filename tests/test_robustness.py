@@ -1,0 +1,162 @@
+"""The bad-input matrix of the training loop (README "Robustness"): failed rewards, NaN gradients, a full disk at
+checkpoint time, SIGTERM/SIGINT and kill -9. Each case ends in one clear outcome and leaves every complete
+checkpoint intact."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import test_post_train
+import torch
+from test_post_train import ROOT, _args, _weights, pt
+
+from sage_grpo.checkpoint import list_checkpoints, read_train_state
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.metrics import read_metrics
+
+tiny_model = test_post_train.tiny_model  # the module-scoped fixture
+
+
+def _base_weights(model) -> dict[str, torch.Tensor]:
+    from sage_grpo.models.loading import load_pipeline
+
+    return load_pipeline(model_path=str(model), dtype="fp32", load_text_encoders=False).transformer.state_dict()
+
+
+def _with_reward(monkeypatch, nan_rows):
+    """Make the rewards of the given rows of every rank's batch NaN (`nan_rows(b)` -> list of rows)."""
+    orig = pt.reward_phase
+
+    def wrapped(run, traj):
+        real = run.reward
+
+        class Failing:
+            components = real.components
+
+            def __call__(self, videos, prompts):
+                out = {k: v.clone() for k, v in real(videos, prompts).items()}
+                out["total"][nan_rows(len(prompts))] = float("nan")
+                return out
+
+        run.reward = Failing()
+        try:
+            return orig(run, traj)
+        finally:
+            run.reward = real
+
+    monkeypatch.setattr(pt, "reward_phase", wrapped)
+
+
+def test_steps_without_any_finite_reward_train_nothing_and_stop_after_the_limit(tiny_model, tmp_path, monkeypatch):
+    _with_reward(monkeypatch, lambda b: list(range(b)))
+    with pytest.raises(SageGRPOError, match="no finite reward in the last 2 steps .*checkpoint-2 is saved"):
+        pt.main(_args(tiny_model, tmp_path, "--max_steps", "5", "--max_failed_reward_steps", "2"))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+    state = read_train_state(list_checkpoints(tmp_path)[0][1])
+    assert (state["failed_reward_steps"], state["failed_streak"], state["updates"]) == (2, 2, 0)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["train/failed_reward_steps"] for r in rows] == [1, 2]
+    base, trained = _base_weights(tiny_model), _weights(tmp_path)
+    assert all(torch.equal(base[k], trained[k]) for k in base)  # no optimizer step on nothing (AdamW would move)
+
+
+def test_a_failed_group_is_masked_while_the_others_train(tiny_model, tmp_path, monkeypatch):
+    _with_reward(monkeypatch, lambda b: list(range(4)))  # the first group of 4 of a batch of 8
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "1", "--batch_size", "8"))
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert (row["reward/failed"], row["reward/failed_groups"], row["train/skipped_update"]) == (4, 1, 0)
+    assert row["train/masked_pairs"] == 4 * 4  # 4 videos x 4 trained steps (grpo_sampling_steps 4, fraction 1)
+    assert math.isfinite(row["train/grad_norm"]) and row["train/grad_norm"] > 0
+
+
+def test_nan_gradients_skip_the_update_and_are_counted(tiny_model, tmp_path, monkeypatch):
+    orig = pt.update_phase
+
+    def poisoned(run, *a, **k):
+        run.step_weights = torch.full_like(run.step_weights, float("nan"))  # S_t NaN -> NaN loss and gradients
+        return orig(run, *a, **k)
+
+    monkeypatch.setattr(pt, "update_phase", poisoned)
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "2"))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["train/skipped_update"] for r in rows] == [1, 1]
+    assert [r["train/skipped_updates_total"] for r in rows] == [1, 2]
+    assert read_train_state(list_checkpoints(tmp_path)[-1][1])["skipped_updates"] == 2
+    base, trained = _base_weights(tiny_model), _weights(tmp_path)
+    assert all(torch.equal(base[k], trained[k]) for k in base)
+
+
+def test_a_full_disk_at_checkpoint_time_keeps_the_previous_checkpoint(tiny_model, tmp_path, monkeypatch):
+    import sage_grpo.checkpoint as ck
+
+    real = ck.save_file
+
+    def full_disk_at_step_2(tensors, path, *a, **k):
+        if "checkpoint-2.tmp" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(ck, "save_file", full_disk_at_step_2)
+    with pytest.raises(SageGRPOError, match=r"checkpoint-2 could not be written .*No space left on device.*"
+                                            r"last complete one is .*checkpoint-1\. Free space"):
+        pt.main(_args(tiny_model, tmp_path, "--max_steps", "3", "--save_interval", "1"))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert not (tmp_path / "checkpoint-2.tmp").exists()
+    monkeypatch.setattr(ck, "save_file", real)  # space freed: the run resumes from checkpoint-1
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "3", "--save_interval", "1", "--resume_from_checkpoint", "latest"))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_finishes_the_step_checkpoints_and_returns(tiny_model, tmp_path, monkeypatch, capsys, sig):
+    orig = pt.update_phase
+
+    def signalled(run, *a, **k):
+        if run.step == 1:  # during the second step
+            os.kill(os.getpid(), sig)
+        return orig(run, *a, **k)
+
+    monkeypatch.setattr(pt, "update_phase", signalled)
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "6", "--save_interval", "4"))  # returns: exit 0 from the CLI
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    err = capsys.readouterr()
+    assert f"stopped by {sig.name} after step 2" in err.out and "resume_from_checkpoint latest" in err.out
+    assert signal.getsignal(sig) is not None and signal.getsignal(sig) != pt.StopRequest._handle  # restored
+
+
+@pytest.mark.slow
+def test_kill_9_loses_at_most_the_steps_since_the_last_checkpoint(tiny_model, tmp_path):
+    """A real SIGKILL of a running `python post_train.py`; the resumed run continues from the newest complete
+    checkpoint and ends with the same metrics rows as if nothing happened."""
+    args = _args(tiny_model, tmp_path, "--max_steps", "40", "--save_interval", "2")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "post_train.py"), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not list_checkpoints(tmp_path) or list_checkpoints(tmp_path)[-1][0] < 4:
+            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before checkpoint-4"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    last = list_checkpoints(tmp_path)[-1][0]
+    done = len(read_metrics(tmp_path / "metrics.jsonl"))
+    assert last <= done <= last + 2  # at most the steps since the last checkpoint (save_interval) are lost
+    r = subprocess.run([sys.executable, str(ROOT / "post_train.py"), *_args(tiny_model, tmp_path, "--max_steps",
+                        str(last + 2), "--save_interval", "2", "--resume_from_checkpoint", "latest")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resumed from {tmp_path / f'checkpoint-{last}'} at step {last}" in r.stdout
+    steps = [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(1, last + 3))  # rows past the checkpoint were rewritten, not duplicated
