@@ -171,3 +171,28 @@ def test_convert_script_writes_a_diffusers_layout(tiny_authors_dir, tiny_pipe, t
     assert conv.sage_grpo_location.layout == "diffusers"
     a, b = conv.transformer.state_dict(), tiny_pipe.transformer.state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prebuilt_transformer_and_row_reader(tiny_diffusers_dir, tiny_authors_dir, monkeypatch):
+    """FSDP2 hooks: load_pipeline takes a built (sharded) transformer instead of loading one; the row reader returns
+    exactly a tensor's rows from the diffusers safetensors."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    from sage_grpo.models.loading import read_transformer_config, transformer_row_reader
+
+    def refuse(*a, **k):
+        raise AssertionError("the transformer must not be loaded")
+
+    monkeypatch.setattr(diffusers.HunyuanVideo15Transformer3DModel, "from_pretrained", refuse)
+    built = diffusers.HunyuanVideo15Transformer3DModel.from_config(read_transformer_config(tiny_diffusers_dir / "transformer"))
+    pipe = load_pipeline(model_path=str(tiny_diffusers_dir), dtype="fp32", transformer=built)
+    assert pipe.transformer is built and pipe.vae is not None
+    with pytest.raises(SageGRPOError, match="diffusers layout"):
+        load_pipeline(model_path=str(tiny_authors_dir), dtype="fp32", transformer=built)
+    saved = load_file(next((tiny_diffusers_dir / "transformer").glob("*.safetensors")))
+    key = "transformer_blocks.0.attn.to_q.weight"
+    with transformer_row_reader(tiny_diffusers_dir / "transformer") as read:
+        assert torch.equal(read(key, 5, 9), saved[key][5:9])
+        with pytest.raises(SageGRPOError, match="missing"):
+            read("no.such.weight", 0, 1)

@@ -51,3 +51,71 @@ def test_fsdp_step_equals_one_process(tmp_path):
         for layout, (err, scale, untouched) in r["divide"].items():
             assert err <= 1e-6 * scale, layout
             assert untouched, layout
+
+
+def _write_transformers(tmp_path) -> tuple[Path, Path, dict]:
+    """A 2-block tiny transformer saved as one bf16 file (the real checkpoints' dtype; loaded into fp32 master
+    weights) and as fp32 shards with an index json."""
+    import torch
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from sage_grpo.models.tiny import tiny_transformer_config
+
+    torch.manual_seed(0)
+    m = HunyuanVideo15Transformer3DModel(**{**tiny_transformer_config(), "num_layers": 2})
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    m.to(torch.bfloat16).save_pretrained(single)
+    m.to(torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # different weights from the single file
+    m.save_pretrained(sharded, max_shard_size="4MB")
+    assert (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    return single, sharded, tiny_transformer_config() | {"num_layers": 2}
+
+
+@pytest.mark.dist
+def test_fsdp_load_anchor_and_dcp(tmp_path):
+    import torch
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from sage_grpo.models.lora import load_dcp_transformer
+
+    single, sharded, config = _write_transformers(tmp_path)
+    ranks = _launch("fsdp_load_worker.py", tmp_path, single, sharded)
+    for r in ranks:
+        for layout in ("single", "sharded"):
+            c = r[layout]
+            # every parameter is a DTensor whose local rows equal the saved tensor's rows (cast to fp32)
+            assert c["dtensors"] and c["shards_equal"], layout
+            # each rank read only its own rows of each tensor (get_slice), never a whole tensor (get_tensor), and
+            # read every tensor of the checkpoint; its storage holds one padded shard per parameter
+            assert c["rows_only"] and c["whole_reads"] == 0 and c["storage_ok"], layout
+            assert c["keys_read"] == c["n_saved"], layout
+            # the sharded model's forward equals diffusers' from_pretrained model's (fp32)
+            assert c["fwd_diff"] <= 1e-5 * max(1.0, c["fwd_scale"]), layout
+        lo = r["lora"]
+        # LoRA on the meta model: the same parameters, values (lora_A drawn from the seeded global generator exactly
+        # as peft does in the unsharded path), trainable set and generator state afterwards
+        assert lo["names_equal"] and lo["all_equal"] and lo["a_nonzero"] and lo["trainable_equal"] and lo["rng_equal"]
+        assert lo["n_trainable"] > 0
+        assert lo["merged_equal_keys"] and lo["merged_diff"] <= 1e-6
+        a = r["anchor"]
+        # built and refreshed shard to shard: no collective, same storage, equal to the policy after refresh
+        assert a["refresh_collectives"] == 0 and a["init_collectives"] == 0 and a["lora_collectives"] == 0
+        assert a["equal_init"] and a["stale"] and a["equal_after"] and a["same_storage"] and a["frozen"]
+        assert a["fwd_diff"] == 0.0
+        assert a["lora_sharded"]
+        d = r["dcp"]
+        # saved on 2 ranks, loaded on 2 ranks: shards and optimizer state (ShardedMuon + AdamW) exact, and the next
+        # update equals the uninterrupted run's
+        assert d["model_equal"] and d["optim_equal"] and d["next_step_equal"] and d["muon_class"] == "ShardedMuon"
+    # the 2-rank checkpoint loads in one process (no process group), as generate.py --checkpoint_path does
+    whole = torch.load(tmp_path / "full_after_step.pt")
+    m = HunyuanVideo15Transformer3DModel(**config)
+    load_dcp_transformer(m, tmp_path / "ckpt" / "transformer")
+    got = m.state_dict()
+    assert sorted(got) == sorted(whole)
+    assert all(torch.equal(got[k], whole[k]) for k in whole)

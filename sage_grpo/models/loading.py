@@ -37,6 +37,8 @@ __all__ = [
     "load_pipeline",
     "apply_text_lengths",
     "freeze",
+    "read_transformer_config",
+    "transformer_row_reader",
 ]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -160,12 +162,14 @@ def load_pipeline(
     vae_dtype: str | torch.dtype | None = None,
     load_text_encoders: bool = True,
     device: str | torch.device = "cpu",
+    transformer: torch.nn.Module | None = None,
 ):
     """-> diffusers.HunyuanVideo15Pipeline with every part frozen except the transformer (trainable, train mode off).
 
     dtype: frozen parts (text encoders; the VAE unless vae_dtype). transformer_dtype: the policy weights (e.g. fp32
     master weights with bf16 autocast; default = dtype). load_text_encoders=False leaves them None (prompt
-    embeddings all cached on disk).
+    embeddings all cached on disk). transformer: an already built transformer (FSDP2: the sharded one from
+    sage_grpo.parallel.fsdp.load_sharded_transformer) used instead of loading the whole one; it is not moved.
     """
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
 
@@ -173,14 +177,19 @@ def load_pipeline(
     dt = resolve_dtype(dtype)
     tdt = resolve_dtype(transformer_dtype) if transformer_dtype is not None else dt
     vdt = resolve_dtype(vae_dtype) if vae_dtype is not None else dt
+    if transformer is not None and loc.layout != "diffusers":
+        raise SageGRPOError("sharded (FSDP2) loading reads the diffusers layout; convert the authors' transformer "
+                            "with sage_grpo.models.convert, or use --model_path of a diffusers-layout checkpoint")
     if loc.layout == "diffusers":
-        parts = _load_diffusers_parts(loc.root, tdt, vdt, dt, load_text_encoders)
+        parts = _load_diffusers_parts(loc.root, tdt, vdt, dt, load_text_encoders, load_transformer=transformer is None)
     else:
         from sage_grpo.models.authors_layout import load_authors_parts
 
         parts = load_authors_parts(loc.root, loc.version, tdt, vdt, dt, load_text_encoders)
     from sage_grpo.models.attention import use_valid_token_attention
 
+    if transformer is not None:
+        parts["transformer"] = transformer
     use_valid_token_attention(parts["transformer"])  # attention over valid tokens only (no dense [B,1,S,S] mask)
     scheduler_dir = loc.root / "scheduler"
     if (scheduler_dir / "scheduler_config.json").is_file():
@@ -193,17 +202,22 @@ def load_pipeline(
     apply_text_lengths(pipe, read_text_lengths(loc.root))
     freeze(pipe.vae, pipe.text_encoder, pipe.text_encoder_2)
     pipe.transformer.eval()
-    pipe.to(device)
+    for part in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+        if part is not None:
+            part.to(device)
+    if transformer is None:
+        pipe.transformer.to(device)  # a sharded transformer already sits where its shards belong (device or offload)
     pipe.sage_grpo_location = loc  # for provenance (generate.py's config dump, the text cache identity)
     return pipe
 
 
-def _load_diffusers_parts(root: Path, tdt, vdt, dt, load_text_encoders: bool) -> dict:
+def _load_diffusers_parts(root: Path, tdt, vdt, dt, load_text_encoders: bool, load_transformer: bool = True) -> dict:
     from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
     from transformers import AutoTokenizer, ByT5Tokenizer, Qwen2_5_VLTextModel, T5EncoderModel
 
     parts = dict(
-        transformer=HunyuanVideo15Transformer3DModel.from_pretrained(root / "transformer", torch_dtype=tdt),
+        transformer=HunyuanVideo15Transformer3DModel.from_pretrained(root / "transformer", torch_dtype=tdt)
+        if load_transformer else None,
         vae=AutoencoderKLHunyuanVideo15.from_pretrained(root / "vae", torch_dtype=vdt),
         tokenizer=AutoTokenizer.from_pretrained(os.fspath(root / "tokenizer")),
         tokenizer_2=ByT5Tokenizer.from_pretrained(os.fspath(root / "tokenizer_2")),
@@ -214,3 +228,65 @@ def _load_diffusers_parts(root: Path, tdt, vdt, dt, load_text_encoders: bool) ->
         parts["text_encoder"] = Qwen2_5_VLTextModel.from_pretrained(os.fspath(root / "text_encoder"), dtype=dt)
         parts["text_encoder_2"] = T5EncoderModel.from_pretrained(os.fspath(root / "text_encoder_2"), dtype=dt)
     return parts
+
+
+# ------------------------------------------------------------------------------------------------ sharded loading
+# FSDP2 (sage_grpo.parallel.fsdp.load_sharded_transformer) builds the transformer on the meta device and reads only
+# each rank's rows of every tensor, so no rank ever holds the whole model in host memory.
+
+_ST_SINGLE = "diffusion_pytorch_model.safetensors"
+_ST_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def read_transformer_config(transformer_dir: str | Path) -> dict:
+    """The diffusers config.json of a `transformer/` directory (what from_config takes)."""
+    f = Path(transformer_dir) / "config.json"
+    if not f.is_file():
+        raise SageGRPOError(f"{f} is missing: sharded loading needs a diffusers-layout transformer/ directory")
+    return json.loads(f.read_text())
+
+
+class transformer_row_reader:
+    """Context manager -> reader(key, start, stop): rows [start, stop) of one tensor of a diffusers transformer
+    directory (one safetensors file, or shards listed in diffusion_pytorch_model.safetensors.index.json).
+
+    Uses `safe_open(...).get_slice(key)[start:stop]`, which reads only those rows from the memory-mapped file: a
+    rank's peak is its own rows of one tensor, not the tensor and not the model. 0-d tensors are read whole.
+    """
+
+    def __init__(self, transformer_dir: str | Path):
+        d = Path(transformer_dir)
+        if (d / _ST_INDEX).is_file():
+            self.where = {k: d / f for k, f in json.loads((d / _ST_INDEX).read_text())["weight_map"].items()}
+        elif (d / _ST_SINGLE).is_file():
+            self.where = None
+            self.single = d / _ST_SINGLE
+        else:
+            raise SageGRPOError(f"no {_ST_SINGLE} or {_ST_INDEX} in {d} (sharded loading reads diffusers safetensors)")
+        self._open: dict[Path, object] = {}
+
+    def _file(self, key: str):
+        from safetensors import safe_open
+
+        path = self.single if self.where is None else self.where.get(key)
+        if path is None:
+            raise SageGRPOError(f"tensor {key!r} is not in the checkpoint index")
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt", device="cpu")
+        return self._open[path]
+
+    def __call__(self, key: str, start: int, stop: int) -> torch.Tensor:
+        f = self._file(key)
+        if key not in f.keys():
+            raise SageGRPOError(f"tensor {key!r} is missing from the checkpoint")
+        sl = f.get_slice(key)
+        if len(sl.get_shape()) == 0:
+            return sl[...]
+        return sl[start:stop]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._open.clear()
+        return False
