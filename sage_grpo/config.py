@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from .errors import SageGRPOError
-from .sde import CPS_LOGPROB_MODES, LOGPROB_REDUCTIONS, SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule
+from .sde import CPS_LOGPROB_MODES, SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule
 
 __all__ = [
     "ModelConfig",
@@ -122,7 +122,6 @@ class RolloutConfig:
     width: int = opt(624, "Rollout video width in pixels (multiple of 16).")
     use_same_noise: bool = opt(False, "One initial noise per group (the G rollouts of a prompt differ only by SDE noise).")
     video_fps: int = opt(24, "Frame rate of decoded videos (rewards sample frames relative to it; mp4 files use it).")
-    logprob_reduction: str = opt("mean", "Log-prob reduction over latent elements: mean (peer-compatible) or sum (as (sum, count) for sequence-parallel shards; all-reduced before dividing).", LOGPROB_REDUCTIONS)
     cps_logprob: str = opt("peer", "cps log-prob: peer = -(x' - mean)^2 averaged (what every CPS implementation uses), normalized = Gaussian log-density.", CPS_LOGPROB_MODES)
     sage_sigma_clamp: float = opt(SAGE_SIGMA_CLAMP, "sage_grpo clamps sigma_t to at most this value inside the log so that the first step stays finite (paper App. A.3).")
 

@@ -30,19 +30,20 @@ Where each number comes from
 - Reward forward, text-encoder forward, no-grad working sets, backward working set, CUDA context: estimates, marked
   `est` in the table; not measured on a GPU.
 
-Sharding model (FSDP2, sage_grpo/parallel/dist.py): parameters, gradients, optimizer state and the full-fine-tuning
-anchor are sharded over dp_shard * sp ranks (HSDP replicates that over dp_replicate); a forward holds two unsharded
-blocks (current + prefetch) in `--fsdp_param_dtype` (a MixedPrecisionPolicy's param_dtype; default the compute dtype),
-the backward one block's unsharded fp32 gradient. Without FSDP every rank holds everything, and bf16 autocast over fp32
-master weights caches a bf16 copy of every trainable weight for the duration of a forward. (post_train.wrap_model does
-not wrap with FSDP2 yet: until it does, plan with --enable_fsdp False to see what a launch does today.)
+Sharding model (FSDP2, sage_grpo/parallel/fsdp.py): parameters, gradients, optimizer state and the full-fine-tuning
+anchor are sharded over dp_shard * sp ranks (HSDP replicates that over dp_replicate). A forward holds two unsharded
+blocks (current + prefetch) and the root unit (embedders, refiner, output layer) in `--fsdp_param_dtype`
+(MixedPrecisionPolicy(param_dtype=--dtype, reduce_dtype=fp32)), the backward one block's unsharded fp32 gradient.
+Without FSDP every rank holds everything, and bf16 autocast over fp32 master weights caches a bf16 copy of every
+trainable weight for the duration of a forward. post_train.wrap_model did not call the FSDP2 sharding yet when this
+was written: until it does, plan with --enable_fsdp False to see what a launch does.
 Ulysses sequence parallelism splits the video tokens over sp ranks; the text tokens are replicated on every sp rank
 except inside attention (after the all-to-all each rank holds all tokens for heads / sp).
 
 Phases (peak = the largest): encode (text encoders resident), rollout (no-grad forwards), decode + reward, anchor
-(no-grad forwards of the anchor, which is on the GPU only then when offloaded) and update (forward + backward of one
-micro-batch). Gradients are resident only in the update, except with gradient accumulation > 1, where they persist
-across rounds.
+(no-grad forwards of the anchor: offloaded under FSDP2 only its gathered blocks come to the GPU; without FSDP the
+whole anchor does), update (forward + backward of one micro-batch) and the optimizer step (ShardedMuon's gathers).
+Gradients are resident from the update to the optimizer step, and across rounds with gradient accumulation > 1.
 """
 
 from __future__ import annotations
@@ -277,7 +278,9 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         anchor = total * mw / shard
     anchor_offloaded = uses_pos and not m.use_lora and cfg.kl.reference_mode_offload
     t["anchor (resident)"] = 0.0 if anchor_offloaded else anchor
-    t["anchor (on GPU in its phase)"] = anchor
+    # Offloaded under FSDP2 (parallel/fsdp.ShardedAnchor, CPUOffloadPolicy): only the gathered blocks of its forward
+    # come to the GPU (counted in "unsharded blocks"); without FSDP post_train moves the whole anchor in for its phase.
+    t["anchor (on GPU in its phase)"] = 0.0 if (anchor_offloaded and p.enable_fsdp) else anchor
     t["vae weights"] = frozen["vae"] * e
     te_bytes = (frozen["text_encoder"] + frozen["byt5"]) * e
     t["text encoders before offload"] = te_bytes
@@ -289,8 +292,9 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         TEXT_LEN_MLLM + TEXT_LEN_BYT5) * e
     t["trajectory"] = B * ((T + 1) * lat * 4 + T * 4 + cond * cfg_mult)  # fp32 latents, log-probs, cond (+uncond)
     block_params = counts["per_block"] + (trainable / L if m.use_lora else 0)
-    if p.enable_fsdp:
-        t["unsharded blocks (fwd)"] = 2 * block_params * gathered
+    root_params = total - L * counts["per_block"]  # embedders, refiner, norm_out / proj_out (+ LoRA outside blocks)
+    if p.enable_fsdp:  # two blocks (current + prefetch) and the root unit, gathered in the compute dtype
+        t["unsharded blocks (fwd)"] = (2 * block_params + root_params) * gathered
         t["unsharded block grad (bwd)"] = block_params * 4 if not m.use_lora else trainable / L * 4
     else:
         t["unsharded blocks (fwd)"] = trainable * e if autocast else 0.0  # autocast's cached bf16 weight copies
@@ -310,6 +314,10 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t["text encoder forward (est)"] = ENCODE_GIB * GIB
     t["overhead (est)"] = opts.overhead_gib * GIB
 
+    # ShardedMuon (parallel/muon.py): each rank gathers the whole matrices it owns in bf16 and orthogonalises them
+    # (estimate: the gathered updates + Newton-Schulz workspace ~ 2x); plain torch Muon without FSDP works in place.
+    muon_gather = 2 * (muon if o.use_muon else 0) * 2 / shard if p.enable_fsdp and shard > 1 else 0.0
+    t["muon gather + Newton-Schulz (est)"] = muon_gather
     accum = o.gradient_accumulation_steps > 1
     grads_idle = t["gradients"] if accum else 0.0
     base = t["policy weights"] + t["optimizer state"] + t["anchor (resident)"] + t["vae weights"] + t[
@@ -324,6 +332,8 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         + t["trajectory"] + t["unsharded blocks (fwd)"] + t["no-grad working set (est)"] + grads_idle,
         "update": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
         + t["unsharded blocks (fwd)"] + t["unsharded block grad (bwd)"] + t["activations (update)"],
+        "optimizer step": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
+        + t["muon gather + Newton-Schulz (est)"],
     }
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]

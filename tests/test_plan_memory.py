@@ -97,11 +97,12 @@ def _cfg(path="configs/single_node_8gpu.yaml", **over) -> Config:
 def test_sharding_arithmetic(counts):
     c, frozen = counts
     run = lambda cfg, world: pm.plan(cfg, pm.PlanOptions(world_size=world), c, frozen)["terms_gib"]  # noqa: E731
-    a, b = run(_cfg(), 8), run(_cfg(), 16)  # sp 2: dp_shard 4 -> 8
-    for k in ("policy weights", "gradients", "optimizer state", "anchor (on GPU in its phase)"):
+    a, b = run(_cfg(reference_mode_offload=False), 8), run(_cfg(reference_mode_offload=False), 16)  # dp_shard 4 -> 8
+    for k in ("policy weights", "gradients", "optimizer state", "anchor (resident)", "muon gather + Newton-Schulz (est)"):
         assert b[k] == pytest.approx(a[k] / 2), k
     for k in ("vae weights", "reward model", "trajectory", "activations (update)"):
         assert b[k] == pytest.approx(a[k]), k
+    assert a["anchor (resident)"] == pytest.approx(a["policy weights"])
     h = run(_cfg(dp_replicate=2), 16)  # HSDP: replicate 2 x shard 4 -> the 8-GPU shard size
     assert h["policy weights"] == pytest.approx(a["policy weights"])
     full = run(_cfg(enable_fsdp=False), 8)
@@ -119,8 +120,12 @@ def test_offload_checkpointing_and_accumulation(counts):
     base = run(_cfg())
     assert base["terms_gib"]["anchor (resident)"] == 0 and base["terms_gib"]["text encoders after offload"] == 0
     resident = run(_cfg(reference_mode_offload=False))
+    assert resident["terms_gib"]["anchor (resident)"] == pytest.approx(base["terms_gib"]["policy weights"])
     assert resident["phases_gib"]["rollout"] == pytest.approx(
-        base["phases_gib"]["rollout"] + base["terms_gib"]["anchor (on GPU in its phase)"])
+        base["phases_gib"]["rollout"] + resident["terms_gib"]["anchor (resident)"])
+    # without FSDP the offloaded anchor comes to the GPU whole for its phase
+    assert run(_cfg(enable_fsdp=False))["terms_gib"]["anchor (on GPU in its phase)"] == pytest.approx(
+        8 * base["terms_gib"]["policy weights"])
     no_ckpt = run(_cfg(enable_gradient_checkpointing=False))
     assert no_ckpt["terms_gib"]["activations (update)"] > 10 * base["terms_gib"]["activations (update)"]
     assert not no_ckpt["fits"] and base["fits"]
