@@ -53,7 +53,6 @@ class SamplerSettings:
     num_steps: int = 20  # T
     shift: float = 5.0
     cfg_scale: float = 6.0  # 1 = no CFG (a single forward of N)
-    logprob_reduction: str = "mean"
     cps_logprob: str = "peer"
     sage_clamp: float = SAGE_SIGMA_CLAMP
     compute_dtype: torch.dtype | None = None  # transformer inputs; None = the transformer's parameter dtype
@@ -80,7 +79,6 @@ class SamplerSettings:
             num_steps=r.grpo_sampling_steps,
             shift=r.flow_shift,
             cfg_scale=r.cfg_scale,
-            logprob_reduction=r.logprob_reduction,
             cps_logprob=r.cps_logprob,
             sage_clamp=r.sage_sigma_clamp,
             compute_dtype=torch_dtype(m.dtype),
@@ -196,7 +194,7 @@ def _step(settings: SamplerSettings, v: Tensor, x: Tensor, sigmas: Tensor, steps
     """sde_step at per-sample diffusion indices `steps` [B]."""
     return sde_step(
         settings.sde_type, v, x, sigmas[steps], sigmas[steps + 1], settings.eta,
-        sigma_max=float(sigmas[1]), logprob_reduction=settings.logprob_reduction,
+        sigma_max=float(sigmas[1]),
         cps_logprob=settings.cps_logprob, sage_clamp=settings.sage_clamp, **kw,
     )
 

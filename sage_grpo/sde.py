@@ -29,7 +29,6 @@ from .errors import SageGRPOError
 __all__ = [
     "SAGE_SIGMA_CLAMP",
     "SAMPLERS",
-    "LOGPROB_REDUCTIONS",
     "CPS_LOGPROB_MODES",
     "SDEStepOutput",
     "check_sampler",
@@ -45,7 +44,6 @@ __all__ = [
 SAGE_SIGMA_CLAMP = 1.0 - 3e-3
 
 SAMPLERS = ("ode", "dance_grpo", "flow_grpo", "sage_grpo", "cps")
-LOGPROB_REDUCTIONS = ("mean", "sum")
 # "peer": -(x' - mean)^2 averaged, as every CPS implementation does; "normalized": the full Gaussian log-density.
 CPS_LOGPROB_MODES = ("peer", "normalized")
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -63,10 +61,9 @@ class SDEStepOutput:
     """Result of one step. B = batch size."""
 
     prev_sample: Tensor  # [B, ...] x_{t+1}, in the dtype of the input sample (the storage dtype)
-    log_prob: Tensor  # [B] fp32: mean over non-batch elements, or their sum with reduction="sum"
+    log_prob: Tensor  # [B] fp32: mean over non-batch elements
     mean: Tensor  # [B, ...] fp32 mean of x_{t+1} given x_t
     std: Tensor  # [B] fp32 sqrt(V_t), one value per sample
-    log_prob_count: int  # non-batch elements per sample that `log_prob` reduced over
 
 
 def _as_batch_tensor(value: float | Tensor, batch: int, device: torch.device) -> Tensor:
@@ -266,7 +263,6 @@ def sde_step(
     prev_sample: Tensor | None = None,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     noise: Tensor | None = None,
-    logprob_reduction: str = "mean",
     cps_logprob: str = "peer",
     sage_clamp: float = SAGE_SIGMA_CLAMP,
 ) -> SDEStepOutput:
@@ -278,13 +274,11 @@ def sde_step(
 
     sigma / sigma_next: Python floats or per-sample tensors [B]. Latents: [B, C, H, W] or [B, C, F, H, W].
     sigma_max: the schedule's second value, used by flow_grpo where sigma = 1.
-    logprob_reduction: "mean" over non-batch elements (peer-compatible) or "sum" (with `log_prob_count`, for
-    sequence-parallel shards that all-reduce sum and count before dividing).
+    The log-prob is the mean over the non-batch elements, as every peer's (under sequence parallelism every rank
+    holds the full velocity, so there is no sharded reduction).
     cps_logprob: "peer" (-(x' - mean)^2, what every CPS implementation uses) or "normalized" (Gaussian density).
     """
     check_sampler(sde_type)
-    if logprob_reduction not in LOGPROB_REDUCTIONS:
-        raise ValueError(f"logprob_reduction must be one of {LOGPROB_REDUCTIONS}, got {logprob_reduction!r}")
     if cps_logprob not in CPS_LOGPROB_MODES:
         raise ValueError(f"cps_logprob must be one of {CPS_LOGPROB_MODES}, got {cps_logprob!r}")
     if sample.ndim < 2:
@@ -319,8 +313,5 @@ def sde_step(
         elementwise = -((x_next - mean) ** 2)
     else:
         elementwise = gaussian_log_prob(x_next, mean, vb)
-    count = elementwise[0].numel()
-    log_prob = elementwise.reshape(batch, -1).sum(dim=1)  # [B]
-    if logprob_reduction == "mean":
-        log_prob = log_prob / count
-    return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std, log_prob_count=count)
+    log_prob = elementwise.reshape(batch, -1).sum(dim=1) / elementwise[0].numel()  # [B]
+    return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)

@@ -254,30 +254,12 @@ def test_per_sample_generators_are_reproducible_and_independent_of_batch():
         sde_step("sage_grpo", v, x, 0.8, 0.7, 0.5, generator=gens[:1])
 
 
-def test_sum_reduction_gives_sum_and_count():
-    g = torch.Generator().manual_seed(5)
-    x, v = torch.randn(2, 3, 4, 5, generator=g), torch.randn(2, 3, 4, 5, generator=g)
-    noise = torch.randn(2, 3, 4, 5, generator=g)
-    m = sde_step("flow_grpo", v, x, 0.5, 0.4, 0.5, noise=noise)
-    s = sde_step("flow_grpo", v, x, 0.5, 0.4, 0.5, noise=noise, logprob_reduction="sum")
-    assert s.log_prob_count == m.log_prob_count == 60
-    torch.testing.assert_close(s.log_prob / s.log_prob_count, m.log_prob)
-    # Two shards of the token axis reduce as (sum, count): the combined mean equals the unsharded mean.
-    a = sde_step("flow_grpo", v[..., :2], x[..., :2], 0.5, 0.4, 0.5, prev_sample=m.prev_sample[..., :2],
-                 logprob_reduction="sum")
-    b = sde_step("flow_grpo", v[..., 2:], x[..., 2:], 0.5, 0.4, 0.5, prev_sample=m.prev_sample[..., 2:],
-                 logprob_reduction="sum")
-    torch.testing.assert_close((a.log_prob + b.log_prob) / (a.log_prob_count + b.log_prob_count), m.log_prob)
-
-
 def test_errors_name_valid_choices():
     assert check_sampler("cps") == "cps"
     with pytest.raises(ValueError, match="valid samplers: " + ", ".join(SAMPLERS)):
         sde_step("grpo", torch.zeros(1, 2), torch.zeros(1, 2), 0.5, 0.4, 0.5)
     with pytest.raises(ValueError, match="sigma_max"):
         sde_step("flow_grpo", torch.zeros(1, 2), torch.zeros(1, 2), 1.0, 0.9, 0.5)
-    with pytest.raises(ValueError, match="logprob_reduction"):
-        sde_step("sage_grpo", torch.zeros(1, 2), torch.zeros(1, 2), 0.5, 0.4, 0.5, logprob_reduction="max")
     with pytest.raises(ValueError, match="cps_logprob"):
         sde_step("cps", torch.zeros(1, 2), torch.zeros(1, 2), 0.5, 0.4, 0.5, cps_logprob="x")
 
