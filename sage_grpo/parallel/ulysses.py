@@ -75,6 +75,10 @@ def shard_tokens(x: torch.Tensor, sp: int, rank: int, dim: int = 1) -> torch.Ten
 
 # ---- collectives with the backward that the "sum over sp" gradient convention needs ----
 
+# torch 2.13 renamed these (the old names warn); torch 2.11 has only the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """[B, S_loc, H, d] (my tokens, all heads) -> [B, P*S_loc, H/P, d] (all tokens in rank order, my heads)."""
     p = dist.get_world_size(group)
@@ -129,7 +133,7 @@ class _GatherHeads(torch.autograd.Function):
         p = dist.get_world_size(group)
         xt = x.permute(2, 0, 1, 3).contiguous()  # [H/P, B, T, d]
         out = xt.new_empty(p * xt.shape[0], *xt.shape[1:])  # [H, B, T, d], head group j from rank j
-        dist.all_gather_into_tensor(out, xt, group=group)
+        _all_gather(out, xt, group=group)
         return out.permute(1, 2, 0, 3)
 
     @staticmethod
@@ -137,7 +141,7 @@ class _GatherHeads(torch.autograd.Function):
         p = dist.get_world_size(ctx.group)
         gt = g.permute(2, 0, 1, 3).contiguous()  # [H, B, T, d]
         out = gt.new_empty(gt.shape[0] // p, *gt.shape[1:])  # [H/P, B, T, d]
-        dist.reduce_scatter_tensor(out, gt, op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter(out, gt, op=dist.ReduceOp.SUM, group=ctx.group)
         return out.permute(1, 2, 0, 3), None
 
 
@@ -151,7 +155,7 @@ class _GatherTokens(torch.autograd.Function):
         p = dist.get_world_size(group)
         xt = x.transpose(0, 1).contiguous()  # [S_loc, B, C]
         out = xt.new_empty(p * xt.shape[0], *xt.shape[1:])  # [P*S_loc, B, C]
-        dist.all_gather_into_tensor(out, xt, group=group)
+        _all_gather(out, xt, group=group)
         return out.transpose(0, 1)
 
     @staticmethod
