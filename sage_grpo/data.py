@@ -33,8 +33,19 @@ def _int_field(value, what: str, where: str) -> int | None:
 def read_prompts(path: str | Path) -> list[PromptRecord]:
     """Read a prompt file -> records (empty lines / empty prompts are an error in csv/jsonl, skipped in txt)."""
     path = Path(path)
+    if path.is_dir():
+        raise SageGRPOError(f"prompt file {path} is a folder; give a .csv, .txt or .jsonl file")
     if not path.is_file():
         raise SageGRPOError(f"prompt file not found: {path}")
+    try:
+        return _records(path, _rows(path))
+    except UnicodeDecodeError as e:
+        raise SageGRPOError(f"{path} is not UTF-8 text (byte {e.start}); save the prompt file as UTF-8") from None
+    except OSError as e:
+        raise SageGRPOError(f"prompt file {path} cannot be read ({e.strerror or e})") from None
+
+
+def _rows(path: Path) -> list[dict]:
     suffix = path.suffix.lower()
     rows: list[dict] = []
     if suffix == ".txt":
@@ -43,7 +54,9 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     elif suffix == ".csv":
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
-            if reader.fieldnames is None or "prompt" not in reader.fieldnames:
+            if reader.fieldnames is None:
+                raise SageGRPOError(f"{path}: empty file; a prompt CSV needs a header with a `prompt` column")
+            if "prompt" not in reader.fieldnames:
                 raise SageGRPOError(f"{path}: a prompt CSV needs a header with a `prompt` column, got {reader.fieldnames}")
             rows = list(reader)
     elif suffix == ".jsonl":
@@ -59,6 +72,10 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
             rows.append(obj)
     else:
         raise SageGRPOError(f"{path}: unsupported prompt file type {suffix!r}; use .csv (column `prompt`), .txt or .jsonl")
+    return rows
+
+
+def _records(path: Path, rows: list[dict]) -> list[PromptRecord]:
     records = []
     for n, row in enumerate(rows):
         where = f"{path} (prompt {n + 1})"

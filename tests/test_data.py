@@ -26,14 +26,24 @@ def test_formats(tmp_path):
         ("e.jsonl", '["a"]\n', "`prompt` field"),
         ("f.parquet", "x", "unsupported"),
         ("g.txt", "\n\n", "no prompts"),
+        ("h.csv", "", "empty file"),
+        ("i.jsonl", "\n", "no prompts"),
+        ("j.txt", b"\xff\xfe a cat", "not UTF-8 text .byte 0.; save the prompt file as UTF-8"),
+        ("k.csv", b"prompt\n\x80\n", "not UTF-8 text"),
     ],
 )
 def test_errors(tmp_path, name, text, match):
-    (tmp_path / name).write_text(text)
+    if isinstance(text, bytes):
+        (tmp_path / name).write_bytes(text)
+    else:
+        (tmp_path / name).write_text(text)
     with pytest.raises(SageGRPOError, match=match):
         read_prompts(tmp_path / name)
     with pytest.raises(SageGRPOError, match="not found"):
         read_prompts(tmp_path / "missing.csv")
+    (tmp_path / "folder.txt").mkdir()
+    with pytest.raises(SageGRPOError, match="is a folder"):
+        read_prompts(tmp_path / "folder.txt")
 
 
 def test_group_sampler_layout_epochs_and_resume():
@@ -57,3 +67,20 @@ def test_group_sampler_layout_epochs_and_resume():
     assert [a.next_step() for _ in range(4)] == [b.next_step() for _ in range(4)]
     c = GroupSampler(5, batch_size=2, num_generations=4, dp_size=4, seed=2)
     assert [c.next_step() for _ in range(3)] != steps[:3]
+
+
+def test_an_unreadable_prompt_file_is_one_message(tmp_path, monkeypatch):
+    """Permissions cannot be taken away from root (CI), so the read itself fails as it would without them."""
+    import errno
+    import os
+    from pathlib import Path
+
+    p = tmp_path / "p.txt"
+    p.write_text("a cat\n")
+
+    def denied(self, *a, **k):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(SageGRPOError, match=r"p.txt cannot be read \(Permission denied\)"):
+        read_prompts(p)
