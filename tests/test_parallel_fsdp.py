@@ -102,12 +102,16 @@ def test_fsdp_load_anchor_and_dcp(tmp_path):
         assert lo["names_equal"] and lo["all_equal"] and lo["a_nonzero"] and lo["trainable_equal"] and lo["rng_equal"]
         assert lo["n_trainable"] > 0
         assert lo["merged_equal_keys"] and lo["merged_diff"] <= 1e-6
+        # the adapter gathered from shards equals the unsharded adapter; a save_lora file loads back row by row
+        assert lo["gathered_equal"] and lo["reload_equal"]
         a = r["anchor"]
         # built and refreshed shard to shard: no collective, same storage, equal to the policy after refresh
         assert a["refresh_collectives"] == 0 and a["init_collectives"] == 0 and a["lora_collectives"] == 0
         assert a["equal_init"] and a["stale"] and a["equal_after"] and a["same_storage"] and a["frozen"]
         assert a["fwd_diff"] == 0.0
         assert a["lora_sharded"]
+        # offloaded anchor: shards on the CPU, bf16 forward identical to the policy's
+        assert a["offload_fwd_equal"] and a["offload_on_cpu"]
         d = r["dcp"]
         # saved on 2 ranks, loaded on 2 ranks: shards and optimizer state (ShardedMuon + AdamW) exact, and the next
         # update equals the uninterrupted run's

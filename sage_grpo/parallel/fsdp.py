@@ -46,6 +46,11 @@ __all__ = [
     "model_state_dict",
     "load_model_state_dict",
     "full_state_dict",
+    "gather_full",
+    "copy_full_into_shards_",
+    "sharded_lora_state",
+    "load_lora_sharded",
+    "clone_local_shards",
 ]
 
 # ModuleLists whose entries are the FSDP2 units (attribute paths inside HunyuanVideo15Transformer3DModel).
@@ -286,6 +291,57 @@ def clone_local_shards(params: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------------ state dicts
+
+
+def gather_full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{name: whole tensor} of (possibly DTensor) tensors: collective, every rank must call it. For SMALL sets only
+    (LoRA adapters, the anchor's adapter set) that rank 0 then writes with safetensors."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in tensors.items()}
+
+
+@torch.no_grad()
+def copy_full_into_shards_(params: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> None:
+    """params[k] <- full[k], each rank copying only its own rows into its shard (no collective)."""
+    from torch.distributed.tensor import DTensor
+
+    for k, p in params.items():
+        src = full[k]
+        if isinstance(p, DTensor):
+            start, n = local_rows(p)
+            p.to_local().copy_(src[start : start + n].to(p.dtype))
+        else:
+            p.copy_(src)
+
+
+def sharded_lora_state(transformer) -> dict[str, torch.Tensor]:
+    """The adapter in peft's key layout (what sage_grpo.models.lora.save_lora writes), gathered whole on every
+    rank (collective; the adapter is small)."""
+    from sage_grpo.models.lora import ADAPTER_NAME, adapter_parameters
+
+    return gather_full({n.replace(f".{ADAPTER_NAME}.", "."): p for n, p in adapter_parameters(transformer).items()})
+
+
+def load_lora_sharded(transformer, path) -> None:
+    """`load_lora` for an FSDP2 model: every rank reads the adapter file and copies its own rows (no collective)."""
+    from safetensors.torch import load_file
+
+    from sage_grpo.errors import SageGRPOError
+    from sage_grpo.models.lora import ADAPTER_FILE, ADAPTER_NAME, adapter_parameters
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / ADAPTER_FILE
+    if not path.is_file():
+        raise SageGRPOError(f"LoRA adapter not found: {path}")
+    state = load_file(path)
+    for prefix in ("base_model.model.", "transformer."):
+        state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    params = {n.replace(f".{ADAPTER_NAME}.", "."): p for n, p in adapter_parameters(transformer).items()}
+    if sorted(params) != sorted(state):
+        raise SageGRPOError(f"LoRA adapter {path} does not fit the model (check --lora_r / --lora_target_modules)")
+    copy_full_into_shards_(params, state)
 
 
 def model_state_dict(model: nn.Module) -> dict:

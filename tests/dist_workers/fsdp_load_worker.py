@@ -29,7 +29,13 @@ from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
 from sage_grpo.checkpoint import dcp_load, dcp_save  # noqa: E402
 from sage_grpo.models.attention import use_valid_token_attention  # noqa: E402
-from sage_grpo.models.lora import adapter_parameters, merged_state_dict, setup_trainable  # noqa: E402
+from sage_grpo.models.lora import (  # noqa: E402
+    adapter_parameters,
+    lora_state_dict,
+    merged_state_dict,
+    save_lora,
+    setup_trainable,
+)
 from sage_grpo.optim import build_optimizer  # noqa: E402
 from sage_grpo.parallel.dist import init_distributed  # noqa: E402
 from sage_grpo.parallel.fsdp import (  # noqa: E402
@@ -37,8 +43,10 @@ from sage_grpo.parallel.fsdp import (  # noqa: E402
     clone_local_shards,
     copy_local_shards_,
     full_state_dict,
+    load_lora_sharded,
     load_sharded_transformer,
     local_rows,
+    sharded_lora_state,
 )
 
 out_dir, single_dir, sharded_dir = (Path(a) for a in sys.argv[1:4])
@@ -176,6 +184,18 @@ with torch.no_grad():
     merged_ref = merged_state_dict(lref)
 res["lora"]["merged_equal_keys"] = sorted(merged) == sorted(merged_ref)
 res["lora"]["merged_diff"] = max(float((full(v) - merged_ref[k]).abs().max()) for k, v in merged.items())
+# LoRA checkpoint under FSDP2: gathered on every rank (small), written by rank 0 as save_lora does, read back by a
+# fresh sharded model row by row
+gathered = sharded_lora_state(lmodel)
+want = lora_state_dict(lref)
+res["lora"]["gathered_equal"] = sorted(gathered) == sorted(want) and all(torch.equal(gathered[k], want[k]) for k in want)
+if rank == 0:
+    save_lora(lref, out_dir / "lora")  # the unsharded writer: the file format the sharded reader must take
+dist.barrier()
+lmodel2, _ = load_sharded_transformer(single_dir, info, master_dtype=FP32, param_dtype=FP32, lora=LORA)
+load_lora_sharded(lmodel2, out_dir / "lora")
+res["lora"]["reload_equal"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in
+                                  zip(adapter_parameters(lmodel2).values(), adapter_parameters(lmodel).values()))
 
 
 # --- anchor: frozen sharded copy, refreshed shard to shard with no collective -------------------------------------
@@ -228,6 +248,14 @@ res["anchor"] = dict(
 )
 with torch.no_grad():
     res["anchor"]["fwd_diff"] = float((anchor.module(**inputs(1))[0] - policy(**inputs(1))[0]).abs().max())
+# offloaded anchor (FSDP2 CPUOffloadPolicy), bf16 compute over fp32 master shards: forward equals the policy's
+pol16, _ = load_sharded_transformer(single_dir, info, master_dtype=FP32, param_dtype=torch.bfloat16,
+                                    lora={"use_lora": False})
+off = ShardedAnchor(pol16, info, param_dtype=torch.bfloat16, offload=True)
+with torch.no_grad():
+    y_off, y_pol = off.module(**inputs(1))[0], pol16(**inputs(1))[0]
+res["anchor"]["offload_fwd_equal"] = y_off.dtype == torch.bfloat16 and torch.equal(y_off, y_pol)
+res["anchor"]["offload_on_cpu"] = all(p.device.type == "cpu" for p in off.module.parameters())
 # LoRA moving anchor: the second adapter set is cloned and copied back shard by shard, also collective-free
 with NoCollectives() as nc:
     second = clone_local_shards(adapter_parameters(lmodel))
