@@ -23,6 +23,24 @@ its shards plus one tensor's rows, never the whole model.
 Anchor (`ShardedAnchor`): a frozen copy built the same way and sharded identically; `refresh` copies local shard
 to local shard (no collective, no rank ever holds a full tensor). Optional CPU offload keeps its shards on the host
 (FSDP2 `CPUOffloadPolicy`: shards are copied to the device for the all-gather of each block's forward).
+
+Use in post_train.py (world size > 1 with --enable_fsdp; one process keeps the plain path):
+    torch.manual_seed(cfg.optim.seed)                       # as before: peft draws lora_A from the global generator
+    transformer, trainable = load_sharded_transformer(
+        loc.root / "transformer", info, master_dtype=torch_dtype(m.master_weight_type), param_dtype=torch_dtype(m.dtype),
+        lora=dict(use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                  lora_target_modules=m.lora_target_modules, pretrained_lora_path=m.pretrained_lora_path),
+        gradient_checkpointing=m.enable_gradient_checkpointing)
+    pipe = load_pipeline(..., transformer=transformer)      # VAE / text encoders replicated, transformer not reloaded
+    build_optimizer(...)                                    # unchanged: picks ShardedMuon for DTensor matrices
+FSDP2 reduces gradients during backward: skip `sync_gradients`; `clip_grad_norm` is DTensor-aware already. Every
+rank must run the same number of transformer forwards/backwards (rollout, anchor, validation: pad uneven splits).
+Full-FT anchor: `ShardedAnchor(transformer, info, param_dtype=..., offload=cfg.kl.reference_mode_offload)`, its
+forward is `.module`, `refresh()` after updates. LoRA anchors: the adapter-set code works on DTensors as is (clone
+and copy_ of a DTensor stay local); `clone_local_shards` / `copy_local_shards_` make that explicit.
+Checkpoints: DCP of `model_state_dict(transformer)` / `merged_state_dict(transformer)` (LoRA, DTensor math) and
+`get_optimizer_state_dict(transformer, optimizer.optimizers)` work sharded; LoRA files: `sharded_lora_state` on all
+ranks, rank 0 writes; resume with `load_lora_sharded`; anchor: `model_state_dict(anchor.module)`.
 """
 
 from __future__ import annotations
