@@ -210,6 +210,9 @@ def instrument(pt, meter: Meter):
 
         setattr(pt, name, wrapped)
 
+    saved["save"] = pt.save
+    pt.save = lambda run: None  # train's final checkpoint is no part of a step; the benchmark writes none
+
     for name, phase in (("rollout_phase", "rollout"), ("reward_phase", "reward"), ("plan_round", "plan"),
                         ("micro_batches_of", "plan"), ("anchor_means", "anchor"), ("update_phase", "update"),
                         ("validation", "validation")):
@@ -489,6 +492,8 @@ def _median(xs):
 
 
 def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s: float, pipeline) -> dict:
+    import torch
+
     mins = minimum_per_step(cfg, len(steps))
     per_step = []
     for rec, mn in zip(steps, mins):
@@ -552,7 +557,7 @@ def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s
             "remainder_s": {k: _median([s["remainder_s"][k] for s in timed]) for k in timed[0]["remainder_s"]},
         },
         "aggregate_overhead_ratio": sum(s["step_s"] for s in timed) / max(sum(s["inside_total_s"] for s in timed), 1e-12),
-        "train_wall_s": train_s, "setup_s": setup_s,
+        "train_wall_s": train_s, "setup_s": setup_s, "torch_threads": torch.get_num_threads(),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "peak_gpu_gib_by_phase": {k: max(s["peak_gpu_gib"].get(k, 0.0) for s in per_step)
                                   for k in {k for s in per_step for k in s["peak_gpu_gib"]}},
@@ -584,6 +589,8 @@ def parse(argv=None):
     ap.add_argument("--model_path", default="", help="tiny checkpoint to use (default: build one in a temp dir)")
     ap.add_argument("--json", default="", help="output JSON (default $OUT/bench_step.json or outputs/bench/)")
     ap.add_argument("--extra", default="", help="more post_train overrides for every preset, e.g. '--kl_weight 0'")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default); 1 on a "
+                    "shared CPU avoids oversubscription")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
     a.presets = [p.strip() for p in a.presets.split(",") if p.strip()]
@@ -613,6 +620,8 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SageGRPOError("--device cuda: no CUDA device here")
     quiet_libraries()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench_step_"))
     tiny = Path(a.model_path) if a.model_path else write_tiny_checkpoint(tmp / "tiny" / "hv")
     results, ratios, notes = {}, {}, []

@@ -1,0 +1,113 @@
+"""scripts/bench_step.py counts the real loop's work (post_train.setup + train, instrumented from outside): the
+counts are deterministic and must equal the configuration's minimum. Timings are not asserted (see the script)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "scripts/bench_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_step"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bs = _load_bench()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Counting needs no speed: one intra-op thread avoids oversubscribing a shared CPU (5x faster here)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "hv")
+
+
+def _measure(tiny_model, tmp_path, steps, *extra):
+    argv = bs.config_argv("tiny", tiny_model, tmp_path / "run", steps,
+                          ["--grpo_sampling_steps", "4", "--sample_n_frames", "5", *extra])
+    return bs.measure(argv, steps)
+
+
+def _check_at_minimum(res):
+    for s in res["per_step"]:
+        assert s["counts"] == s["minimum"], s["step"]
+        assert s["other_forwards"] == {}  # no transformer call outside rollout / anchor / update
+        assert s["at_minimum"]
+    te = res["text_encoder"]
+    assert te["text_encoder_samples"] == te["minimum"] == te["distinct_prompts"]  # once per distinct prompt
+    assert res["at_minimum"]
+
+
+def test_counts_at_minimum_dual_kl_moving_anchor(tiny_model, tmp_path):
+    """B 4, T 4, CFG, dual KL, anchor refreshed every 2 updates: step 1 initial anchor (0 anchor forwards), step 2
+    anchor one update behind, step 3 right after the refresh (0), all at the minimum."""
+    res = _measure(tiny_model, tmp_path, 3, "--update_ref_model_step", "2")
+    _check_at_minimum(res)
+    per = 4 * 4 * 2  # B x T x CFG (every sage_grpo step is noisy and timestep_fraction is 1: k = T)
+    assert [s["counts"]["rollout"] for s in res["per_step"]] == [per] * 3
+    assert [s["counts"]["update"] for s in res["per_step"]] == [per] * 3
+    assert [s["counts"]["anchor"] for s in res["per_step"]] == [0, per, 0]
+    assert [s["anchor_synced"] for s in res["per_step"]] == [1, 0, 1]
+    assert [s["counts"]["vae_samples"] for s in res["per_step"]] == [4] * 3
+    assert [s["counts"]["reward_calls"] for s in res["per_step"]] == [1] * 3
+    assert res["text_encoder"]["distinct_prompts"] == 9  # 8 training prompts + the empty negative prompt
+    s = res["per_step"][-1]
+    assert s["inside_total_s"] > 0 and s["step_s"] >= s["inside_total_s"] * 0.999
+
+
+def test_counts_at_minimum_kl_off(tiny_model, tmp_path):
+    res = _measure(tiny_model, tmp_path, 2, "--kl_weight", "0")
+    _check_at_minimum(res)
+    assert [s["counts"]["anchor"] for s in res["per_step"]] == [0, 0]
+
+
+def test_counts_at_minimum_training_phase_anchor_and_fraction(tiny_model, tmp_path):
+    """Anchor means inside the update (kl_compute_mode training_phase) and half the steps trained; no CFG."""
+    res = _measure(tiny_model, tmp_path, 2, "--kl_compute_mode", "training_phase", "--timestep_fraction", "0.5",
+                   "--cfg_scale", "1")
+    _check_at_minimum(res)
+    assert [s["counts"]["update"] for s in res["per_step"]] == [4 * 2] * 2
+    assert [s["counts"]["anchor"] for s in res["per_step"]] == [0, 4 * 2]
+    assert [s["counts"]["rollout"] for s in res["per_step"]] == [4 * 4] * 2
+
+
+def test_minimum_model_accumulation_and_fixed_anchor():
+    """The independent minimum: with 2 rounds per update the anchor stays synced through the first update's rounds;
+    a fixed anchor is synced only before the first update."""
+    from sage_grpo.config import load_config
+
+    cfg = load_config(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--gradient_accumulation_steps", "2",
+                       "--update_ref_model_step", "2", "--max_steps", "6"])
+    # updates complete after rounds 2, 4, 6; the refresh (every 2 updates) happens at the start of round 5
+    assert [m["anchor"] > 0 for m in bs.minimum_per_step(cfg, 6)] == [False, False, True, True, False, False]
+    cfg = load_config(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--use_moving_KL", "False"])
+    assert [m["anchor"] > 0 for m in bs.minimum_per_step(cfg, 3)] == [False, True, True]
+
+
+def test_json_report(tmp_path, monkeypatch):
+    from sage_grpo.benchjson import write_report
+
+    path = write_report(tmp_path / "r.json", "x", "cpu", {"a/b": 1.5}, {"r": {"v": float("nan")}}, ["n"])
+    rep = json.loads(path.read_text())
+    assert rep["benchmark"] == "x" and rep["ratios"] == {"a/b": 1.5} and rep["results"] == {"r": {"v": None}}
+    assert rep["host"]["measured_on_gpu"] is False and rep["notes"] == ["n"]
