@@ -7,7 +7,9 @@
 
 Round trip = for each video: write mp4 (imageio, 24 fps), read it back, score it alone (what the authors' reward
 does). In memory = one batched call on the decoded tensors. Prints medians over --repeats and the ratio, and the
-largest score difference between the two paths (codec error only).
+largest score difference between the two paths (codec error only), and writes the same JSON report as
+scripts/bench_step.py (sage_grpo/benchjson.py) to --json (default $OUT/bench_reward.json when OUT is set, else
+outputs/bench/bench_reward.json).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=96)
     ap.add_argument("--min_pixels", type=int, default=28 * 28 * 4, help="tiny default; the real one is 100352")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default="", help="report path (default $OUT/bench_reward.json or outputs/bench/)")
     args = ap.parse_args(argv)
     for flag in ("batch", "frames", "height", "width", "min_pixels", "repeats"):
         at_least(f"--{flag}", getattr(args, flag), 1)
@@ -100,6 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mp4 round trip 1x1: median {m_rt:.3f} s  ({m_rt / args.batch * 1e3:.1f} ms/video)")
     print(f"speed-up          : {m_rt / m_mem:.2f}x")
     print(f"max |score diff|  : {diff:.4f} (normalised units; codec error of the mp4 path)")
+    from sage_grpo.benchjson import default_json_path, write_report
+
+    results = {
+        "videos": args.batch, "frames": args.frames, "height": args.height, "width": args.width, "dtype": args.dtype,
+        "tiny_model": not args.reward_model_path, "repeats": args.repeats,
+        "seconds_median": {"in_memory": m_mem, "mp4_round_trip": m_rt},
+        "seconds": {"in_memory": t_mem, "mp4_round_trip": t_rt},
+        "ms_per_video_median": {"in_memory": m_mem / args.batch * 1e3, "mp4_round_trip": m_rt / args.batch * 1e3},
+        "max_abs_score_diff": diff,
+    }
+    notes = ["round trip = write mp4, read back, score one video at a time (the authors' path); in memory = one "
+             "batched call on the decoded frames"]
+    path = write_report(args.json or default_json_path("bench_reward"), "bench_reward", args.device,
+                        {"mp4_round_trip_over_in_memory": m_rt / m_mem}, results, notes)
+    print(f"wrote {path}")
     return 0
 
 

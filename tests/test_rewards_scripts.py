@@ -129,12 +129,20 @@ def test_make_tiny_cli_writes_loadable_small_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_bench_reward_runs(capsys):
-    """The benchmark runs on the tiny model and reports medians and the speed-up (no timing assertion)."""
+def test_bench_reward_runs(capsys, tmp_path):
+    """The benchmark runs on the tiny model and reports medians and the speed-up (no timing assertion), also as
+    the benchmark JSON report (sage_grpo/benchjson.py, as bench_step.py)."""
+    import json
+
     bench = load_script("bench_reward")
-    assert bench.main(["--batch", "2", "--frames", "9", "--height", "32", "--width", "48", "--repeats", "1"]) == 0
+    report = tmp_path / "bench_reward.json"
+    assert bench.main(["--batch", "2", "--frames", "9", "--height", "32", "--width", "48", "--repeats", "1",
+                       "--json", str(report)]) == 0
     out = capsys.readouterr().out
     assert "in-memory batched" in out and "speed-up" in out
+    rep = json.loads(report.read_text())
+    assert rep["benchmark"] == "bench_reward" and rep["ratios"]["mp4_round_trip_over_in_memory"] > 0
+    assert set(rep["results"]["seconds_median"]) == {"in_memory", "mp4_round_trip"}
 
 
 # ------------------------------------------------------------------------------------------------ issue 11
