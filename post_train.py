@@ -46,8 +46,6 @@ def print0(info, *args) -> None:
 def check_supported(cfg: Config, world_size: int) -> None:
     """Flags whose machinery is not built yet are refused, never silently ignored."""
     p = cfg.parallel
-    if p.sp_size > 1:
-        raise SageGRPOError("--sp_size > 1 (Ulysses sequence parallelism) is not available yet; use --sp_size 1")
     if p.dp_replicate > 1:
         raise SageGRPOError("--dp_replicate > 1 (HSDP) is not available yet; use --dp_replicate 1")
     if p.enable_fsdp and world_size > 1:
@@ -208,15 +206,19 @@ def ensure_tiny_model(cfg: Config, info) -> None:
 
 
 def wrap_model(transformer, cfg: Config, info):
-    """Where the scale-out issue puts FSDP2 (fully_shard per block, then the root). Today every rank holds the whole
-    model and `sync_gradients` all-reduces the gradients before each optimizer step."""
+    """Ulysses sequence parallelism inside each sp group (full inputs and outputs on every sp rank, partial
+    gradients: `sync_gradients` sums them over sp and averages over dp), and gradient checkpointing."""
+    from sage_grpo.parallel.ulysses import enable_sequence_parallel
+
+    enable_sequence_parallel(transformer, info.sp_group)
     if cfg.model.enable_gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     return transformer
 
 
 def sync_gradients(params: list, info) -> None:
-    """Average the gradients over data-parallel ranks (every rank calls it with the same parameters)."""
+    """Sum the gradients over all ranks and divide by dp: the mean over data-parallel ranks of the sp groups' sums
+    (every rank calls it with the same parameters)."""
     if not info.distributed:
         return
     from sage_grpo.parallel.dist import all_reduce_sum

@@ -81,7 +81,7 @@ class ModelConfig:
     use_lora: bool = opt(False, "Train LoRA adapters (peft) instead of the full transformer.")
     lora_r: int = opt(8, "LoRA rank.")
     lora_alpha: int = opt(16, "LoRA alpha (scale = alpha / r).")
-    lora_dropout: float = opt(0.0, "LoRA dropout.")
+    lora_dropout: float = opt(0.0, "LoRA dropout (must be 0 with --sp_size > 1).")
     lora_target_modules: list[str] = opt([], "Module names that get LoRA adapters; empty = every linear layer of the transformer blocks.")
     pretrained_lora_path: str = opt("", "A LoRA adapter (safetensors file or peft directory) to load before training or generation.")
     offload_text_encoder: bool = opt(True, "Move the text encoders off the GPU once every prompt is encoded and cached (the authors keep the 7B encoder resident).")
@@ -634,6 +634,9 @@ def validate(cfg: Config, world_size: int, num_heads: int = 16) -> None:
     if num_heads % sp != 0:
         ok = [x for x in range(1, num_heads + 1) if num_heads % x == 0]
         raise SageGRPOError(f"--sp_size {sp} must divide the attention head count {num_heads}; use one of {ok}")
+    if sp > 1 and cfg.model.use_lora and cfg.model.lora_dropout > 0:
+        raise SageGRPOError(f"--lora_dropout {cfg.model.lora_dropout:g} with --sp_size {sp}: sequence-parallel ranks "
+                            "share the text tokens and would drop different ones; use --lora_dropout 0")
     dp = dp_degree(cfg, world_size)
     if (bs * dp) % g != 0:
         raise SageGRPOError(

@@ -161,6 +161,7 @@ def test_yaml_errors_name_the_key(tmp_path):
     (["--sp_size", "32"], 64, "--sp_size 32 must divide the attention head count 16"),
     (["--batch_size", "1", "--sp_size", "2"], 4, "1 \\* 2 = 2 videos per step is not a multiple of --num_generations 4"),
     (["--dp_replicate", "3"], 4, "--dp_replicate 3 must divide dp_degree"),
+    (["--sp_size", "2", "--use_lora", "--lora_dropout", "0.1"], 8, "--lora_dropout 0.1 with --sp_size 2.*use --lora_dropout 0"),
 ])
 def test_geometry_validation(argv, world, message):
     cfg = load_config(argv)
