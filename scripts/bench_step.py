@@ -591,6 +591,7 @@ def parse(argv=None):
     ap.add_argument("--extra", default="", help="more post_train overrides for every preset, e.g. '--kl_weight 0'")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default); 1 on a "
                     "shared CPU avoids oversubscription")
+    ap.add_argument("--keep_tmp", action="store_true", help="keep the temp dir (checkpoints built, run outputs)")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
     a.presets = [p.strip() for p in a.presets.split(",") if p.strip()]
@@ -650,6 +651,10 @@ def main(argv=None) -> int:
     path = write_report(a.json or default_json_path("bench_step"), "bench_step", "cuda" if a.device == "cuda" else "cpu",
                         ratios, results, notes)
     print(f"[bench_step] wrote {path}")
+    if not a.keep_tmp:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)  # the real-width checkpoint alone is ~6 GB
     ok = all(r["at_minimum"] for r in results.values())
     print(f"[bench_step] transformer / VAE / reward / text-encoder work at the minimum: {ok}")
     return 0
