@@ -12,8 +12,9 @@ the KL coefficient adapts once per update from the rank-averaged L_KL; the ancho
 `update_ref_model_step` updates. Validation samples ODE videos; checkpoints resume exactly.
 
     python post_train.py --config configs/tiny_cpu.yaml                          # tiny model, one CPU process
-    torchrun --nproc_per_node 8 post_train.py --config configs/single_node_8gpu.yaml --enable_fsdp False
+    torchrun --nproc_per_node 8 post_train.py --config configs/single_node_8gpu.yaml   # FSDP2 + Ulysses sp 2
     bash run_post_train.sh                                                       # the same, with AUTO_RESUME=1
+    NNODES=8 NODE_RANK=... MASTER_ADDR=... bash run_post_train_multinode.sh     # 64 GPUs, c10d rendezvous
 """
 
 from __future__ import annotations
@@ -44,13 +45,11 @@ def print0(info, *args) -> None:
 
 
 def check_supported(cfg: Config, world_size: int) -> None:
-    """Flags whose machinery is not built yet are refused, never silently ignored."""
+    """Flag combinations that would be silently ignored are refused."""
     p = cfg.parallel
-    if p.dp_replicate > 1:
-        raise SageGRPOError("--dp_replicate > 1 (HSDP) is not available yet; use --dp_replicate 1")
-    if p.enable_fsdp and world_size > 1:
-        raise SageGRPOError("--enable_fsdp (FSDP2 sharding) is not available yet under torchrun; pass --enable_fsdp "
-                            "False to replicate the model on every rank (gradients are all-reduced)")
+    if p.dp_replicate > 1 and not (p.enable_fsdp and world_size > 1):
+        raise SageGRPOError(f"--dp_replicate {p.dp_replicate} (HSDP) needs --enable_fsdp under torchrun; without "
+                            "FSDP2 every rank holds the whole model anyway: use --dp_replicate 1")
     if not cfg.data.train_video_csv:
         raise SageGRPOError("--train_video_csv is required: a prompt file (.csv with a `prompt` column, .txt or .jsonl)")
 
@@ -110,7 +109,7 @@ class Anchor:
     the moving anchor a second set of adapter weights swapped into the adapter for its forwards.
     `synced`: the anchor equals the current policy (initial, or just refreshed, and no update since)."""
 
-    def __init__(self, transformer, cfg: Config, device):
+    def __init__(self, transformer, cfg: Config, info):
         from sage_grpo.kl import kl_variant
 
         self.variant = kl_variant(cfg.kl)
@@ -119,7 +118,8 @@ class Anchor:
         self.every = cfg.kl.update_ref_model_step
         self.offload = cfg.kl.reference_mode_offload
         self.lora = cfg.model.use_lora
-        self.device = device
+        self.device = info.device
+        self.sharded = None  # the FSDP2 anchor (full fine-tuning under FSDP2): offload is FSDP2's own
         self.transformer = transformer
         self.synced = True
         self.refreshed_at = 0  # optimizer update of the last refresh (0 = the initial model)
@@ -132,6 +132,13 @@ class Anchor:
                 from sage_grpo.models.lora import adapter_parameters
 
                 self.adapter = {k: p.detach().clone() for k, p in adapter_parameters(transformer).items()}
+        elif uses_fsdp(cfg, info):
+            from sage_grpo.parallel.fsdp import ShardedAnchor
+            from sage_grpo.parallel.ulysses import enable_sequence_parallel
+
+            self.sharded = ShardedAnchor(transformer, info, param_dtype=torch_dtype(cfg.model.dtype),
+                                         offload=self.offload)
+            self.model = enable_sequence_parallel(self.sharded.module, info.sp_group)
         else:
             self.model = copy.deepcopy(transformer).requires_grad_(False).eval()
             if self.offload:
@@ -148,6 +155,8 @@ class Anchor:
 
             for k, p in adapter_parameters(self.transformer).items():
                 self.adapter[k].copy_(p)
+        elif self.sharded is not None:
+            self.sharded.refresh()  # local shard to local shard: no collective, no full tensor
         else:
             for a, p in zip(self.model.parameters(), self.transformer.parameters()):
                 a.copy_(p)
@@ -177,12 +186,13 @@ class Anchor:
                     for k, p in live.items():
                         p.copy_(saved[k])
         else:
-            if self.offload:
+            move = self.offload and self.sharded is None  # FSDP2 brings offloaded shards to the device itself
+            if move:
                 self.model.to(self.device)
             try:
                 yield self.model
             finally:
-                if self.offload:
+                if move:
                     self.model.to("cpu")
 
     def state(self) -> dict:
@@ -205,21 +215,61 @@ def ensure_tiny_model(cfg: Config, info) -> None:
     barrier()
 
 
-def wrap_model(transformer, cfg: Config, info):
-    """Ulysses sequence parallelism inside each sp group (full inputs and outputs on every sp rank, partial
-    gradients: `sync_gradients` sums them over sp and averages over dp), and gradient checkpointing."""
+def uses_fsdp(cfg: Config, info) -> bool:
+    """FSDP2 shards the policy when asked and there is more than one process (one process trains unsharded)."""
+    return cfg.parallel.enable_fsdp and info.distributed
+
+
+def load_policy(cfg: Config, info):
+    """-> (pipeline, transformer, trainable parameters). Under FSDP2 the transformer is built on the meta device,
+    sharded per block then at the root, and each rank reads only its rows of the weights (no rank ever holds the
+    whole model); otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
+    from sage_grpo.models.loading import load_pipeline, locate_model
+    from sage_grpo.models.lora import setup_trainable
+
+    m = cfg.model
+    dtype = torch_dtype(m.dtype)
+    lora = dict(use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                lora_target_modules=m.lora_target_modules, pretrained_lora_path=m.pretrained_lora_path)
+    if uses_fsdp(cfg, info):
+        import warnings
+
+        from sage_grpo.parallel.fsdp import load_sharded_transformer
+
+        # the velocity the root returns is a view; predict_velocity never modifies it in place, which is what
+        # this FSDP2 warning is about
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+        loc = locate_model(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version)
+        if loc.layout != "diffusers":
+            raise SageGRPOError(f"--enable_fsdp loads the diffusers layout only; convert {loc.root} first with "
+                                "scripts/convert_authors_checkpoint.py, or pass --enable_fsdp False")
+        torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices: drawn exactly as the unsharded path draws them
+        transformer, trainable = load_sharded_transformer(
+            loc.root / "transformer", info, master_dtype=torch_dtype(m.master_weight_type), param_dtype=dtype,
+            lora=lora, gradient_checkpointing=m.enable_gradient_checkpointing)
+        pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
+                             device=info.device, transformer=transformer)
+    else:
+        pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
+                             transformer_dtype=torch_dtype(m.master_weight_type), device=info.device)
+        transformer = pipe.transformer
+        torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
+        trainable = setup_trainable(transformer, **lora)
+        if m.enable_gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+    # Ulysses inside each sp group: full inputs and outputs on every sp rank, partial gradients (summed over sp by
+    # FSDP2's divide factor dp, or by `sync_gradients`)
     from sage_grpo.parallel.ulysses import enable_sequence_parallel
 
     enable_sequence_parallel(transformer, info.sp_group)
-    if cfg.model.enable_gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    return transformer
+    return pipe, transformer, trainable
 
 
-def sync_gradients(params: list, info) -> None:
+def sync_gradients(params: list, info, fsdp: bool) -> None:
     """Sum the gradients over all ranks and divide by dp: the mean over data-parallel ranks of the sp groups' sums
-    (every rank calls it with the same parameters)."""
-    if not info.distributed:
+    (every rank calls it with the same parameters). FSDP2 already reduce-scattered them during backward."""
+    if not info.distributed or fsdp:
         return
     from sage_grpo.parallel.dist import all_reduce_sum
 
@@ -245,8 +295,6 @@ def setup(cfg: Config, info, resume: Path | None) -> Run:
     from sage_grpo.equalizer import equalizer_weights
     from sage_grpo.kl import AdaptiveKLController
     from sage_grpo.metrics import check_report_to
-    from sage_grpo.models.loading import load_pipeline
-    from sage_grpo.models.lora import setup_trainable
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.optim import build_optimizer
     from sage_grpo.rewards import build_reward_from_config
@@ -262,19 +310,20 @@ def setup(cfg: Config, info, resume: Path | None) -> Run:
     ensure_tiny_model(cfg, info)
 
     dtype = torch_dtype(m.dtype)
-    pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
-                         transformer_dtype=torch_dtype(m.master_weight_type), device=info.device)
-    transformer = pipe.transformer
-    torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
-    trainable = setup_trainable(transformer, use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha,
-                                lora_dropout=m.lora_dropout, lora_target_modules=m.lora_target_modules,
-                                pretrained_lora_path=m.pretrained_lora_path)
-    transformer = wrap_model(transformer, cfg, info)
+    pipe, transformer, trainable = load_policy(cfg, info)
+    if m.vae_tiling:
+        pipe.vae.enable_tiling()
     optimizer = build_optimizer([(n, p) for n, p in transformer.named_parameters() if p.requires_grad], cfg.optim)
-    anchor = Anchor(transformer, cfg, info.device)
+    anchor = Anchor(transformer, cfg, info)
 
+    # every prompt the run will use, encoded once (a prompt missed here is still encoded on first use)
     cache = TextEmbeddingCache(pipe, info.device, dtype, m.text_embedding_cache_dir or None)
-    cache.precompute([p.prompt for p in prompts] + [rec.prompt for rec in val_records] + [r.neg_prompt])
+    v = cfg.validation
+    validates = bool(v.validation_interval) or v.validate_at_step0
+    needed = [p.prompt for p in prompts] + ([rec.prompt for rec in val_records] if validates else [])
+    if r.cfg_scale != 1.0 or (validates and v.validation_guidance_scale != 1.0):
+        needed.append(r.neg_prompt)
+    cache.precompute(needed)
     if m.offload_text_encoder:
         cache.offload_encoders()
 
@@ -283,7 +332,6 @@ def setup(cfg: Config, info, resume: Path | None) -> Run:
     variance = step_variance(r.sde_type, sigmas[:-1], sigmas[1:], r.eta, sigma_max=sigmas[1], sage_clamp=r.sage_sigma_clamp)
     s_t = (equalizer_weights(r.sde_type, sigmas, r.eta, cps_logprob=r.cps_logprob, sage_clamp=r.sage_sigma_clamp)
            if cfg.optim.use_grad_balancing else torch.ones(r.grpo_sampling_steps))
-    v = cfg.validation
     vh, vw = (int(x) for x in v.validation_fixed_size.lower().split("x"))
     val_settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=v.validation_num_inference_steps,
                                    shift=v.validation_timestep_shift, cfg_scale=v.validation_guidance_scale,
@@ -486,7 +534,7 @@ def update_phase(run: Run, traj, adv, valid, batches: list, metrics: dict) -> No
 def optimizer_step(run: Run, metrics: dict, clip_grad_norm, lr_at, all_reduce_sum) -> None:
     """Sync, clip, step, count; then the KL controller moves with the rank-averaged L_KL of the update."""
     cfg, info = run.cfg, run.info
-    sync_gradients(run.trainable, info)
+    sync_gradients(run.trainable, info, uses_fsdp(cfg, info))
     norm = clip_grad_norm(run.trainable, cfg.optim.max_grad_norm)  # identical on every rank after the all-reduce
     lr = lr_at(run.updates, cfg.optim.learning_rate, cfg.optim.warmup_steps)
     kl = all_reduce_sum(torch.tensor([run.stats.pop("kl_sum", 0.0), float(run.stats.pop("kl_pairs", 0))],
@@ -575,16 +623,21 @@ def write_checkpoint(run: Run) -> Path:
 
     from sage_grpo.checkpoint import save_checkpoint
     from sage_grpo.models.lora import merged_state_dict, save_lora
+    from sage_grpo.parallel.fsdp import gather_full, model_state_dict, sharded_lora_state
 
+    fsdp, lora = uses_fsdp(run.cfg, run.info), run.cfg.model.use_lora
     a = run.anchor
-    anchor_state = None if (a.model is None or a.is_initial) else a.model.state_dict()
-    anchor_lora = None if (a.adapter is None or a.is_initial) else a.adapter
+    anchor_state = None if (a.model is None or a.is_initial) else model_state_dict(a.model)  # DTensors under FSDP2
+    anchor_lora = None
+    if a.adapter is not None and not a.is_initial:  # small: gathered whole (collective), rank 0 writes it
+        anchor_lora = gather_full(a.adapter) if fsdp else a.adapter
+    lora_state = sharded_lora_state(run.transformer) if (fsdp and lora) else None  # collective, before rank 0 writes
     return save_checkpoint(
         run.cfg.checkpoint.output_dir, run.step, rank=run.info.rank,
         model_state=merged_state_dict(run.transformer),
         optimizer_state=get_optimizer_state_dict(run.transformer, run.optimizer.optimizers),
         train_state=train_state(run),
-        lora_writer=(lambda d: save_lora(run.transformer, d)) if run.cfg.model.use_lora else None,
+        lora_writer=(lambda d: save_lora(run.transformer, d, state=lora_state)) if lora else None,
         anchor_state=anchor_state, anchor_lora=anchor_lora, total_limit=run.cfg.checkpoint.checkpoints_total_limit,
     )
 
@@ -595,31 +648,36 @@ def load_checkpoint(run: Run, path: Path) -> None:
 
     from sage_grpo.checkpoint import dcp_load, exactness_diff, load_rng_state, read_train_state
     from sage_grpo.models.lora import load_lora
+    from sage_grpo.parallel.fsdp import (
+        copy_full_into_shards_,
+        load_lora_sharded,
+        load_model_state_dict,
+        model_state_dict,
+    )
 
     state = read_train_state(path)
     diffs = exactness_diff(state["config"], config_to_dict(run.cfg))
     if diffs:
         print0(run.info, "resuming with settings that differ from the saved run (the continuation is not exact): "
                + "; ".join(diffs))
+    fsdp = uses_fsdp(run.cfg, run.info)
     if run.cfg.model.use_lora:
-        load_lora(run.transformer, path / "lora")
+        (load_lora_sharded if fsdp else load_lora)(run.transformer, path / "lora")
     else:
-        model = {"model": run.transformer.state_dict()}
+        model = {"model": model_state_dict(run.transformer)}
         dcp_load(model, path / "transformer", "transformer weights")
-        run.transformer.load_state_dict(model["model"])
+        load_model_state_dict(run.transformer, model["model"])
     opt = {"optimizer": get_optimizer_state_dict(run.transformer, run.optimizer.optimizers)}
     dcp_load(opt, path / "optimizer", "optimizer state")
     set_optimizer_state_dict(run.transformer, run.optimizer.optimizers, opt["optimizer"])
     a = run.anchor
     a.synced, a.refreshed_at = bool(state["anchor"]["synced"]), int(state["anchor"]["refreshed_at"])
     if a.model is not None and not a.is_initial:
-        anchor = {"model": a.model.state_dict()}
+        anchor = {"model": model_state_dict(a.model)}
         dcp_load(anchor, path / "anchor", "anchor weights")
-        a.model.load_state_dict(anchor["model"])
+        load_model_state_dict(a.model, anchor["model"])
     if a.adapter is not None and not a.is_initial:
-        saved = load_file(path / "anchor_lora.safetensors")
-        for k in a.adapter:
-            a.adapter[k].copy_(saved[k])
+        copy_full_into_shards_(a.adapter, load_file(path / "anchor_lora.safetensors"))  # plain tensors: a copy
     run.controller.load_state_dict(state["controller"])
     run.sampler.load_state_dict(state["sampler"])
     run.step, run.updates = int(state["step"]), int(state["updates"])

@@ -7,7 +7,7 @@
 
 It takes the same `--config` and flags as post_train.py (sage_grpo.config.load_config / validate: an impossible
 geometry ends with one message), plus `--world_size`, `--gpu_memory_gib` (80), `--text_tokens`, `--attention`,
-`--vae_tiling`, `--fsdp_param_dtype`, `--overhead_gib` and `--json`.
+`--fsdp_param_dtype`, `--overhead_gib` and `--json`.
 
 Where each number comes from
 ----------------------------
@@ -26,7 +26,7 @@ Where each number comes from
   tokens, default 256) sets the text length; `--attention diffusers` models diffusers' dense-mask processor (all
   1,985 encoder tokens, a [B, 1, S, S] mask per block), which is what gpu_facts.md measured.
 - VAE decode: scaled by video volume from the one H100 measurement (352x624x81: 30.0 GiB untiled, 9.0 GiB tiled).
-  post_train.py does not enable VAE tiling today (`--vae_tiling` models it if it is added).
+  post_train.py tiles the decode unless `--vae_tiling False` (the config flag; the planner follows it).
 - Reward forward, text-encoder forward, no-grad working sets, backward working set, CUDA context: estimates, marked
   `est` in the table; not measured on a GPU.
 
@@ -200,7 +200,6 @@ class PlanOptions:
     gpu_memory_gib: float = 80.0
     text_tokens: int = 256
     attention: str = "valid"
-    vae_tiling: bool = False
     fsdp_param_dtype: str = ""  # "" = the compute dtype
     overhead_gib: float = 2.0
 
@@ -307,7 +306,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         t["activations (update)"] = L * block_full + block_full  # + backward working set (est)
     t["no-grad working set (est)"] = block_full  # rollout / anchor forwards: one block's tensors at a time
     scale = (r.sample_n_frames * r.height * r.width) / GPU_FACTS["vae_decode_pixels"]
-    t["vae decode"] = GPU_FACTS["vae_decode_gib"][opts.vae_tiling] * GIB * scale
+    t["vae decode"] = GPU_FACTS["vae_decode_gib"][m.vae_tiling] * GIB * scale
     t["decoded frames"] = B * r.sample_n_frames * 3 * r.height * r.width * 4
     rb = cfg.reward.reward_batch_size or B
     t["reward forward (est)"] = REWARD_GIB_PER_VIDEO * GIB * min(rb, B)
@@ -352,7 +351,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
             "gradient_checkpointing": m.enable_gradient_checkpointing,
             "anchor": ("none" if not uses_pos else "lora adapter copy" if m.use_lora else
                        "offloaded to CPU" if anchor_offloaded else "resident"),
-            "offload_text_encoder": m.offload_text_encoder, "vae_tiling": opts.vae_tiling,
+            "offload_text_encoder": m.offload_text_encoder, "vae_tiling": m.vae_tiling,
         },
         "params": {"transformer": total, "per_block": counts["per_block"], "num_blocks": L, "trainable": trainable,
                    "muon": muon if o.use_muon else 0, "vae": frozen["vae"], "text_encoder": frozen["text_encoder"],
@@ -430,7 +429,6 @@ def parse_args(argv: list[str] | None):
                      help="Valid text tokens (MLLM + ByT5) of the longest prompt in a forward (default 256).")
     own.add_argument("--attention", default="valid", choices=("valid", "diffusers"),
                      help="valid: the project's valid-token processor; diffusers: the dense-mask processor.")
-    own.add_argument("--vae_tiling", default="false", help="Model VAE tiling in the rollout decode (default false).")
     own.add_argument("--fsdp_param_dtype", default="", help="Dtype of FSDP2's unsharded parameters (default --dtype).")
     own.add_argument("--overhead_gib", type=float, default=2.0,
                      help="CUDA context, NCCL buffers, allocator fragmentation (default 2, an estimate).")
@@ -443,10 +441,9 @@ def parse_args(argv: list[str] | None):
         print("\nplus every post_train.py flag:")
         build_parser(prog="plan_memory.py").print_help()
         sys.exit(0)
-    from sage_grpo.config import parse_bool
 
     opts = PlanOptions(world_size=args.world_size, gpu_memory_gib=args.gpu_memory_gib, text_tokens=args.text_tokens,
-                       attention=args.attention, vae_tiling=parse_bool(args.vae_tiling, "--vae_tiling"),
+                       attention=args.attention,
                        fsdp_param_dtype=args.fsdp_param_dtype, overhead_gib=args.overhead_gib)
     if opts.fsdp_param_dtype:
         torch_dtype(opts.fsdp_param_dtype)

@@ -86,14 +86,12 @@ def test_counts_at_minimum_training_phase_anchor_and_fraction(tiny_model, tmp_pa
     """Anchor means inside the update (kl_compute_mode training_phase) and half the steps trained; no CFG."""
     res = _measure(tiny_model, tmp_path, 2, "--kl_compute_mode", "training_phase", "--timestep_fraction", "0.5",
                    "--cfg_scale", "1")
-    _check_at_minimum(res, text=False)  # the text encoder without CFG: see the xfail test below
+    _check_at_minimum(res, text=False)  # the text encoder without CFG: the test below
     assert [s["counts"]["update"] for s in res["per_step"]] == [4 * 2] * 2
     assert [s["counts"]["anchor"] for s in res["per_step"]] == [0, 4 * 2]
     assert [s["counts"]["rollout"] for s in res["per_step"]] == [4 * 4] * 2
 
 
-@pytest.mark.xfail(strict=True, reason="post_train.setup precomputes rollout.neg_prompt (and the validation "
-                   "prompts) whatever the run uses: one unused encode without CFG and validation")
 def test_text_encoder_no_cfg_does_not_encode_the_negative_prompt(tiny_model, tmp_path):
     res = _measure(tiny_model, tmp_path, 1, "--cfg_scale", "1")
     te = res["text_encoder"]

@@ -320,14 +320,27 @@ def test_two_ranks_match_one_process(tiny_model, tmp_path):
         assert a["reward/total_mean"] == pytest.approx(b["reward/total_mean"], rel=1e-5)
 
 
+# layout -> (flags of the 2-rank run, flags shared with the one-process reference, which runs 4 videos per step)
+# FSDP2 runs use AdamW: Muon's bf16 Newton-Schulz turns the ~1e-7 reduction-order differences of the gradients
+# into bf16 rounding flips of the update (tests/test_parallel_fsdp.py checks ShardedMuon bitwise on equal gradients)
+LAYOUTS = {
+    "sp2": (["--sp_size", "2", "--batch_size", "4", "--enable_fsdp", "False"], []),
+    "dp2": (["--batch_size", "2", "--enable_fsdp", "False"], []),
+    "fsdp_dp2": (["--batch_size", "2", "--enable_fsdp", "True"], ["--use_muon", "False"]),
+    "fsdp_sp2_lora": (["--sp_size", "2", "--batch_size", "4", "--enable_fsdp", "True"],
+                      ["--use_muon", "False", "--use_lora"]),
+}
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", ["sp2", "dp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_rank_layouts_train_resume_and_match_one_process(tiny_model, tmp_path, layout):
     """torchrun on 2 gloo ranks, sp 2 (one data-parallel rank, Ulysses inside) or dp 2 (a group spread over both
-    ranks): 2 steps, then a resume to 3 on 2 ranks, against one process with the same 4 videos per step."""
+    ranks), replicated or FSDP2-sharded: 2 steps, then a resume to 3 on 2 ranks, against one process."""
     common = ["--grpo_sampling_steps", "4", "--sample_n_frames", "5", "--save_interval", "2", "--report_to", "none",
               "--model_path", str(tiny_model), "--train_video_csv", str(ROOT / "configs/tiny_prompts.txt")]
-    two = ["--sp_size", "2", "--batch_size", "4"] if layout == "sp2" else ["--batch_size", "2"]
+    two, shared = LAYOUTS[layout]
+    common += shared
 
     def torchrun(*extra):
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -83,14 +83,16 @@ def _config_file(weights: Path) -> Path:
     return weights.with_name(ADAPTER_CONFIG if weights.name == ADAPTER_FILE else weights.stem + "_config.json")
 
 
-def save_lora(transformer, path: str | Path) -> Path:
+def save_lora(transformer, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the adapter as safetensors (a file path, or a directory that gets adapter_model.safetensors) and its
-    settings (r, lora_alpha, lora_dropout, target_modules) as JSON beside it."""
+    settings (r, lora_alpha, lora_dropout, target_modules) as JSON beside it. `state`: the adapter already gathered
+    (FSDP2: `sage_grpo.parallel.fsdp.sharded_lora_state`, a collective every rank ran), else read from the model."""
     path = Path(path)
     if path.suffix != ".safetensors":
         path.mkdir(parents=True, exist_ok=True)
         path = path / ADAPTER_FILE
-    save_file({k: v.detach().contiguous().cpu() for k, v in lora_state_dict(transformer).items()}, path)
+    state = lora_state_dict(transformer) if state is None else state
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, path)
     cfg = transformer.peft_config[ADAPTER_NAME]
     settings = {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
                 "target_modules": sorted(cfg.target_modules)}

@@ -33,6 +33,8 @@ class DistInfo:
     device: torch.device = torch.device("cpu")
     dp_replicate: int = 1
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh (dp_replicate, dp_shard, sp) or None
+    dp_mesh: object = field(default=None, compare=False, repr=False)  # 1-D over the dp ranks with my sp_rank
+    fsdp_mesh: object = field(default=None, compare=False, repr=False)  # what FSDP2 shards over (see build_mesh)
 
     @property
     def dp_shard(self) -> int:
@@ -47,14 +49,7 @@ class DistInfo:
     def dp_group(self):
         """Process group of the ranks with my sp_rank across all data-parallel ranks (None at world size 1; a
         group of one rank when dp = 1, so that reductions over it never fall back to the whole world)."""
-        return self.mesh["dp"].get_group() if self.mesh is not None else None
-
-    @property
-    def fsdp_mesh(self):
-        """The mesh FSDP2 shards over: 1-D (dp_shard * sp) or, for HSDP, 2-D (dp_replicate, dp_shard * sp)."""
-        if self.mesh is None:
-            return None
-        return self.mesh["dp_replicate", "dp_shard_sp"] if self.dp_replicate > 1 else self.mesh["dp_shard_sp"]
+        return self.dp_mesh.get_group() if self.dp_mesh is not None else None
 
     @property
     def dp_size(self) -> int:
@@ -78,16 +73,22 @@ class DistInfo:
 
 
 def build_mesh(device_type: str, world: int, sp_size: int, dp_replicate: int):
-    """DeviceMesh (dp_replicate, dp_shard, sp) plus the flattened views "dp" (dp_replicate x dp_shard) and
-    "dp_shard_sp" (dp_shard x sp). Needs the default process group."""
+    """-> (mesh, dp_mesh, fsdp_mesh). mesh: (dp_replicate, dp_shard, sp); dp_mesh: its (dp_replicate, dp_shard)
+    dims flattened; fsdp_mesh: (dp_shard, sp) flattened, or for HSDP the 2-D (dp_replicate, dp_shard_sp) mesh
+    (the same rank order). Needs the default process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dp = world // sp_size
     mesh = init_device_mesh(device_type, (dp_replicate, dp // dp_replicate, sp_size),
                             mesh_dim_names=("dp_replicate", "dp_shard", "sp"))
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
-    return mesh
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    shard_mesh = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+    if dp_replicate == 1:
+        return mesh, dp_mesh, shard_mesh
+    # a 2-D slice mixing a flattened dim is deprecated in torch >= 2.11: build the HSDP mesh on its own (rank
+    # = replica * (dp_shard * sp) + shard rank, as in `mesh`)
+    hsdp = init_device_mesh(device_type, (dp_replicate, world // dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard_sp"))
+    return mesh, dp_mesh, hsdp
 
 
 def init_distributed(sp_size: int = 1, dp_replicate: int = 1) -> DistInfo:
@@ -104,9 +105,9 @@ def init_distributed(sp_size: int = 1, dp_replicate: int = 1) -> DistInfo:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    mesh = build_mesh(device.type, world, sp_size, dp_replicate) if world > 1 else None
+    mesh, dp_mesh, fsdp_mesh = build_mesh(device.type, world, sp_size, dp_replicate) if world > 1 else (None,) * 3
     return DistInfo(rank=rank, world_size=world, local_rank=local, sp_size=sp_size, device=device,
-                    dp_replicate=dp_replicate, mesh=mesh)
+                    dp_replicate=dp_replicate, mesh=mesh, dp_mesh=dp_mesh, fsdp_mesh=fsdp_mesh)
 
 
 def _active() -> bool:

@@ -147,7 +147,13 @@ def muon_exact(mesh_info):
 
 
 res["muon_exact_fsdp"] = muon_exact(info)
-hsdp = DistInfo(rank=rank, world_size=world, dp_replicate=2, mesh=build_mesh("cpu", world, 1, 2))
+def layout(sp, dp_replicate):
+    mesh, dp_mesh, fsdp_mesh = build_mesh("cpu", world, sp, dp_replicate)
+    return DistInfo(rank=rank, world_size=world, sp_size=sp, dp_replicate=dp_replicate, mesh=mesh, dp_mesh=dp_mesh,
+                    fsdp_mesh=fsdp_mesh)
+
+
+hsdp = layout(1, 2)
 res["muon_exact_hsdp"] = muon_exact(hsdp)
 
 
@@ -164,8 +170,7 @@ class Stand(nn.Module):
 
 
 def divide_case(sp, dp_replicate):
-    lay = DistInfo(rank=rank, world_size=world, sp_size=sp, dp_replicate=dp_replicate,
-                   mesh=build_mesh("cpu", world, sp, dp_replicate))
+    lay = layout(sp, dp_replicate)
     torch.manual_seed(0)
     m = Stand()
     w0 = m.transformer_blocks[0].weight.detach().clone()
