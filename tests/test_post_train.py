@@ -342,15 +342,22 @@ def test_two_rank_layouts_train_resume_and_match_one_process(tiny_model, tmp_pat
     two, shared = LAYOUTS[layout]
     common += shared
 
-    def torchrun(*extra):
+    def torchrun(out, *extra):
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                             str(ROOT / "post_train.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"), *common,
-                            *two, "--output_dir", str(tmp_path / "two"), *extra],
+                            *two, "--output_dir", str(tmp_path / out), *extra],
                            capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
 
-    torchrun("--max_steps", "2")
-    torchrun("--max_steps", "3", "--resume_from_checkpoint", "latest")
+    torchrun("two", "--max_steps", "2")
+    torchrun("two", "--max_steps", "3", "--resume_from_checkpoint", "latest")
+    if layout == "fsdp_dp2":  # exact resume of a sharded run: 2 + 1 steps == 3 steps, bitwise, both on 2 ranks; the
+        # checkpoints load in one process (what generate.py --checkpoint_path does)
+        torchrun("straight", "--max_steps", "3")
+        assert _stable(read_metrics(tmp_path / "two" / "metrics.jsonl")) == \
+            _stable(read_metrics(tmp_path / "straight" / "metrics.jsonl"))
+        resumed, straight = _weights(tmp_path / "two"), _weights(tmp_path / "straight")
+        assert all(torch.equal(resumed[k], straight[k]) for k in straight)
     pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), *common, "--batch_size", "4", "--max_steps", "3",
              "--output_dir", str(tmp_path / "one")])
     a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("two", "one"))
