@@ -176,7 +176,7 @@ class OptimConfig:
     weight_decay: float = opt(0.01, "Decoupled weight decay.")
     max_steps: int = opt(10000, "Training steps (rollout + update rounds).")
     warmup_steps: int = opt(0, "Linear learning-rate warm-up in optimizer updates.")
-    gradient_accumulation_steps: int = opt(1, "Rollout rounds (steps) whose gradients are accumulated into one optimizer update: with 8 GPUs, batch_size 2 and 4 rounds an update sees the paper's 64 videos. The KL controller, the warm-up and the anchor refresh count optimizer updates.")
+    gradient_accumulation_steps: int = opt(1, "Rollout rounds (steps) whose gradients are accumulated into one optimizer update: an update sees rounds x batch_size x dp videos (dp = world_size / sp_size): on 8 GPUs with batch_size 2, the paper's 64 videos take 4 rounds at sp 1 and 8 rounds at sp 2. The KL controller, the warm-up and the anchor refresh count optimizer updates.")
     updates_per_rollout: int = opt(1, "Optimizer updates per rollout round, each on a disjoint share of the rank's samples (1 = the authors': the ratio of the update is then exactly 1 and clipping never acts; > 1 lets the ratio leave 1). Needs gradient_accumulation_steps 1.")
     max_grad_norm: float = opt(1.0, "Gradient-norm clip; <= 0 disables it.")
     use_muon: bool = opt(True, "Muon for >= 2-D weight matrices and AdamW for the rest; False = AdamW everywhere.")
