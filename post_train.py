@@ -54,18 +54,6 @@ def check_supported(cfg: Config, world_size: int) -> None:
         raise SageGRPOError("--train_video_csv is required: a prompt file (.csv with a `prompt` column, .txt or .jsonl)")
 
 
-def check_output_dir(path: str) -> Path:
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise SageGRPOError(f"--output_dir {path!r} is not writable ({e.strerror}); choose another directory") from None
-    return out
-
-
 # ------------------------------------------------------------------------------------------------------ setup
 
 
@@ -291,6 +279,7 @@ def load_validation_records(cfg: Config, prompts: list) -> list:
 
 
 def setup(cfg: Config, info, resume: Path | None) -> Run:
+    from sage_grpo.cli import check_writable_dir
     from sage_grpo.data import GroupSampler, read_prompts
     from sage_grpo.equalizer import equalizer_weights
     from sage_grpo.kl import AdaptiveKLController
@@ -304,7 +293,7 @@ def setup(cfg: Config, info, resume: Path | None) -> Run:
 
     m, r = cfg.model, cfg.rollout
     check_report_to(cfg.logging.report_to if info.is_main else "none")
-    out = check_output_dir(cfg.checkpoint.output_dir)
+    out = check_writable_dir(cfg.checkpoint.output_dir, "--output_dir")  # a private probe file per rank
     prompts = read_prompts(cfg.data.train_video_csv)
     val_records = load_validation_records(cfg, prompts)
     ensure_tiny_model(cfg, info)
@@ -703,7 +692,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     from sage_grpo.checkpoint import resolve_resume
     from sage_grpo.metrics import MetricsLogger, plot_curves
-    from sage_grpo.parallel.dist import destroy, init_distributed
+    from sage_grpo.parallel.dist import barrier, destroy, init_distributed
 
     cfg = load_config(argv, prog="post_train.py", description=__doc__)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -719,6 +708,7 @@ def main(argv: list[str] | None = None) -> Path:
                                        project=cfg.logging.wandb_project, config=config_to_dict(cfg),
                                        resume_step=run.step if resume is not None else None)
         train(run)
+        barrier()  # every rank done before any closes its connections (gloo aborts a peer still using them)
     finally:
         destroy()
     if info.is_main:

@@ -67,6 +67,14 @@ def test_steps_without_any_finite_reward_train_nothing_and_stop_after_the_limit(
     assert all(torch.equal(base[k], trained[k]) for k in base)  # no optimizer step on nothing (AdamW would move)
 
 
+def test_failed_rewards_are_masked_and_counted(tiny_model, tmp_path, monkeypatch):
+    _with_reward(monkeypatch, lambda b: [0])  # the first video of the step
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "1"))
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert row["reward/failed"] == 1 and row["train/masked_pairs"] == 4
+    assert math.isfinite(row["train/loss"]) and math.isfinite(row["train/grad_norm"])
+
+
 def test_a_failed_group_is_masked_while_the_others_train(tiny_model, tmp_path, monkeypatch):
     _with_reward(monkeypatch, lambda b: list(range(4)))  # the first group of 4 of a batch of 8
     pt.main(_args(tiny_model, tmp_path, "--max_steps", "1", "--batch_size", "8"))

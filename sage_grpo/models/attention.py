@@ -87,6 +87,18 @@ def _attend(query, key, value, lengths, backend):
     return torch.cat(outs, dim=0)
 
 
+def encoder_qkv(attn, encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The encoder tokens' query, key, value [B, T, H, d] with their QK-norm, as diffusers' processor makes them."""
+    eq = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+    ek = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+    ev = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+    if attn.norm_added_q is not None:
+        eq = attn.norm_added_q(eq)
+    if attn.norm_added_k is not None:
+        ek = attn.norm_added_k(ek)
+    return eq, ek, ev
+
+
 class ValidTokenAttnProcessor:
     """diffusers' `HunyuanVideo15AttnProcessor2_0` without the dense mask: attends over valid tokens only."""
 
@@ -119,13 +131,7 @@ class ValidTokenAttnProcessor:
         # 4: encoder tokens
         if encoder_hidden_states is not None:
             n_enc = encoder_hidden_states.shape[1]
-            encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            if attn.norm_added_q is not None:
-                encoder_query = attn.norm_added_q(encoder_query)
-            if attn.norm_added_k is not None:
-                encoder_key = attn.norm_added_k(encoder_key)
+            encoder_query, encoder_key, encoder_value = encoder_qkv(attn, encoder_hidden_states)
             query = torch.cat([query, encoder_query], dim=1)
             key = torch.cat([key, encoder_key], dim=1)
             value = torch.cat([value, encoder_value], dim=1)

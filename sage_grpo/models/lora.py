@@ -114,11 +114,9 @@ def saved_lora_settings(path: str | Path) -> dict | None:
         raise SageGRPOError(f"LoRA settings {cfg_path} are unreadable ({e}); fix or delete the file") from None
 
 
-def load_lora(transformer, path: str | Path) -> None:
-    """Load adapter weights saved by `save_lora` (or a peft directory) into the transformer's adapter.
-    Accepts keys with a `transformer.` / `base_model.model.` prefix. Unknown or missing LoRA keys are an error."""
-    from peft import set_peft_model_state_dict
-
+def read_adapter(path: str | Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """An adapter file (or a directory holding adapter_model.safetensors) -> (its path, the weights in peft's key
+    layout, with a `transformer.` / `base_model.model.` prefix removed)."""
     path = Path(path)
     if path.is_dir():
         path = path / ADAPTER_FILE
@@ -127,6 +125,15 @@ def load_lora(transformer, path: str | Path) -> None:
     state = load_file(path)
     for prefix in ("base_model.model.", "transformer."):
         state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    return path, state
+
+
+def load_lora(transformer, path: str | Path) -> None:
+    """Load adapter weights saved by `save_lora` (or a peft directory) into the transformer's adapter.
+    Accepts keys with a `transformer.` / `base_model.model.` prefix. Unknown or missing LoRA keys are an error."""
+    from peft import set_peft_model_state_dict
+
+    path, state = read_adapter(path)
     expected = set(lora_state_dict(transformer))
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:

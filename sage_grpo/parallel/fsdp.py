@@ -343,19 +343,10 @@ def sharded_lora_state(transformer) -> dict[str, torch.Tensor]:
 
 def load_lora_sharded(transformer, path) -> None:
     """`load_lora` for an FSDP2 model: every rank reads the adapter file and copies its own rows (no collective)."""
-    from safetensors.torch import load_file
-
     from sage_grpo.errors import SageGRPOError
-    from sage_grpo.models.lora import ADAPTER_FILE, ADAPTER_NAME, adapter_parameters
+    from sage_grpo.models.lora import ADAPTER_NAME, adapter_parameters, read_adapter
 
-    path = Path(path)
-    if path.is_dir():
-        path = path / ADAPTER_FILE
-    if not path.is_file():
-        raise SageGRPOError(f"LoRA adapter not found: {path}")
-    state = load_file(path)
-    for prefix in ("base_model.model.", "transformer."):
-        state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    path, state = read_adapter(path)
     params = {n.replace(f".{ADAPTER_NAME}.", "."): p for n, p in adapter_parameters(transformer).items()}
     if sorted(params) != sorted(state):
         raise SageGRPOError(f"LoRA adapter {path} does not fit the model (check --lora_r / --lora_target_modules)")

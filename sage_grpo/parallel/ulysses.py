@@ -40,6 +40,7 @@ from sage_grpo.models.attention import (
     ValidTokenAttnProcessor,
     _attend,
     _dual_stream_blocks,
+    encoder_qkv,
     use_valid_token_attention,
     valid_lengths,
 )
@@ -210,13 +211,7 @@ class UlyssesAttnProcessor(ValidTokenAttnProcessor):
         n_enc = 0
         if encoder_hidden_states is not None:
             n_enc = encoder_hidden_states.shape[1]
-            eq = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            ek = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            ev = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            if attn.norm_added_q is not None:
-                eq = attn.norm_added_q(eq)
-            if attn.norm_added_k is not None:
-                ek = attn.norm_added_k(ek)
+            eq, ek, ev = encoder_qkv(attn, encoder_hidden_states)
             query = torch.cat([query, eq[:, :, mine]], dim=1)  # [B, S + T, H/P, d]
             key = torch.cat([key, ek[:, :, mine]], dim=1)
             value = torch.cat([value, ev[:, :, mine]], dim=1)

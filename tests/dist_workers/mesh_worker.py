@@ -55,4 +55,5 @@ out["names"] = names
 out["scores"] = scores.tolist()
 out["scored"] = reward.scored
 Path(sys.argv[1], f"rank{info.rank}.json").write_text(json.dumps(out))
+dist.barrier()  # no rank closes its gloo connections while a peer still uses them
 dist.destroy_process_group()
