@@ -23,7 +23,7 @@ from torch import Tensor
 
 from sage_grpo.data import PromptRecord
 from sage_grpo.seeding import prompt_noise_seed
-from sage_grpo.video import write_prompt_file, write_video
+from sage_grpo.video import write_prompt_file, write_text_atomic, write_video
 
 __all__ = ["sample_videos", "write_sample", "sample_stem", "slug"]
 
@@ -90,5 +90,5 @@ def write_sample(path: str | Path, frames: Tensor, *, prompt: str, fps: int, met
     write_video(path, frames, fps=fps)
     write_prompt_file(path, prompt)
     if meta is not None:
-        path.with_name(path.stem + "_config.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+        write_text_atomic(path.with_name(path.stem + "_config.json"), json.dumps(meta, indent=1, default=str) + "\n")
     return path

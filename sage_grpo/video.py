@@ -8,6 +8,7 @@ imageio-ffmpeg is one clear error (`check_mp4_support`) instead of imageio falli
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ __all__ = [
     "read_video",
     "write_prompt_file",
     "read_prompt_file",
+    "write_text_atomic",
 ]
 
 _FFMPEG_HINT = "pip install imageio-ffmpeg (a dependency of this package: pip install -e .)"
@@ -75,10 +77,17 @@ def write_video(path: str | Path, frames: Tensor, fps: float = 24, quality: floa
         opts = dict(codec="libx264rgb", quality=None, pixelformat="rgb24", output_params=["-crf", "0"])
     else:
         opts = dict(codec="libx264", quality=quality, pixelformat="yuv420p")
-    # macro_block_size=1 keeps odd sizes (tiny videos) unresized; yuv420p still needs even sizes, ffmpeg pads them.
-    with imageio.get_writer(path, format="FFMPEG", fps=fps, macro_block_size=1, ffmpeg_log_level="error", **opts) as w:
-        for frame in data:
-            w.append_data(frame)
+    # written beside the target and renamed when complete: an interrupted write leaves no half-written mp4
+    tmp = path.with_name(f".{path.stem}.partial{path.suffix}")
+    try:
+        # macro_block_size=1 keeps odd sizes (tiny videos) unresized; yuv420p still needs even sizes, ffmpeg pads.
+        with imageio.get_writer(tmp, format="FFMPEG", fps=fps, macro_block_size=1, ffmpeg_log_level="error",
+                                **opts) as w:
+            for frame in data:
+                w.append_data(frame)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -102,8 +111,18 @@ def read_video(path: str | Path) -> tuple[Tensor, float]:
 
 def write_prompt_file(video_path: str | Path, prompt: str) -> Path:
     """`<stem>.txt` beside the video holding the exact prompt (UTF-8, one trailing newline added)."""
-    path = Path(video_path).with_suffix(".txt")
-    path.write_text(prompt + "\n", encoding="utf-8")
+    return write_text_atomic(Path(video_path).with_suffix(".txt"), prompt + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """`path` holds `text` (UTF-8) or is left as it was: written beside it, then renamed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

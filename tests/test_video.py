@@ -35,3 +35,36 @@ def test_prompt_file(tmp_path):
     assert read_prompt_file(v) == "windows prompt"
     (tmp_path / "a.txt").write_text("   \n")
     assert read_prompt_file(v) is None
+
+
+def test_an_interrupted_write_leaves_the_old_file_and_no_partial_one(tmp_path, monkeypatch):
+    import imageio.v2 as imageio
+
+    from sage_grpo.video import read_video, write_text_atomic, write_video
+
+    path = tmp_path / "v.mp4"
+    old = torch.zeros(3, 3, 16, 16)
+    write_video(path, old, fps=8)
+    real = imageio.get_writer
+
+    def dying_writer(*a, **k):
+        w = real(*a, **k)
+
+        def append(frame):
+            raise KeyboardInterrupt  # Ctrl-C half-way through the frames
+
+        w.append_data = append
+        return w
+
+    monkeypatch.setattr(imageio, "get_writer", dying_writer)
+    with pytest.raises(KeyboardInterrupt):
+        write_video(path, torch.ones(3, 3, 16, 16), fps=8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"]
+    frames, _ = read_video(path)
+    assert float(frames.max()) < 0.1  # still the old (black) video
+
+    monkeypatch.setattr(type(path), "write_text", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space")))
+    (tmp_path / "p.txt").write_bytes(b"old\n")
+    with pytest.raises(OSError):
+        write_text_atomic(tmp_path / "p.txt", "new\n")
+    assert (tmp_path / "p.txt").read_bytes() == b"old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "v.mp4"]
