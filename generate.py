@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     written = []
     t0 = time.time()
     for rec, frames in sample_videos(pipe, cache, mine, settings=settings, shape=shape, base_seed=args.seed,
-                                     negative_prompt=args.negative_prompt,
+                                     negative_prompt=args.negative_prompt, decode=writer,
                                      show_progress=rank == 0 and show_progress(args.verbose)):
         path = _output_file(args, rec, single)
         if not writer:

@@ -566,7 +566,7 @@ def validation(run: Run, step: int) -> dict:
     for j, (rec, frames) in enumerate(sample_videos(
             run.pipe, run.cache, todo, settings=run.val_settings, shape=run.val_shape,
             base_seed=cfg.validation.validation_seed, negative_prompt=cfg.rollout.neg_prompt,
-            show_progress=info.is_main)):
+            show_progress=info.is_main, decode=info.sp_rank == 0)):
         if j >= len(mine) or info.sp_rank != 0:  # padding, or an sp peer's copy: the sp leader writes and scores
             continue
         score = run.reward(frames[None].to(info.device), [rec.prompt])

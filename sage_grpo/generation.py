@@ -49,7 +49,8 @@ def sample_videos(
     base_seed: int,
     negative_prompt: str,
     show_progress: bool = False,
-) -> Iterator[tuple[PromptRecord, Tensor]]:
+    decode: bool = True,
+) -> Iterator[tuple[PromptRecord, Tensor | None]]:
     """Sample one video per record and yield (record, frames [F, 3, H, W] float32 in [0, 1], on CPU).
 
     pipe: a loaded HunyuanVideo-1.5 pipeline (`sage_grpo.models.loading.load_pipeline`): its transformer, VAE and
@@ -57,7 +58,9 @@ def sample_videos(
     fly (precompute and offload the encoders first to keep them off the device). records: this rank's share.
     settings: `sage_grpo.rollout.SamplerSettings` (`sde_type="ode"` for validation; an SDE sampler with its eta and
     sage_clamp otherwise). shape: latent [C, F, H, W] from `sage_grpo.rollout.latent_shape`. The transformer runs in
-    eval mode (LoRA dropout off) and gets its previous mode back afterwards.
+    eval mode (LoRA dropout off) and gets its previous mode back afterwards. decode=False yields None for the frames
+    (the sequence-parallel peers of the rank that writes: they join every transformer forward, but the VAE decode
+    is not collective and need not be repeated).
     """
     from sage_grpo.rollout import decode_latents, rollout
 
@@ -75,6 +78,9 @@ def sample_videos(
                 latent_shape=shape, settings=settings, image_tokens=pipe.vision_num_semantic_tokens,
                 base_seed=base_seed, show_progress=show_progress,
             )
+            if not decode:
+                yield rec, None
+                continue
             frames = decode_latents(pipe.vae, traj.final_latents)[0]  # [F, 3, H, W] fp32 in [0, 1]
             yield rec, frames.cpu()
     finally:

@@ -35,6 +35,22 @@ def test_sample_videos_yields_frames_per_record_independent_of_the_others(tiny_p
     assert torch.equal(alone, out[1][1])
 
 
+def test_sample_videos_without_decode_runs_the_transformer_but_not_the_vae(tiny_pipe, text_cache, monkeypatch):
+    """What the sequence-parallel peers of the writing rank do: every forward, no decode."""
+    calls = {"transformer": 0, "vae": 0}
+    hook = tiny_pipe.transformer.register_forward_pre_hook(
+        lambda *a: calls.__setitem__("transformer", calls["transformer"] + 1))
+    real = tiny_pipe.vae.decode
+    monkeypatch.setattr(tiny_pipe.vae, "decode", lambda *a, **k: (calls.__setitem__("vae", calls["vae"] + 1), real(*a, **k))[1])
+    try:
+        out = _sample(tiny_pipe, text_cache, [PromptRecord("a cat", 0)], decode=False)
+        assert [f for _, f in out] == [None] and calls == {"transformer": 2, "vae": 0}
+        _sample(tiny_pipe, text_cache, [PromptRecord("a cat", 0)])
+        assert calls == {"transformer": 4, "vae": 1}
+    finally:
+        hook.remove()
+
+
 def test_noise_seed_folds_in_the_prompt(tiny_pipe, text_cache, monkeypatch):
     """Equal seed columns no longer give different prompts the same noise: the rollout gets prompt_noise_seed."""
     import sage_grpo.rollout as rollout_mod
