@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Single-node launcher. The authors' example (one 8-GPU node, sp 2 in their scripts; sp 1 and replicated weights here
-# until FSDP2/Ulysses land):
+# Single-node launcher (FSDP2 + Ulysses sp 2 with the default CONFIG). The authors' example for one 8-GPU node, whose
+# flags this repository accepts unchanged:
 #   torchrun --nproc_per_node=8 post_train.py --pretrained_model_root ./ckpts --learning_rate 1e-5 --batch_size 2 \
 #     --num_generations 4 --max_steps 10000 --output_dir ./outputs --enable_gradient_checkpointing \
 #     --sde_type sage_grpo --use_grad_balancing True --enable_timestep_permutation True --kl_weight 1e-5 \
