@@ -16,6 +16,9 @@ if [ -z "${NGPU:-}" ]; then
   NGPU=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
 fi
 CONFIG="${CONFIG:-configs/single_node_8gpu.yaml}"
+# On SIGTERM/SIGINT torchrun forwards the signal and kills the workers after this many seconds; post_train.py needs
+# the rest of the current step plus a checkpoint (torch's default is 30 s).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-1800}"
 resume=()
 if [ "${AUTO_RESUME:-0}" = "1" ]; then
   resume=(--resume_from_checkpoint latest)

@@ -44,6 +44,9 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 MASTER_PORT="${MASTER_PORT:-29500}"
 CONFIG="${CONFIG:-configs/multinode_64gpu.yaml}"
+# On SIGTERM/SIGINT torchrun forwards the signal and kills the workers after this many seconds; post_train.py needs
+# the rest of the current step plus a checkpoint (torch's default is 30 s).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-1800}"
 resume=()
 if [ "${AUTO_RESUME:-0}" = "1" ]; then
   resume=(--resume_from_checkpoint latest)

@@ -168,3 +168,33 @@ def test_kill_9_loses_at_most_the_steps_since_the_last_checkpoint(tiny_model, tm
     assert f"resumed from {tmp_path / f'checkpoint-{last}'} at step {last}" in r.stdout
     steps = [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")]
     assert steps == list(range(1, last + 3))  # rows past the checkpoint were rewritten, not duplicated
+
+
+@pytest.mark.dist
+def test_sigterm_to_torchrun_checkpoints_on_every_rank(tiny_model, tmp_path):
+    """A scheduler's SIGTERM to torchrun: it forwards the signal, both ranks finish the step, agree, write one
+    checkpoint and exit; the run resumes from it."""
+    out = tmp_path / "run"
+    args = _args(tiny_model, out, "--max_steps", "200", "--batch_size", "2", "--log_interval", "1")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(ROOT / "post_train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"})
+    try:
+        deadline = time.time() + 300
+        while not (out / "metrics.jsonl").exists() or len(read_metrics(out / "metrics.jsonl")) < 2:
+            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before step 2"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [(step, _)] = list_checkpoints(out)
+    assert 2 <= step < 200 and f"stopped by SIGTERM after step {step}; checkpoint-{step} is saved" in log
+    assert log.count("SIGTERM: finishing this step") == 2  # both workers got it from torchrun
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "post_train.py"), *_args(tiny_model, out, "--max_steps", str(step + 1),
+                                                             "--batch_size", "2", "--resume_from_checkpoint", "latest")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [s for s, _ in list_checkpoints(out)] == [step, step + 1]
