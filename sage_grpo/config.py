@@ -93,7 +93,7 @@ class ModelConfig:
 class ParallelConfig:
     """Distributed layout: dp_degree = world_size / sp_size."""
 
-    enable_fsdp: bool = opt(True, "Shard the policy with FSDP2 (per transformer block, then the root).")
+    enable_fsdp: bool = opt(True, "Shard the policy, its gradients, optimizer state and anchor with FSDP2 (per transformer block, then the root) over the dp_shard x sp ranks; one process (no torchrun) trains unsharded. False = every rank holds the whole model and gradients are all-reduced.")
     sp_size: int = opt(1, "Ulysses sequence-parallel degree; must divide world_size and the head count (16). The authors' argparse default is 8 and their launch scripts use 2; ours is 1 so that one process runs out of the box (the paper configs set 2).")
     dp_replicate: int = opt(1, "HSDP replication degree (FSDP shards within groups of dp_degree / dp_replicate ranks).")
 
