@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,14 +215,13 @@ def load_policy(cfg: Config, info):
     whole model); otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
     from sage_grpo.models.loading import load_pipeline, locate_model
     from sage_grpo.models.lora import setup_trainable
+    from sage_grpo.parallel.ulysses import enable_sequence_parallel
 
     m = cfg.model
     dtype = torch_dtype(m.dtype)
     lora = dict(use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
                 lora_target_modules=m.lora_target_modules, pretrained_lora_path=m.pretrained_lora_path)
     if uses_fsdp(cfg, info):
-        import warnings
-
         from sage_grpo.parallel.fsdp import load_sharded_transformer
 
         # the velocity the root returns is a view; predict_velocity never modifies it in place, which is what
@@ -248,8 +248,6 @@ def load_policy(cfg: Config, info):
             transformer.enable_gradient_checkpointing()
     # Ulysses inside each sp group: full inputs and outputs on every sp rank, partial gradients (summed over sp by
     # FSDP2's divide factor dp, or by `sync_gradients`)
-    from sage_grpo.parallel.ulysses import enable_sequence_parallel
-
     enable_sequence_parallel(transformer, info.sp_group)
     return pipe, transformer, trainable
 
