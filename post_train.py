@@ -99,10 +99,9 @@ class Anchor:
     `synced`: the anchor equals the current policy (initial, or just refreshed, and no update since)."""
 
     def __init__(self, transformer, cfg: Config, info):
-        from sage_grpo.kl import kl_variant
+        from sage_grpo.kl import uses_position_kl
 
-        self.variant = kl_variant(cfg.kl)
-        self.uses_pos = self.variant in ("fixed", "moving", "dual", "dual_fixed")
+        self.uses_pos = uses_position_kl(cfg.kl)
         self.moving = cfg.kl.use_moving_KL and self.uses_pos
         self.every = cfg.kl.update_ref_model_step
         self.offload = cfg.kl.reference_mode_offload
@@ -119,8 +118,9 @@ class Anchor:
         if self.lora:
             if self.moving:
                 from sage_grpo.models.lora import adapter_parameters
+                from sage_grpo.parallel.fsdp import clone_local_shards
 
-                self.adapter = {k: p.detach().clone() for k, p in adapter_parameters(transformer).items()}
+                self.adapter = clone_local_shards(adapter_parameters(transformer))
         elif uses_fsdp(cfg, info):
             from sage_grpo.parallel.fsdp import ShardedAnchor
             from sage_grpo.parallel.ulysses import enable_sequence_parallel
@@ -138,17 +138,19 @@ class Anchor:
 
     @torch.no_grad()
     def refresh(self, updates: int) -> None:
-        """Copy the policy into the anchor (parameter to parameter: each rank its own shards under FSDP2)."""
+        """Copy the policy into the anchor (parameter to parameter: each rank its own shards under FSDP2, no
+        collective, no full tensor)."""
+        from sage_grpo.parallel.fsdp import copy_local_shards_
+
         if self.lora:
             from sage_grpo.models.lora import adapter_parameters
 
-            for k, p in adapter_parameters(self.transformer).items():
-                self.adapter[k].copy_(p)
+            live = adapter_parameters(self.transformer)
+            copy_local_shards_([self.adapter[k] for k in live], list(live.values()))
         elif self.sharded is not None:
-            self.sharded.refresh()  # local shard to local shard: no collective, no full tensor
+            self.sharded.refresh()
         else:
-            for a, p in zip(self.model.parameters(), self.transformer.parameters()):
-                a.copy_(p)
+            copy_local_shards_(list(self.model.parameters()), list(self.transformer.parameters()))
         self.refreshed_at, self.synced = updates, True
 
     @contextmanager
@@ -162,18 +164,15 @@ class Anchor:
                 self.transformer.enable_adapters()
         elif self.lora:
             from sage_grpo.models.lora import adapter_parameters
+            from sage_grpo.parallel.fsdp import clone_local_shards, copy_local_shards_
 
             live = adapter_parameters(self.transformer)
-            saved = {k: p.detach().clone() for k, p in live.items()}
-            with torch.no_grad():
-                for k, p in live.items():
-                    p.copy_(self.adapter[k])
+            saved = clone_local_shards(live)
+            copy_local_shards_(list(live.values()), [self.adapter[k] for k in live])
             try:
                 yield self.transformer
             finally:
-                with torch.no_grad():
-                    for k, p in live.items():
-                        p.copy_(saved[k])
+                copy_local_shards_(list(live.values()), [saved[k] for k in live])
         else:
             move = self.offload and self.sharded is None  # FSDP2 brings offloaded shards to the device itself
             if move:
@@ -400,9 +399,9 @@ def score_videos(run: Run, traj) -> tuple[list[str], torch.Tensor]:
     return names, mine[:b]
 
 
-def reward_phase(run: Run, traj) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
+def reward_phase(run: Run, traj) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Score, gather the rewards of all data-parallel ranks (a group may span several), group-relative advantages
-    -> (my components, my advantages [b], my valid [b], metrics)."""
+    -> (my advantages [b], my valid [b], metrics)."""
     from sage_grpo.advantage import group_advantages
     from sage_grpo.parallel.dist import all_gather_cat
 
@@ -430,7 +429,7 @@ def reward_phase(run: Run, traj) -> tuple[dict, torch.Tensor, torch.Tensor, dict
     metrics["adv/abs_mean"] = float(adv[valid].abs().mean()) if valid.any() else 0.0
     metrics["adv/max"] = float(adv.max())
     metrics["adv/min"] = float(adv.min())
-    return {k: mine[:, j].cpu() for j, k in enumerate(names)}, adv[sl].clone(), valid[sl].clone(), metrics
+    return adv[sl].clone(), valid[sl].clone(), metrics
 
 
 def plan_round(run: Run, traj) -> torch.Tensor:
@@ -472,7 +471,6 @@ def update_phase(run: Run, traj, adv, valid, batches: list, metrics: dict) -> No
     """Backpropagate the round's GRPO loss; take the optimizer step(s) when an update is complete."""
     from sage_grpo.grpo import UpdateStats, grpo_backward
     from sage_grpo.kl import kl_term_weights
-    from sage_grpo.optim import clip_grad_norm, lr_at
     from sage_grpo.parallel.dist import all_reduce_sum
     from sage_grpo.rollout import policy_step
 
@@ -513,13 +511,16 @@ def update_phase(run: Run, traj, adv, valid, batches: list, metrics: dict) -> No
         run.accum_rounds += 1 if cfg.optim.updates_per_rollout == 1 else 0
         if cfg.optim.updates_per_rollout == 1 and run.accum_rounds < accum:
             continue
-        optimizer_step(run, metrics, clip_grad_norm, lr_at, all_reduce_sum)
+        optimizer_step(run, metrics)
     metrics.update(total.summary())
     metrics["train/masked_pairs"] = total.masked_pairs
 
 
-def optimizer_step(run: Run, metrics: dict, clip_grad_norm, lr_at, all_reduce_sum) -> None:
+def optimizer_step(run: Run, metrics: dict) -> None:
     """Sync, clip, step, count; then the KL controller moves with the rank-averaged L_KL of the update."""
+    from sage_grpo.optim import clip_grad_norm, lr_at
+    from sage_grpo.parallel.dist import all_reduce_sum
+
     cfg, info = run.cfg, run.info
     sync_gradients(run.trainable, info, uses_fsdp(cfg, info))
     norm = clip_grad_norm(run.trainable, cfg.optim.max_grad_norm)  # identical on every rank after the all-reduce
@@ -606,18 +607,17 @@ def save(run: Run) -> Path:
 
 
 def write_checkpoint(run: Run) -> Path:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from sage_grpo.checkpoint import save_checkpoint
     from sage_grpo.models.lora import merged_state_dict, save_lora
-    from sage_grpo.parallel.fsdp import gather_full, model_state_dict, sharded_lora_state
+    from sage_grpo.parallel.fsdp import gather_full, sharded_lora_state
 
     fsdp, lora = uses_fsdp(run.cfg, run.info), run.cfg.model.use_lora
     a = run.anchor
-    anchor_state = None if (a.model is None or a.is_initial) else model_state_dict(a.model)  # DTensors under FSDP2
-    anchor_lora = None
-    if a.adapter is not None and not a.is_initial:  # small: gathered whole (collective), rank 0 writes it
-        anchor_lora = gather_full(a.adapter) if fsdp else a.adapter
+    anchor_state = None if (a.model is None or a.is_initial) else get_model_state_dict(a.model)  # DTensors under FSDP2
+    # small: gathered whole under FSDP2 (collective, every rank), then rank 0 writes it
+    anchor_lora = None if (a.adapter is None or a.is_initial) else gather_full(a.adapter)
     lora_state = sharded_lora_state(run.transformer) if (fsdp and lora) else None  # collective, before rank 0 writes
     return save_checkpoint(
         run.cfg.checkpoint.output_dir, run.step, rank=run.info.rank,
@@ -631,16 +631,16 @@ def write_checkpoint(run: Run) -> Path:
 
 def load_checkpoint(run: Run, path: Path) -> None:
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from sage_grpo.checkpoint import dcp_load, exactness_diff, load_rng_state, read_train_state
     from sage_grpo.models.lora import load_lora
-    from sage_grpo.parallel.fsdp import (
-        copy_full_into_shards_,
-        load_lora_sharded,
-        load_model_state_dict,
-        model_state_dict,
-    )
+    from sage_grpo.parallel.fsdp import copy_full_into_shards_, load_lora_sharded
 
     state = read_train_state(path)
     diffs = exactness_diff(state["config"], config_to_dict(run.cfg))
@@ -651,18 +651,18 @@ def load_checkpoint(run: Run, path: Path) -> None:
     if run.cfg.model.use_lora:
         (load_lora_sharded if fsdp else load_lora)(run.transformer, path / "lora")
     else:
-        model = {"model": model_state_dict(run.transformer)}
+        model = {"model": get_model_state_dict(run.transformer)}
         dcp_load(model, path / "transformer", "transformer weights")
-        load_model_state_dict(run.transformer, model["model"])
+        set_model_state_dict(run.transformer, model["model"])
     opt = {"optimizer": get_optimizer_state_dict(run.transformer, run.optimizer.optimizers)}
     dcp_load(opt, path / "optimizer", "optimizer state")
     set_optimizer_state_dict(run.transformer, run.optimizer.optimizers, opt["optimizer"])
     a = run.anchor
     a.synced, a.refreshed_at = bool(state["anchor"]["synced"]), int(state["anchor"]["refreshed_at"])
     if a.model is not None and not a.is_initial:
-        anchor = {"model": model_state_dict(a.model)}
+        anchor = {"model": get_model_state_dict(a.model)}
         dcp_load(anchor, path / "anchor", "anchor weights")
-        load_model_state_dict(a.model, anchor["model"])
+        set_model_state_dict(a.model, anchor["model"])
     if a.adapter is not None and not a.is_initial:
         copy_full_into_shards_(a.adapter, load_file(path / "anchor_lora.safetensors"))  # plain tensors: a copy
     run.controller.load_state_dict(state["controller"])
@@ -733,7 +733,7 @@ def train(run: Run) -> None:
             metrics: dict = {"kl/anchor_synced": int(run.anchor.synced)}
             traj = rollout_phase(run)
             t1 = time.perf_counter()
-            _, adv, valid, m = reward_phase(run, traj)
+            adv, valid, m = reward_phase(run, traj)
             metrics.update(m)
             t2 = t3 = time.perf_counter()
             # no finite reward on any rank (every rank sees the gathered rewards, so all agree): nothing to learn

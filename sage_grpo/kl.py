@@ -19,6 +19,7 @@ from torch import Tensor
 
 __all__ = [
     "KL_VAR_EPS",
+    "uses_position_kl",
     "kl_position",
     "kl_velocity",
     "dual_kl",
@@ -80,6 +81,11 @@ def kl_variant(kl_cfg) -> str:
             return "stepwise"
         return "dual" if kl_cfg.use_moving_KL else "dual_fixed"
     return "moving" if kl_cfg.use_moving_KL else "fixed"
+
+
+def uses_position_kl(kl_cfg) -> bool:
+    """Whether the selected variant has the position term KL_pos, i.e. needs an anchor model."""
+    return kl_variant(kl_cfg) in ("fixed", "moving", "dual", "dual_fixed")
 
 
 def kl_term_weights(kl_cfg) -> tuple[float, float]:

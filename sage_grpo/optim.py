@@ -51,39 +51,10 @@ load would fail; DCP's own lazy initialisation would also leave AdamW's step cou
 
 Muon under FSDP2
 ----------------
-FSDP2 stores each parameter, its gradient and Muon's momentum buffer as a DTensor sharded by rows (Shard(0)) over
-the data-parallel mesh. Newton-Schulz needs the whole matrix (X X^T couples all rows), so:
-- `torch.optim.Muon` on the DTensors is correct as it stands: DTensor inserts the collectives inside the matmuls
-  and `param.shape` is the global shape, so the 0.2 * sqrt(max(A, B)) scaling is right. It costs about 16
-  collectives per matrix per step (~750 matrices in HunyuanVideo-1.5), every rank repeats every Newton-Schulz
-  iteration, and it matched unsharded Muon only to bf16 rounding (stack notes). Good as the first sharded version.
-- The efficient scheme, built as `sage_grpo.parallel.muon.ShardedMuon` (a subclass of torch.optim.Muon that
-  overrides `step`, so the state dict stays `momentum_buffer` per parameter and checkpoints are interchangeable);
-  `build_optimizer` picks it when the Muon parameters are DTensors (one gather + one scatter per matrix, owners
-  round-robin; tested bitwise equal to torch.optim.Muon on 2 gloo ranks):
-  1. momentum (lerp, Nesterov) is element-wise: update the local row shards, no communication;
-  2. order the Muon matrices identically on every rank (parameter order of the group) and give matrix i an owner
-     rank, round-robin i % world (or greedy by numel for balance);
-  3. per batch of `world` matrices, one all-to-all sends every rank's row shard of matrix i to its owner (a
-     gather to the owner), padding uneven FSDP2 shards (rows not divisible by the world size) to the same length;
-  4. the owner runs the same bf16 Newton-Schulz on the full matrix (torch's `_zeropower_via_newtonschulz`);
-  5. a second all-to-all returns each rank its rows of the orthogonalised update (scatter);
-  6. every rank applies lr * wd decay and the update to its local shard, with the lr scaling from the GLOBAL shape
-     (a `to_local()` shape would give a wrong 0.2 * sqrt(max(A, B))).
-  Gathers and scatters move values without arithmetic and the owner computes on the same full matrix, so the result
-  equals single-process Muon bitwise, with two all-to-alls per batch instead of ~16 collectives per matrix and no
-  redundant Newton-Schulz. With HSDP (`--dp_replicate > 1`) gradients are already reduced over the replicate axis:
-  own matrices over the shard axis only (replicas compute the same owners' work). Sequence-parallel ranks hold
-  replicated parameters after their gradient all-reduce and need nothing extra.
-  Implementations read (through the project's code search) for this plan: torchtitan
-  `torchtitan/components/distributed_muon.py` (`DistributedMuon`: an `Owned` placement balances complete matrices
-  over bucket participants, a bucketed redistribution moves storage shards to the compute placement and back);
-  microsoft/dion `dion/muon.py` (also vendored as torchtitan `experiments/dion_optimizer/muon.py`: "Distributed Muon
-  optimizer for PyTorch FSDP2", batches of world-size matrices padded with `pad_batch`, all-to-all to owners and
-  back); samsja/muon_fsdp_2 `src/muon_fsdp2/__init__.py` (the plainest form: `dest_rank = i % world`, `gather` to
-  the owner, Newton-Schulz, `scatter` back); the design note `torch/optim/PROJECT.md` in vchiley/pytorch (assign /
-  gather / redistribute functions, one owner per parameter); Moonshot's "Muon is Scalable" (arXiv 2502.16982,
-  Distributed Muon over ZeRO-1 shards). Torch itself has no distributed Muon.
+Newton-Schulz needs whole matrices while FSDP2 holds row shards: `build_optimizer` picks
+`sage_grpo.parallel.muon.ShardedMuon` when the Muon parameters are DTensors (each matrix gathered on an owner rank,
+orthogonalised with torch's Newton-Schulz, its rows scattered back; the scheme, its sources and why it subclasses
+torch's Muon are in that module's docstring).
 
 Gradient clipping
 -----------------

@@ -494,6 +494,8 @@ def _median(xs):
 def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s: float, pipeline) -> dict:
     import torch
 
+    from sage_grpo.kl import kl_variant
+
     mins = minimum_per_step(cfg, len(steps))
     per_step = []
     for rec, mn in zip(steps, mins):
@@ -545,7 +547,7 @@ def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s
         "video_tokens": video_tokens(run), "latent_shape": list(run.shape),
         "batch_size": cfg.data.batch_size, "sampling_steps": cfg.rollout.grpo_sampling_steps,
         "cfg_scale": cfg.rollout.cfg_scale, "trained_steps_per_sample": minimum_trained_k(cfg),
-        "kl_variant": run.anchor.variant, "kl_compute_mode": cfg.kl.kl_compute_mode,
+        "kl_variant": kl_variant(cfg.kl), "kl_compute_mode": cfg.kl.kl_compute_mode,
         "steps": len(per_step), "steps_timed": [s["step"] for s in timed],
         "at_minimum": all(s["at_minimum"] for s in per_step) and text["at_minimum"],
         "text_encoder": text,

@@ -35,8 +35,7 @@ anchor are sharded over dp_shard * sp ranks (HSDP replicates that over dp_replic
 blocks (current + prefetch) and the root unit (embedders, refiner, output layer) in `--fsdp_param_dtype`
 (MixedPrecisionPolicy(param_dtype=--dtype, reduce_dtype=fp32)), the backward one block's unsharded fp32 gradient.
 Without FSDP every rank holds everything, and bf16 autocast over fp32 master weights caches a bf16 copy of every
-trainable weight for the duration of a forward. post_train.wrap_model did not call the FSDP2 sharding yet when this
-was written: until it does, plan with --enable_fsdp False to see what a launch does.
+trainable weight for the duration of a forward (--enable_fsdp False, or one process).
 Ulysses sequence parallelism splits the video tokens over sp ranks; the text tokens are replicated on every sp rank
 except inside attention (after the all-to-all each rank holds all tokens for heads / sp).
 
@@ -266,9 +265,9 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t["gradients"] = trainable * mw / shard
     states = (muon * 1 + (trainable - muon) * 2) if o.use_muon else trainable * 2
     t["optimizer state"] = states * mw / shard
-    from sage_grpo.kl import kl_variant
+    from sage_grpo.kl import uses_position_kl
 
-    uses_pos = kl_variant(cfg.kl) in ("fixed", "moving", "dual", "dual_fixed")
+    uses_pos = uses_position_kl(cfg.kl)
     if not uses_pos:
         anchor = 0.0
     elif m.use_lora:

@@ -108,11 +108,12 @@ def test_controller_from_the_authors_flags():
 ])
 def test_kl_variants_from_flags(argv, variant, weights):
     from sage_grpo.config import load_config
-    from sage_grpo.kl import KL_VARIANTS, kl_term_weights, kl_variant
+    from sage_grpo.kl import KL_VARIANTS, kl_term_weights, kl_variant, uses_position_kl
 
     kl = load_config(argv).kl
     assert kl_variant(kl) == variant and variant in KL_VARIANTS
     assert kl_term_weights(kl) == weights
+    assert uses_position_kl(kl) == (weights[0] > 0)  # an anchor model exactly when KL_pos has a weight
 
 
 @pytest.mark.parametrize("direction,high,low", [("paper", 0.9, 1.1), ("classic", 1.1, 0.9)])

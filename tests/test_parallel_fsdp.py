@@ -117,7 +117,7 @@ def test_fsdp_load_anchor_and_dcp(tmp_path):
         # update equals the uninterrupted run's
         assert d["model_equal"] and d["optim_equal"] and d["next_step_equal"] and d["muon_class"] == "ShardedMuon"
     # the 2-rank checkpoint loads in one process (no process group), as generate.py --checkpoint_path does
-    whole = torch.load(tmp_path / "full_after_step.pt")
+    whole = torch.load(tmp_path / "full_after_step.pt", weights_only=True)
     m = HunyuanVideo15Transformer3DModel(**config)
     load_dcp_transformer(m, tmp_path / "ckpt" / "transformer")
     got = m.state_dict()

@@ -367,3 +367,20 @@ def test_trains_against_the_tiny_videoreward(tiny_model, tmp_path):
         for key in ("reward/VQ_mean", "reward/MQ_mean", "reward/TA_mean", "reward/total_mean", "train/grad_norm"):
             assert math.isfinite(r[key]), (key, r[key])
         assert r["reward/failed"] == 0
+
+
+@pytest.mark.dist
+def test_fsdp_keeps_bf16_master_weights(tiny_model, tmp_path):
+    """--master_weight_type bf16 under FSDP2: the meta-built model takes the master dtype before sharding (as
+    from_pretrained(torch_dtype=...) does unsharded), trains, and its checkpoint holds bf16 weights."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "post_train.py"), *_args(tiny_model, tmp_path, "--max_steps", "1", "--batch_size",
+                        "2", "--enable_fsdp", "True", "--master_weight_type", "bf16", "--dtype", "bf16")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert math.isfinite(read_metrics(tmp_path / "metrics.jsonl")[0]["train/grad_norm"])
+    meta = FileSystemReader(str(list_checkpoints(tmp_path)[-1][1] / "transformer")).read_metadata()
+    dtypes = {m.properties.dtype for k, m in meta.state_dict_metadata.items() if k.endswith(".weight")}
+    assert dtypes == {torch.bfloat16}

@@ -272,12 +272,13 @@ class transformer_row_reader:
         if path is None:
             raise SageGRPOError(f"tensor {key!r} is not in the checkpoint index")
         if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt", device="cpu")
+            f = safe_open(str(path), framework="pt", device="cpu")
+            self._open[path] = (f, set(f.keys()))  # keys() builds a new list per call: once per file
         return self._open[path]
 
     def __call__(self, key: str, start: int, stop: int) -> torch.Tensor:
-        f = self._file(key)
-        if key not in f.keys():
+        f, keys = self._file(key)
+        if key not in keys:
             raise SageGRPOError(f"tensor {key!r} is missing from the checkpoint")
         sl = f.get_slice(key)
         if len(sl.get_shape()) == 0:

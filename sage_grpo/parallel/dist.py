@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DistInfo", "init_distributed", "build_mesh", "all_reduce_sum", "all_gather_cat", "barrier",
-           "broadcast_object", "mean_metrics", "destroy"]
+           "mean_metrics", "destroy"]
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,6 @@ class DistInfo:
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh (dp_replicate, dp_shard, sp) or None
     dp_mesh: object = field(default=None, compare=False, repr=False)  # 1-D over the dp ranks with my sp_rank
     fsdp_mesh: object = field(default=None, compare=False, repr=False)  # what FSDP2 shards over (see build_mesh)
-
-    @property
-    def dp_shard(self) -> int:
-        return self.dp_size // self.dp_replicate
 
     @property
     def sp_group(self):
@@ -82,9 +78,8 @@ def build_mesh(device_type: str, world: int, sp_size: int, dp_replicate: int):
     mesh = init_device_mesh(device_type, (dp_replicate, dp // dp_replicate, sp_size),
                             mesh_dim_names=("dp_replicate", "dp_shard", "sp"))
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    shard_mesh = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
     if dp_replicate == 1:
-        return mesh, dp_mesh, shard_mesh
+        return mesh, dp_mesh, mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
     # a 2-D slice mixing a flattened dim is deprecated in torch >= 2.11: build the HSDP mesh on its own (rank
     # = replica * (dp_shard * sp) + shard rank, as in `mesh`)
     hsdp = init_device_mesh(device_type, (dp_replicate, world // dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard_sp"))
@@ -153,15 +148,6 @@ def mean_metrics(metrics: dict[str, float]) -> dict[str, float]:
 def barrier() -> None:
     if _active():
         dist.barrier()
-
-
-def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s Python object on every rank."""
-    if not _active():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def destroy() -> None:

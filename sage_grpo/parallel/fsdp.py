@@ -24,23 +24,9 @@ Anchor (`ShardedAnchor`): a frozen copy built the same way and sharded identical
 to local shard (no collective, no rank ever holds a full tensor). Optional CPU offload keeps its shards on the host
 (FSDP2 `CPUOffloadPolicy`: shards are copied to the device for the all-gather of each block's forward).
 
-Use in post_train.py (world size > 1 with --enable_fsdp; one process keeps the plain path):
-    torch.manual_seed(cfg.optim.seed)                       # as before: peft draws lora_A from the global generator
-    transformer, trainable = load_sharded_transformer(
-        loc.root / "transformer", info, master_dtype=torch_dtype(m.master_weight_type), param_dtype=torch_dtype(m.dtype),
-        lora=dict(use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
-                  lora_target_modules=m.lora_target_modules, pretrained_lora_path=m.pretrained_lora_path),
-        gradient_checkpointing=m.enable_gradient_checkpointing)
-    pipe = load_pipeline(..., transformer=transformer)      # VAE / text encoders replicated, transformer not reloaded
-    build_optimizer(...)                                    # unchanged: picks ShardedMuon for DTensor matrices
-FSDP2 reduces gradients during backward: skip `sync_gradients`; `clip_grad_norm` is DTensor-aware already. Every
-rank must run the same number of transformer forwards/backwards (rollout, anchor, validation: pad uneven splits).
-Full-FT anchor: `ShardedAnchor(transformer, info, param_dtype=..., offload=cfg.kl.reference_mode_offload)`, its
-forward is `.module`, `refresh()` after updates. LoRA anchors: the adapter-set code works on DTensors as is (clone
-and copy_ of a DTensor stay local); `clone_local_shards` / `copy_local_shards_` make that explicit.
-Checkpoints: DCP of `model_state_dict(transformer)` / `merged_state_dict(transformer)` (LoRA, DTensor math) and
-`get_optimizer_state_dict(transformer, optimizer.optimizers)` work sharded; LoRA files: `sharded_lora_state` on all
-ranks, rank 0 writes; resume with `load_lora_sharded`; anchor: `model_state_dict(anchor.module)`.
+post_train.py uses these in `load_policy` (world size > 1 with --enable_fsdp; one process keeps the plain path),
+`Anchor` (ShardedAnchor for full fine-tuning; LoRA adapter sets copied shard by shard) and the checkpoint functions
+(DCP of torch's sharded state dicts; the small LoRA files gathered with `sharded_lora_state` on every rank).
 """
 
 from __future__ import annotations
@@ -61,9 +47,6 @@ __all__ = [
     "ShardedAnchor",
     "copy_local_shards_",
     "local_rows",
-    "model_state_dict",
-    "load_model_state_dict",
-    "full_state_dict",
     "gather_full",
     "copy_full_into_shards_",
     "sharded_lora_state",
@@ -99,7 +82,7 @@ def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
 
 def shard_transformer(transformer: nn.Module, info, *, param_dtype: torch.dtype | None = None,
                       master_dtype: torch.dtype | None = None, gradient_checkpointing: bool = False,
-                      offload: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+                      offload: bool = False) -> nn.Module:
     """fully_shard per block, then the root, over `info.fsdp_mesh` -> the same module (now an FSDPModule).
 
     Works on a materialised module (its parameters become DTensor shards) or on a meta-device one (then call
@@ -112,7 +95,7 @@ def shard_transformer(transformer: nn.Module, info, *, param_dtype: torch.dtype 
     master_dtype = master_dtype or next(transformer.parameters()).dtype
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing()  # diffusers checkpoints each block; FSDP2 re-gathers inside
-    kw = dict(mesh=info.fsdp_mesh, reshard_after_forward=reshard_after_forward,
+    kw = dict(mesh=info.fsdp_mesh,
               mp_policy=mixed_precision_policy(param_dtype or master_dtype, master_dtype),
               offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy())
     for block in transformer_blocks(transformer):
@@ -141,8 +124,9 @@ def _zero_storage_like(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=t.dtype).expand(t.shape)
 
 
-def build_meta_transformer(config: dict, *, lora: dict | None = None, attention: bool = True):
-    """HunyuanVideo15Transformer3DModel from `config` on the meta device (no memory) -> (model, lora_init).
+def build_meta_transformer(config: dict, *, dtype: torch.dtype = torch.float32, lora: dict | None = None):
+    """HunyuanVideo15Transformer3DModel from `config` on the meta device (no memory) in `dtype` (the master
+    weights, as the unsharded path loads them before injecting LoRA) -> (model, lora_init).
 
     lora: setup_trainable's keyword arguments (use_lora=True, lora_r, ...) or None for full fine-tuning. The LoRA
     adapters are injected with the base weights present as zero-memory CPU stand-ins (stride-0 views), so peft
@@ -153,12 +137,11 @@ def build_meta_transformer(config: dict, *, lora: dict | None = None, attention:
     """
     from diffusers import HunyuanVideo15Transformer3DModel
 
-    with torch.device("meta"):
-        model = HunyuanVideo15Transformer3DModel.from_config(config)
-    if attention:
-        from sage_grpo.models.attention import use_valid_token_attention
+    from sage_grpo.models.attention import use_valid_token_attention
 
-        use_valid_token_attention(model)
+    with torch.device("meta"):
+        model = HunyuanVideo15Transformer3DModel.from_config(config).to(dtype)
+    use_valid_token_attention(model)
     lora_init: dict[str, torch.Tensor] = {}
     if lora is not None and lora.get("use_lora"):
         from sage_grpo.models.lora import setup_trainable
@@ -217,8 +200,7 @@ def materialize_sharded(model: nn.Module, device, reader, lora_init: dict | None
 
 
 def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch.dtype, param_dtype: torch.dtype,
-                             lora: dict | None = None, gradient_checkpointing: bool = False, offload: bool = False,
-                             reshard_after_forward: bool = True):
+                             lora: dict | None = None, gradient_checkpointing: bool = False):
     """The policy transformer, FSDP2-sharded, each rank reading only its rows -> (transformer, trainable params).
 
     model_dir: a diffusers `transformer/` directory (config.json + diffusion_pytorch_model*.safetensors).
@@ -229,17 +211,11 @@ def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch
     from sage_grpo.models.loading import read_transformer_config, transformer_row_reader
 
     model_dir = Path(model_dir)
-    model, lora_init = build_meta_transformer(read_transformer_config(model_dir), lora=lora)
+    model, lora_init = build_meta_transformer(read_transformer_config(model_dir), dtype=master_dtype, lora=lora)
     shard_transformer(model, info, param_dtype=param_dtype, master_dtype=master_dtype,
-                      gradient_checkpointing=gradient_checkpointing, offload=offload,
-                      reshard_after_forward=reshard_after_forward)
-    device = torch.device("cpu") if offload else info.device
+                      gradient_checkpointing=gradient_checkpointing)
     with transformer_row_reader(model_dir) as reader:
-        materialize_sharded(model, device, reader, lora_init)
-    if master_dtype is not None:
-        for p in model.parameters():
-            if p.dtype != master_dtype and p.is_floating_point():
-                raise AssertionError("materialize_sharded must produce master-dtype shards")
+        materialize_sharded(model, info.device, reader, lora_init)
     model.eval()
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, trainable
@@ -274,32 +250,21 @@ class ShardedAnchor:
     """
 
     def __init__(self, policy: nn.Module, info, *, param_dtype: torch.dtype | None = None, offload: bool = False):
-        from diffusers import HunyuanVideo15Transformer3DModel
-
-        config = dict(policy.config)
         master = next(policy.parameters()).dtype
-        self.module, _ = build_meta_transformer(config, lora=None)
-        if not isinstance(self.module, HunyuanVideo15Transformer3DModel):
-            raise TypeError("unexpected transformer class")
+        self.module, _ = build_meta_transformer(dict(policy.config), dtype=master)
         shard_transformer(self.module, info, param_dtype=param_dtype or master, master_dtype=master,
                           offload=offload)
         self.module.to_empty(device=torch.device("cpu") if offload else info.device)
         self.module.requires_grad_(False).eval()
-        self.policy = policy
-        self.refresh()
-
-    def _pairs(self):
-        mine = dict(self.module.named_parameters())
-        theirs = dict(self.policy.named_parameters())
+        mine, theirs = dict(self.module.named_parameters()), dict(policy.named_parameters())
         if sorted(mine) != sorted(theirs):
             raise ValueError("the anchor's parameters differ from the policy's (LoRA policies use adapter anchors)")
-        names = list(mine)
-        return [mine[n] for n in names], [theirs[n] for n in names]
+        self._dst, self._src = list(mine.values()), [theirs[n] for n in mine]  # matched by name, once
+        self.refresh()
 
     @torch.no_grad()
     def refresh(self) -> None:
-        dst, src = self._pairs()
-        copy_local_shards_(dst, src)
+        copy_local_shards_(self._dst, self._src)
 
 
 def clone_local_shards(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -336,9 +301,9 @@ def copy_full_into_shards_(params: dict[str, torch.Tensor], full: dict[str, torc
 def sharded_lora_state(transformer) -> dict[str, torch.Tensor]:
     """The adapter in peft's key layout (what sage_grpo.models.lora.save_lora writes), gathered whole on every
     rank (collective; the adapter is small)."""
-    from sage_grpo.models.lora import ADAPTER_NAME, adapter_parameters
+    from sage_grpo.models.lora import lora_state_dict
 
-    return gather_full({n.replace(f".{ADAPTER_NAME}.", "."): p for n, p in adapter_parameters(transformer).items()})
+    return gather_full(lora_state_dict(transformer))
 
 
 def load_lora_sharded(transformer, path) -> None:
@@ -351,24 +316,3 @@ def load_lora_sharded(transformer, path) -> None:
     if sorted(params) != sorted(state):
         raise SageGRPOError(f"LoRA adapter {path} does not fit the model (check --lora_r / --lora_target_modules)")
     copy_full_into_shards_(params, state)
-
-
-def model_state_dict(model: nn.Module) -> dict:
-    """Sharded (DTensor) state dict for DCP save/load; plain tensors for an unsharded module."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model)
-
-
-def load_model_state_dict(model: nn.Module, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    set_model_state_dict(model, state)
-
-
-def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict:
-    """The whole state dict gathered (collective); with cpu_offload only rank 0 keeps it (the others get {}).
-    For exports and tests of small models: it materialises every full tensor on rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))

@@ -19,6 +19,7 @@ import safetensors  # noqa: E402
 from diffusers import HunyuanVideo15Transformer3DModel  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -42,7 +43,6 @@ from sage_grpo.parallel.fsdp import (  # noqa: E402
     ShardedAnchor,
     clone_local_shards,
     copy_local_shards_,
-    full_state_dict,
     load_lora_sharded,
     load_sharded_transformer,
     local_rows,
@@ -283,7 +283,7 @@ train_step(m1, o1, 3)
 ck = out_dir / "ckpt"
 dcp_save({"model": get_model_state_dict(m1)}, ck / "transformer")
 dcp_save({"optimizer": get_optimizer_state_dict(m1, o1.optimizers)}, ck / "optimizer")
-whole = full_state_dict(m1)  # collective; rank 0 keeps it
+whole = get_model_state_dict(m1, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # rank 0 keeps it
 if rank == 0:
     torch.save(whole, out_dir / "full_after_step.pt")
 
