@@ -541,7 +541,7 @@ def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s
     text = {"text_encoder_samples": rc.get("text_encoder_samples", 0), "text_encoder_calls": rc.get("text_encoder_calls", 0),
             "text_encoder_2_samples": rc.get("text_encoder_2_samples", 0),
             "minimum": len(needed), "distinct_prompts": len(distinct),
-            "at_minimum": rc.get("text_encoder_samples", 0) == len(distinct)}
+            "at_minimum": rc.get("text_encoder_samples", 0) == len(needed)}  # prompts a run never uses are not encoded
     med = lambda key: _median([s[key] for s in timed])  # noqa: E731
     summary = {
         "video_tokens": video_tokens(run), "latent_shape": list(run.shape),

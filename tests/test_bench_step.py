@@ -96,7 +96,7 @@ def test_text_encoder_no_cfg_does_not_encode_the_negative_prompt(tiny_model, tmp
     res = _measure(tiny_model, tmp_path, 1, "--cfg_scale", "1")
     te = res["text_encoder"]
     assert te["minimum"] == 8  # the 8 training prompts; "" is never used
-    assert te["text_encoder_samples"] == te["minimum"]
+    assert te["text_encoder_samples"] == te["minimum"] and te["at_minimum"]
 
 
 def test_minimum_model_accumulation_and_fixed_anchor():
