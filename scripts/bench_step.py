@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Benchmark K GRPO steps of post_train.py: work counted against its minimum, overhead ratio, phases, memory.
 
-The real loop runs: `post_train.setup` builds the Run and `post_train.train` takes K steps; nothing is copied. The
-benchmark only instruments from outside: forward hooks on the transformer (and the anchor copy), the text encoders
-and a wrapper on `vae.decode` and on the reward; `post_train`'s phase functions are wrapped (looked up as module
-globals by `train`) to tag each forward with its phase; the loop's own `perf/*` metrics come through a logger.
+The real loop runs: `post_train.setup` builds the components and the train state and `post_train.train` takes K
+steps; nothing is copied. The benchmark only instruments from outside: forward hooks on the transformer (and the
+anchor copy), the text encoders and a wrapper on `vae.decode` and on the reward; `train`'s phase hook tags each
+forward with its phase; the loop's own `perf/*` metrics come through a logger.
 
 Reported per configuration (JSON: $OUT/bench_step.json when OUT is set, else outputs/bench/bench_step.json):
   counts     per step and phase, transformer work in per-sample forwards (a call on a batch of b counts b; with
@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,8 @@ PRESETS = {
     "real": ["--sample_n_frames", "81", "--height", "352", "--width", "624", "--dtype", "bf16",
              "--master_weight_type", "fp32", "--enable_gradient_checkpointing", "True"],  # 21 x 22 x 39 = 18,018
 }
-PHASES = ("rollout", "anchor", "update")
+PHASES = ("rollout", "anchor", "update")  # the phases that run transformer forwards
+TRAIN_PHASES = ("refresh", "rollout", "reward", "plan", "anchor", "update", "optimizer")  # post_train.PhaseClock
 
 
 def load_post_train():
@@ -196,49 +198,11 @@ class Meter:
                 "peak_gpu_gib": dict(self.peak_gpu)}
 
 
-def instrument(pt, meter: Meter):
-    """Wrap post_train's phase functions (train calls them through the module) -> restore()."""
-    saved = {}
-
-    def tag(name: str, phase: str):
-        fn = getattr(pt, name)
-        saved[name] = fn
-
-        def wrapped(*a, **k):
-            with meter.in_phase(phase):
-                return fn(*a, **k)
-
-        setattr(pt, name, wrapped)
-
-    saved["save"] = pt.save
-    pt.save = lambda run: None  # train's final checkpoint is no part of a step; the benchmark writes none
-
-    for name, phase in (("rollout_phase", "rollout"), ("reward_phase", "reward"), ("plan_round", "plan"),
-                        ("micro_batches_of", "plan"), ("anchor_means", "anchor"), ("update_phase", "update"),
-                        ("validation", "validation")):
-        tag(name, phase)
-    opt = pt.optimizer_step
-    saved["optimizer_step"] = opt
-
-    def optimizer_step(*a, **k):
-        t0 = meter.now()
-        out = opt(*a, **k)
-        meter.t[(meter.phase, "optimizer")] += meter.now() - t0
-        return out
-
-    pt.optimizer_step = optimizer_step
-
-    def restore():
-        for name, fn in saved.items():
-            setattr(pt, name, fn)
-
-    return restore
-
-
-def instrument_run(run, meter: Meter) -> None:
-    """Hooks on the Run's objects: transformer, anchor (copy or adapter swap), VAE decode, reward."""
-    meter.attach_transformer(run.transformer)
-    anchor = run.anchor
+def instrument_run(c, meter: Meter):
+    """Hooks on the components: transformer, anchor (copy or adapter swap), VAE decode, reward -> the components
+    with the timed reward."""
+    meter.attach_transformer(c.transformer)
+    anchor = c.anchor
     if anchor.model is not None:
         meter.attach_transformer(anchor.model)
     active, refresh = anchor.active, anchor.refresh
@@ -248,15 +212,15 @@ def instrument_run(run, meter: Meter) -> None:
         with meter.in_phase("anchor"), active() as model:
             yield model
 
-    def anchor_refresh(updates):
+    def anchor_refresh():
         t0 = meter.now()
-        refresh(updates)
+        refresh()
         meter.t[(meter.phase, "anchor_refresh")] += meter.now() - t0
         meter.n["refreshes"] += 1
 
     anchor.active, anchor.refresh = anchor_active, anchor_refresh
-    meter.wrap_vae_decode(run.pipe.vae)
-    run.reward = meter.wrap_reward(run.reward)
+    meter.wrap_vae_decode(c.pipe.vae)
+    return replace(c, reward=meter.wrap_reward(c.reward))
 
 
 @contextlib.contextmanager
@@ -282,7 +246,7 @@ def hooked_pipeline_loader(meter: Meter):
 
 
 class CaptureLogger:
-    """run.logger: receives the loop's metrics once per step (log_interval 1); closes the step's counters."""
+    """train's logger: receives the loop's metrics once per step (log_interval 1); closes the step's counters."""
 
     def __init__(self, meter: Meter):
         self.meter = meter
@@ -382,14 +346,14 @@ def config_argv(preset: str, model_path: Path, out_dir: Path, steps: int, extra:
             "--report_to", "none", *extra]
 
 
-def video_tokens(run) -> int:
-    cfg_t = run.transformer.config
-    _, f, h, w = run.shape
+def video_tokens(c) -> int:
+    cfg_t = c.transformer.config
+    _, f, h, w = c.shape
     return (f // cfg_t.patch_size_t) * (h // cfg_t.patch_size) * (w // cfg_t.patch_size)
 
 
 def measure(argv: list[str], steps: int, *, pipeline_repeats: int = 0, quiet: bool = True) -> dict:
-    """Build the Run of `argv` (post_train's own setup), train `steps` steps instrumented -> report dict."""
+    """Build the components of `argv` (post_train's own setup), train `steps` steps instrumented -> report dict."""
     from sage_grpo.config import load_config, validate
     from sage_grpo.parallel.dist import destroy, init_distributed
 
@@ -402,24 +366,21 @@ def measure(argv: list[str], steps: int, *, pipeline_repeats: int = 0, quiet: bo
     try:
         t_setup = time.perf_counter()
         with hooked_pipeline_loader(meter):
-            run = pt.setup(cfg, info, None)
+            c, state = pt.setup(cfg, info, None)
         t_setup = time.perf_counter() - t_setup
-        instrument_run(run, meter)
-        run.logger = CaptureLogger(meter)
-        restore = instrument(pt, meter)
-        try:
-            with meter.backward_clock(), _quiet(quiet):
-                meter.reset()
-                run.logger.last = meter.now()
-                t0 = time.perf_counter()
-                pt.train(run)
-                train_s = time.perf_counter() - t0
-        finally:
-            restore()
-        pipeline = compare_pipeline(pt, run, meter, pipeline_repeats) if pipeline_repeats else None
+        c = instrument_run(c, meter)
+        logger = CaptureLogger(meter)
+        with meter.backward_clock(), _quiet(quiet):
+            meter.reset()
+            logger.last = meter.now()
+            t0 = time.perf_counter()
+            # train's final checkpoint is no part of a step: the benchmark writes none
+            pt.train(c, state, logger, hook=meter.in_phase, final_save=False)
+            train_s = time.perf_counter() - t0
+        pipeline = compare_pipeline(pt, c, state, meter, pipeline_repeats) if pipeline_repeats else None
     finally:
         destroy()
-    return summarise(cfg, run, meter, run.logger.steps, train_s, t_setup, pipeline)
+    return summarise(cfg, c, meter, logger.steps, train_s, t_setup, pipeline)
 
 
 @contextlib.contextmanager
@@ -431,18 +392,18 @@ def _quiet(quiet: bool):
         yield
 
 
-def compare_pipeline(pt, run, meter: Meter, repeats: int) -> dict:
+def compare_pipeline(pt, c, state, meter: Meter, repeats: int) -> dict:
     """Our rollout phase vs diffusers' HunyuanVideo15Pipeline on the same prompts, T, CFG scale and batch
     (cached text embeddings given to both, latents out, no decode). Alternated, medians over `repeats`."""
     import torch
 
-    cfg = run.cfg
+    cfg = c.cfg
     r = cfg.rollout
-    pipe = run.pipe
+    pipe = c.pipe
     b = cfg.data.batch_size
-    texts = [run.prompts[i % len(run.prompts)].prompt for i in range(b)]
-    cond = run.cache.get(texts)
-    uncond = run.cache.get([r.neg_prompt] * b)
+    texts = [c.prompts[i % len(c.prompts)].prompt for i in range(b)]
+    cond = c.cache.get(texts)
+    uncond = c.cache.get([r.neg_prompt] * b)
     guider = getattr(pipe, "guider", None)
     if guider is not None:
         guider.guidance_scale = r.cfg_scale
@@ -452,7 +413,7 @@ def compare_pipeline(pt, run, meter: Meter, repeats: int) -> dict:
 
     def ours():
         with meter.in_phase("ours"):
-            pt.rollout_phase(run)
+            pt.rollout_phase(c, state)
 
     def theirs():
         with meter.in_phase("diffusers"), torch.no_grad():
@@ -461,9 +422,9 @@ def compare_pipeline(pt, run, meter: Meter, repeats: int) -> dict:
                  negative_prompt_embeds=uncond.prompt_embeds, negative_prompt_embeds_mask=uncond.prompt_mask,
                  negative_prompt_embeds_2=uncond.byt5_embeds, negative_prompt_embeds_mask_2=uncond.byt5_mask,
                  height=r.height, width=r.width, num_frames=num_frames, num_inference_steps=r.grpo_sampling_steps,
-                 generator=torch.Generator(device=run.info.device).manual_seed(0), output_type="latent")
+                 generator=torch.Generator(device=c.info.device).manual_seed(0), output_type="latent")
 
-    run.transformer.eval()
+    c.transformer.eval()
     times = {"ours": [], "diffusers": []}
     fwd = {"ours": [], "diffusers": []}
     counts = {}
@@ -491,7 +452,7 @@ def _median(xs):
     return statistics.median(xs) if xs else math.nan
 
 
-def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s: float, pipeline) -> dict:
+def summarise(cfg, c, meter: Meter, steps: list[dict], train_s: float, setup_s: float, pipeline) -> dict:
     import torch
 
     from sage_grpo.kl import kl_variant
@@ -507,19 +468,16 @@ def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s
         inside = rec["inside_total"]
         inside_s = sum(inside.values())
         sec = rec["seconds_inside"]
-        phase_s = {"rollout": m.get("perf/rollout_s"), "reward": m.get("perf/reward_s"),
-                   "anchor": m.get("perf/anchor_s"), "update": m.get("perf/update_s")}
+        phase_s = {k: m.get(f"perf/{k}_s", 0.0) for k in TRAIN_PHASES}
         remainder = {
-            "rollout": phase_s["rollout"] - sec.get("rollout/fwd", 0.0) - sec.get("anchor/anchor_refresh", 0.0)
-            - sec.get("reward/anchor_refresh", 0.0),
-            "anchor_refresh": sum(v for k, v in sec.items() if k.endswith("/anchor_refresh")),
+            "rollout": phase_s["rollout"] - sec.get("rollout/fwd", 0.0),
+            "anchor_refresh": phase_s["refresh"],
             "reward": phase_s["reward"] - sec.get("reward/vae", 0.0) - sec.get("reward/reward", 0.0),
-            "anchor+plan": phase_s["anchor"] - sec.get("anchor/fwd", 0.0),
-            "update_optimizer_step": sec.get("update/optimizer", 0.0),
-            "update_other": phase_s["update"] - sec.get("update/fwd", 0.0) - sec.get("update/bwd", 0.0)
-            - sec.get("update/optimizer", 0.0),
+            "anchor+plan": phase_s["plan"] + phase_s["anchor"] - sec.get("anchor/fwd", 0.0),
+            "update_optimizer_step": phase_s["optimizer"],
+            "update_other": phase_s["update"] - sec.get("update/fwd", 0.0) - sec.get("update/bwd", 0.0),
         }
-        # anchor forwards in training_phase mode run inside update_phase under the "anchor" tag
+        # anchor forwards in training_phase mode run inside backward_phase under the "anchor" tag
         if cfg.kl.kl_compute_mode == "training_phase":
             remainder["update_other"] -= sec.get("anchor/fwd", 0.0)
             remainder["anchor+plan"] += sec.get("anchor/fwd", 0.0)
@@ -535,8 +493,8 @@ def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s
             "remainder_s": remainder, "peak_gpu_gib": rec["peak_gpu_gib"], "mem_peak_gib": m.get("mem/peak_gib"),
         })
     timed = per_step[1:] if len(per_step) > 1 else per_step  # the first step pays one-time costs
-    needed = text_prompts_needed(cfg, run)
-    distinct = needed | {rec.prompt for rec in run.val_records} | {cfg.rollout.neg_prompt}
+    needed = text_prompts_needed(cfg, c)
+    distinct = needed | {rec.prompt for rec in c.val_records} | {cfg.rollout.neg_prompt}
     rc = dict(meter.run_counts)
     text = {"text_encoder_samples": rc.get("text_encoder_samples", 0), "text_encoder_calls": rc.get("text_encoder_calls", 0),
             "text_encoder_2_samples": rc.get("text_encoder_2_samples", 0),
@@ -544,7 +502,7 @@ def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s
             "at_minimum": rc.get("text_encoder_samples", 0) == len(needed)}  # prompts a run never uses are not encoded
     med = lambda key: _median([s[key] for s in timed])  # noqa: E731
     summary = {
-        "video_tokens": video_tokens(run), "latent_shape": list(run.shape),
+        "video_tokens": video_tokens(c), "latent_shape": list(c.shape),
         "batch_size": cfg.data.batch_size, "sampling_steps": cfg.rollout.grpo_sampling_steps,
         "cfg_scale": cfg.rollout.cfg_scale, "trained_steps_per_sample": minimum_trained_k(cfg),
         "kl_variant": kl_variant(cfg.kl), "kl_compute_mode": cfg.kl.kl_compute_mode,
@@ -570,14 +528,14 @@ def summarise(cfg, run, meter: Meter, steps: list[dict], train_s: float, setup_s
     return summary
 
 
-def text_prompts_needed(cfg, run) -> set:
+def text_prompts_needed(cfg, c) -> set:
     """The distinct prompts the run can use: the training prompts, the validation prompts when validation runs,
     the negative prompt when a CFG sampler (rollout, or validation with guidance) runs."""
     v = cfg.validation
     validates = bool(v.validation_interval) or v.validate_at_step0
-    needed = {p.prompt for p in run.prompts}
+    needed = {p.prompt for p in c.prompts}
     if validates:
-        needed |= {rec.prompt for rec in run.val_records}
+        needed |= {rec.prompt for rec in c.val_records}
     if cfg.rollout.cfg_scale != 1.0 or (validates and v.validation_guidance_scale != 1.0):
         needed.add(cfg.rollout.neg_prompt)
     return needed

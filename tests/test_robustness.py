@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import test_post_train
@@ -34,8 +35,8 @@ def _with_reward(monkeypatch, nan_rows):
     """Make the rewards of the given rows of every rank's batch NaN (`nan_rows(b)` -> list of rows)."""
     orig = pt.reward_phase
 
-    def wrapped(run, traj):
-        real = run.reward
+    def wrapped(c, traj):
+        real = c.reward
 
         class Failing:
             components = real.components
@@ -45,11 +46,7 @@ def _with_reward(monkeypatch, nan_rows):
                 out["total"][nan_rows(len(prompts))] = float("nan")
                 return out
 
-        run.reward = Failing()
-        try:
-            return orig(run, traj)
-        finally:
-            run.reward = real
+        return orig(replace(c, reward=Failing()), traj)
 
     monkeypatch.setattr(pt, "reward_phase", wrapped)
 
@@ -85,13 +82,13 @@ def test_a_failed_group_is_masked_while_the_others_train(tiny_model, tmp_path, m
 
 
 def test_nan_gradients_skip_the_update_and_are_counted(tiny_model, tmp_path, monkeypatch):
-    orig = pt.update_phase
+    orig = pt.backward_phase
 
-    def poisoned(run, *a, **k):
-        run.step_weights = torch.full_like(run.step_weights, float("nan"))  # S_t NaN -> NaN loss and gradients
-        return orig(run, *a, **k)
+    def poisoned(c, *a, **k):
+        nan = torch.full_like(c.step_weights, float("nan"))  # S_t NaN -> NaN loss and gradients
+        return orig(replace(c, step_weights=nan), *a, **k)
 
-    monkeypatch.setattr(pt, "update_phase", poisoned)
+    monkeypatch.setattr(pt, "backward_phase", poisoned)
     pt.main(_args(tiny_model, tmp_path, "--max_steps", "2"))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["train/skipped_update"] for r in rows] == [1, 1]
@@ -124,14 +121,14 @@ def test_a_full_disk_at_checkpoint_time_keeps_the_previous_checkpoint(tiny_model
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_finishes_the_step_checkpoints_and_returns(tiny_model, tmp_path, monkeypatch, capsys, sig):
-    orig = pt.update_phase
+    orig = pt.backward_phase
 
-    def signalled(run, *a, **k):
-        if run.step == 1:  # during the second step
+    def signalled(c, state, *a, **k):
+        if state.step == 1:  # during the second step
             os.kill(os.getpid(), sig)
-        return orig(run, *a, **k)
+        return orig(c, state, *a, **k)
 
-    monkeypatch.setattr(pt, "update_phase", signalled)
+    monkeypatch.setattr(pt, "backward_phase", signalled)
     pt.main(_args(tiny_model, tmp_path, "--max_steps", "6", "--save_interval", "4"))  # returns: exit 0 from the CLI
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
