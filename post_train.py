@@ -246,22 +246,9 @@ def load_policy(cfg: Config, info):
         if m.enable_gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
     # Ulysses inside each sp group: full inputs and outputs on every sp rank, partial gradients (summed over sp by
-    # FSDP2's divide factor dp, or by `sync_gradients`)
+    # FSDP2's divide factor dp, or by `sage_grpo.parallel.dist.sync_gradients`)
     enable_sequence_parallel(transformer, info.sp_group)
     return pipe, transformer, trainable
-
-
-def sync_gradients(params: list, info, fsdp: bool) -> None:
-    """Sum the gradients over all ranks and divide by dp: the mean over data-parallel ranks of the sp groups' sums
-    (every rank calls it with the same parameters). FSDP2 already reduce-scattered them during backward."""
-    if not info.distributed or fsdp:
-        return
-    from sage_grpo.parallel.dist import all_reduce_sum
-
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        all_reduce_sum(p.grad).div_(info.dp_size)
 
 
 def load_validation_records(cfg: Config, prompts: list) -> list:
@@ -519,7 +506,7 @@ def update_phase(run: Run, traj, adv, valid, batches: list, metrics: dict) -> No
 def optimizer_step(run: Run, metrics: dict) -> None:
     """Sync, clip, step, count; then the KL controller moves with the rank-averaged L_KL of the update."""
     from sage_grpo.optim import clip_grad_norm, lr_at
-    from sage_grpo.parallel.dist import all_reduce_sum
+    from sage_grpo.parallel.dist import all_reduce_sum, sync_gradients
 
     cfg, info = run.cfg, run.info
     sync_gradients(run.trainable, info, uses_fsdp(cfg, info))

@@ -22,7 +22,7 @@ gather's backward keeps only the local chunk of the output gradient, so each ran
 tokens (and 1/P of the replicated text path through its heads). After `backward()` each rank's parameter
 gradients, and the gradients of the inputs, are partial: THE FULL GRADIENT IS THE SUM OVER THE SP GROUP. Sum them
 over sp (and average over dp) before the optimizer step: `sage_grpo.parallel.fsdp.shard_transformer` sets FSDP2's
-gradient divide factor to dp (not dp x sp), and post_train's `sync_gradients` sums over all ranks and divides by dp.
+gradient divide factor to dp (not dp x sp), and `sage_grpo.parallel.dist.sync_gradients` sums over all ranks and divides by dp.
 
 Limits: P must divide the head count (16 for HunyuanVideo-1.5). Dropout must be 0 on the replicated text path
 (each rank would drop different activations); LoRA dropout is 0 by default. Collectives run inside each block, so
