@@ -122,8 +122,8 @@ class Anchor:
 
                 self.adapter = clone_local_shards(adapter_parameters(transformer))
         elif uses_fsdp(cfg, info):
+            from sage_grpo.models.sequence_parallel import enable_sequence_parallel
             from sage_grpo.parallel.fsdp import ShardedAnchor
-            from sage_grpo.parallel.ulysses import enable_sequence_parallel
 
             self.sharded = ShardedAnchor(transformer, info, param_dtype=torch_dtype(cfg.model.dtype),
                                          offload=self.offload)
@@ -214,7 +214,7 @@ def load_policy(cfg: Config, info):
     whole model); otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
     from sage_grpo.models.loading import load_pipeline, locate_model
     from sage_grpo.models.lora import setup_trainable
-    from sage_grpo.parallel.ulysses import enable_sequence_parallel
+    from sage_grpo.models.sequence_parallel import enable_sequence_parallel
 
     m = cfg.model
     dtype = torch_dtype(m.dtype)
