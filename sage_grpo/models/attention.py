@@ -190,12 +190,17 @@ def dual_stream_blocks(transformer):
 
 def use_valid_token_attention(transformer):
     """Attend over valid tokens only in every dual-stream block (processor + padding cut). Idempotent; survives
-    `copy.deepcopy`; undone by `use_diffusers_attention`. Returns the transformer."""
+    `copy.deepcopy`; undone by `use_diffusers_attention`. Returns the transformer.
+
+    A block whose processor already attends over valid tokens keeps it: the sequence-parallel subclass
+    (`sage_grpo.models.sequence_parallel`) works with hooks outside the blocks, and `load_pipeline` calls this on a
+    transformer that `sage_grpo.models.parallelize.parallelize` may have set up for sequence parallelism already."""
     for block in dual_stream_blocks(transformer):
-        backend = getattr(block.attn.processor, "_attention_backend", None)
-        proc = ValidTokenAttnProcessor()
-        proc._attention_backend = backend
-        block.attn.set_processor(proc)
+        if not isinstance(block.attn.processor, ValidTokenAttnProcessor):
+            backend = getattr(block.attn.processor, "_attention_backend", None)
+            proc = ValidTokenAttnProcessor()
+            proc._attention_backend = backend
+            block.attn.set_processor(proc)
         if not getattr(block, _HOOK_FLAG, False):
             block.register_forward_pre_hook(_cut_padding_hook, with_kwargs=True)
             setattr(block, _HOOK_FLAG, True)
