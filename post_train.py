@@ -122,12 +122,11 @@ class Anchor:
 
                 self.adapter = clone_local_shards(adapter_parameters(transformer))
         elif uses_fsdp(cfg, info):
-            from sage_grpo.models.sequence_parallel import enable_sequence_parallel
-            from sage_grpo.parallel.fsdp import ShardedAnchor
+            from sage_grpo.models.parallelize import build_sharded_anchor
 
-            self.sharded = ShardedAnchor(transformer, info, param_dtype=torch_dtype(cfg.model.dtype),
-                                         offload=self.offload)
-            self.model = enable_sequence_parallel(self.sharded.module, info.sp_group)
+            self.sharded = build_sharded_anchor(transformer, info, param_dtype=torch_dtype(cfg.model.dtype),
+                                                offload=self.offload)
+            self.model = self.sharded.module
         else:
             self.model = copy.deepcopy(transformer).requires_grad_(False).eval()
             if self.offload:
@@ -209,20 +208,19 @@ def uses_fsdp(cfg: Config, info) -> bool:
 
 
 def load_policy(cfg: Config, info):
-    """-> (pipeline, transformer, trainable parameters). Under FSDP2 the transformer is built on the meta device,
-    sharded per block then at the root, and each rank reads only its rows of the weights (no rank ever holds the
-    whole model); otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
+    """-> (pipeline, transformer, trainable parameters), the transformer parallelised by
+    `sage_grpo.models.parallelize` (sequence parallelism, activation checkpointing, FSDP2). Under FSDP2 it is built
+    on the meta device and each rank reads only its rows of the weights (no rank ever holds the whole model);
+    otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
     from sage_grpo.models.loading import load_pipeline, locate_model
     from sage_grpo.models.lora import setup_trainable
-    from sage_grpo.models.sequence_parallel import enable_sequence_parallel
+    from sage_grpo.models.parallelize import load_sharded_transformer, parallelize
 
     m = cfg.model
     dtype = torch_dtype(m.dtype)
     lora = dict(use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
                 lora_target_modules=m.lora_target_modules, pretrained_lora_path=m.pretrained_lora_path)
     if uses_fsdp(cfg, info):
-        from sage_grpo.parallel.fsdp import load_sharded_transformer
-
         # the velocity the root returns is a view; predict_velocity never modifies it in place, which is what
         # this FSDP2 warning is about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -243,11 +241,7 @@ def load_policy(cfg: Config, info):
         transformer = pipe.transformer
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
         trainable = setup_trainable(transformer, **lora)
-        if m.enable_gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-    # Ulysses inside each sp group: full inputs and outputs on every sp rank, partial gradients (summed over sp by
-    # FSDP2's divide factor dp, or by `sage_grpo.parallel.dist.sync_gradients`)
-    enable_sequence_parallel(transformer, info.sp_group)
+        parallelize(transformer, info, gradient_checkpointing=m.enable_gradient_checkpointing)
     return pipe, transformer, trainable
 
 
@@ -597,8 +591,8 @@ def write_checkpoint(run: Run) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from sage_grpo.checkpoint import save_checkpoint
-    from sage_grpo.models.lora import merged_state_dict, save_lora
-    from sage_grpo.parallel.fsdp import gather_full, sharded_lora_state
+    from sage_grpo.models.lora import merged_state_dict, save_lora, sharded_lora_state
+    from sage_grpo.parallel.fsdp import gather_full
 
     fsdp, lora = uses_fsdp(run.cfg, run.info), run.cfg.model.use_lora
     a = run.anchor
@@ -626,8 +620,8 @@ def load_checkpoint(run: Run, path: Path) -> None:
     )
 
     from sage_grpo.checkpoint import dcp_load, exactness_diff, load_rng_state, read_train_state
-    from sage_grpo.models.lora import load_lora
-    from sage_grpo.parallel.fsdp import copy_full_into_shards_, load_lora_sharded
+    from sage_grpo.models.lora import load_lora, load_lora_sharded
+    from sage_grpo.parallel.fsdp import copy_full_into_shards_
 
     state = read_train_state(path)
     diffs = exactness_diff(state["config"], config_to_dict(run.cfg))

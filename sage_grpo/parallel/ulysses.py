@@ -19,7 +19,7 @@ gather's backward keeps only the local chunk of the output gradient, so each ran
 (and 1/P of a replicated path through its heads; `gather_heads`' backward sums the replicated path's partial
 gradients). After `backward()` each rank's parameter gradients, and the gradients of the inputs, are partial: THE
 FULL GRADIENT IS THE SUM OVER THE SP GROUP. Sum them over sp (and average over dp) before the optimizer step:
-`sage_grpo.parallel.fsdp.shard_transformer` sets FSDP2's gradient divide factor to dp (not dp x sp), and
+`sage_grpo.parallel.fsdp.shard_modules` sets FSDP2's gradient divide factor to dp (not dp x sp), and
 `sage_grpo.parallel.dist.sync_gradients` sums over all ranks and divides by dp.
 
 Collectives run inside the model's forward, so all sp ranks must run the same forwards and backwards in the same
