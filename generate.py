@@ -265,9 +265,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     from sage_grpo.generation import sample_videos, write_sample
     from sage_grpo.models.loading import load_pipeline, resolve_dtype
     from sage_grpo.models.lora import load_dcp_transformer, setup_trainable
+    from sage_grpo.models.parallelize import parallelize
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.parallel.dist import barrier, destroy, init_distributed
-    from sage_grpo.parallel.ulysses import enable_sequence_parallel
     from sage_grpo.rollout import SamplerSettings, latent_shape
 
     info = init_distributed(args.sp_size, 1)  # no process group for one process
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
                         lora_target_modules=args.lora["targets"], pretrained_lora_path=args.lora_path)
     pipe.transformer.requires_grad_(False).eval()
     # an sp group samples each of its videos together: same prompts and seeds on every peer, so the same inputs
-    enable_sequence_parallel(pipe.transformer, info.sp_group)
+    parallelize(pipe.transformer, info)
     if args.height * args.width > 256 * 256:
         pipe.vae.enable_tiling()
 

@@ -231,20 +231,19 @@ def uses_fsdp(cfg: Config, info: DistInfo) -> bool:
 
 
 def load_policy(cfg: Config, info: DistInfo):
-    """-> (pipeline, transformer, trainable parameters). Under FSDP2 the transformer is built on the meta device,
-    sharded per block then at the root, and each rank reads only its rows of the weights (no rank ever holds the
-    whole model); otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
+    """-> (pipeline, transformer, trainable parameters), the transformer parallelised by
+    `sage_grpo.models.parallelize` (sequence parallelism, activation checkpointing, FSDP2). Under FSDP2 it is built
+    on the meta device and each rank reads only its rows of the weights (no rank ever holds the whole model);
+    otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
     from sage_grpo.models.loading import load_pipeline, locate_model
     from sage_grpo.models.lora import setup_trainable
-    from sage_grpo.parallel.ulysses import enable_sequence_parallel
+    from sage_grpo.models.parallelize import load_sharded_transformer, parallelize
 
     m = cfg.model
     dtype = torch_dtype(m.dtype)
     lora = dict(use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
                 lora_target_modules=m.lora_target_modules, pretrained_lora_path=m.pretrained_lora_path)
     if uses_fsdp(cfg, info):
-        from sage_grpo.parallel.fsdp import load_sharded_transformer
-
         # the velocity the root returns is a view; predict_velocity never modifies it in place, which is what
         # this FSDP2 warning is about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -265,25 +264,9 @@ def load_policy(cfg: Config, info: DistInfo):
         transformer = pipe.transformer
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
         trainable = setup_trainable(transformer, **lora)
-        if m.enable_gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-    # Ulysses inside each sp group: full inputs and outputs on every sp rank, partial gradients (summed over sp by
-    # FSDP2's divide factor dp, or by `sync_gradients`)
-    enable_sequence_parallel(transformer, info.sp_group)
+        parallelize(transformer, info, gradient_checkpointing=m.enable_gradient_checkpointing)
     return pipe, transformer, trainable
 
-
-def sync_gradients(params: list, info: DistInfo, fsdp: bool) -> None:
-    """Sum the gradients over all ranks and divide by dp: the mean over data-parallel ranks of the sp groups' sums
-    (every rank calls it with the same parameters). FSDP2 already reduce-scattered them during backward."""
-    if not info.distributed or fsdp:
-        return
-    from sage_grpo.parallel.dist import all_reduce_sum
-
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        all_reduce_sum(p.grad).div_(info.dp_size)
 
 
 # ------------------------------------------------------------------------------------------------------ train
@@ -608,7 +591,7 @@ def optimizer_step(c: Components, state: TrainState) -> dict:
     """Sync, clip, step, count; then the KL controller moves with the rank-averaged L_KL of the update. Every rank
     decides the same (the norm and the pair count are taken after their all-reduce) -> metrics."""
     from sage_grpo.optim import clip_grad_norm, lr_at
-    from sage_grpo.parallel.dist import all_reduce_sum
+    from sage_grpo.parallel.dist import all_reduce_sum, sync_gradients
 
     cfg, info = c.cfg, c.info
     sync_gradients(c.trainable, info, uses_fsdp(cfg, info))
@@ -688,8 +671,8 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from sage_grpo.checkpoint import save_checkpoint
-    from sage_grpo.models.lora import merged_state_dict, save_lora
-    from sage_grpo.parallel.fsdp import gather_full, sharded_lora_state
+    from sage_grpo.models.lora import merged_state_dict, save_lora, sharded_lora_state
+    from sage_grpo.parallel.fsdp import gather_full
 
     fsdp, lora = uses_fsdp(c.cfg, c.info), c.cfg.model.use_lora
     a, initial = c.anchor, state.anchor_refreshed_at == 0  # the initial anchor is rebuilt exactly: not saved
@@ -717,8 +700,8 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
     )
 
     from sage_grpo.checkpoint import dcp_load, exactness_diff, load_rng_state, read_train_state
-    from sage_grpo.models.lora import load_lora
-    from sage_grpo.parallel.fsdp import copy_full_into_shards_, load_lora_sharded
+    from sage_grpo.models.lora import load_lora, load_lora_sharded
+    from sage_grpo.parallel.fsdp import copy_full_into_shards_
 
     saved = read_train_state(path)
     diffs = exactness_diff(saved["config"], config_to_dict(c.cfg))

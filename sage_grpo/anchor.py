@@ -46,12 +46,11 @@ class Anchor:
 
                 self.adapter = clone_local_shards(adapter_parameters(transformer))
         elif sharded:
-            from sage_grpo.parallel.fsdp import ShardedAnchor
-            from sage_grpo.parallel.ulysses import enable_sequence_parallel
+            from sage_grpo.models.parallelize import build_sharded_anchor
 
-            self.sharded = ShardedAnchor(transformer, info, param_dtype=torch_dtype(cfg.model.dtype),
-                                         offload=self.offload)
-            self.model = enable_sequence_parallel(self.sharded.module, info.sp_group)
+            self.sharded = build_sharded_anchor(transformer, info, param_dtype=torch_dtype(cfg.model.dtype),
+                                                offload=self.offload)
+            self.model = self.sharded.module  # sequence parallelism applied inside
         else:
             self.model = copy.deepcopy(transformer).requires_grad_(False).eval()
             if self.offload:

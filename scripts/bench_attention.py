@@ -84,7 +84,7 @@ def peak_gib(fn, dev):
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-# ---- alternatives to the per-run SDPA calls of sage_grpo.models.attention._attend ----
+# ---- alternatives to the per-run SDPA calls of sage_grpo.models.attention.prefix_attention ----
 def attend_varlen(query, key, value, lengths, backend):
     """One packed variable-length flash call (CUDA, bf16/fp16); 7 positional arguments work on torch 2.11 and 2.13."""
     from torch.nn.attention.varlen import varlen_attn
@@ -176,11 +176,11 @@ def check_fp32(dev):
     }
 
 
-ATTEND = A._attend
+ATTEND = A.prefix_attention
 
 
 def use(block, kind, variant=None):
-    A._attend = {"varlen": attend_varlen, "keymask": attend_keymask}.get(variant, ATTEND)
+    A.prefix_attention = {"varlen": attend_varlen, "keymask": attend_keymask}.get(variant, ATTEND)
     (A.use_valid_token_attention if kind == "ours" else A.use_diffusers_attention)(_Holder(block))
 
 

@@ -30,7 +30,7 @@ Where each number comes from
 - Reward forward, text-encoder forward, no-grad working sets, backward working set, CUDA context: estimates, marked
   `est` in the table; not measured on a GPU.
 
-Sharding model (FSDP2, sage_grpo/parallel/fsdp.py): parameters, gradients, optimizer state and the full-fine-tuning
+Sharding model (FSDP2, sage_grpo/models/parallelize.py): parameters, gradients, optimizer state and the full-fine-tuning
 anchor are sharded over dp_shard * sp ranks (HSDP replicates that over dp_replicate). A forward holds two unsharded
 blocks (current + prefetch) and the root unit (embedders, refiner, output layer) in `--fsdp_param_dtype`
 (MixedPrecisionPolicy(param_dtype=--dtype, reduce_dtype=fp32)), the backward one block's unsharded fp32 gradient.
@@ -276,7 +276,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         anchor = total * mw / shard
     anchor_offloaded = uses_pos and not m.use_lora and cfg.kl.reference_mode_offload
     t["anchor (resident)"] = 0.0 if anchor_offloaded else anchor
-    # Offloaded under FSDP2 (parallel/fsdp.ShardedAnchor, CPUOffloadPolicy): only the gathered blocks of its forward
+    # Offloaded under FSDP2 (models/parallelize.build_sharded_anchor, CPUOffloadPolicy): only the gathered blocks of its forward
     # come to the GPU (counted in "unsharded blocks"); without FSDP post_train moves the whole anchor in for its phase.
     t["anchor (on GPU in its phase)"] = 0.0 if (anchor_offloaded and p.enable_fsdp) else anchor
     t["vae weights"] = frozen["vae"] * e

@@ -158,6 +158,20 @@ def test_switching_is_idempotent_and_survives_deepcopy():
         torch.testing.assert_close(m(**inputs)[0], ref, rtol=0, atol=0)
 
 
+def test_a_valid_token_processor_is_kept():
+    """A processor that already attends over valid tokens (the sequence-parallel subclass, whose hooks sit outside
+    the blocks) survives a second switch, as load_pipeline makes it on a transformer parallelised before."""
+
+    class Subclass(ValidTokenAttnProcessor):
+        pass
+
+    m = use_valid_token_attention(_model(torch.float64, layers=1))
+    proc = Subclass()
+    m.transformer_blocks[0].attn.set_processor(proc)
+    use_valid_token_attention(m)
+    assert m.transformer_blocks[0].attn.processor is proc
+
+
 def test_valid_lengths_cached_and_checked():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
     assert valid_lengths(mask, 2, 4) == (3, 1)

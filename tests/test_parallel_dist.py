@@ -30,6 +30,9 @@ def test_mesh_groups_metrics_and_sp_split_scoring(tmp_path):
         assert r["fsdp_mesh"] == [[0, 1], [2, 3]]
         # each key averaged over the ranks that report it: all (0+1+2+3)/4, odd (10+30)/2
         assert r["metrics"] == {"all": 1.5, "odd": 20.0}
+        # without FSDP2: gradients summed over all 4 ranks (sp partials add) and divided by dp = 2: (1+2+3+4)/2
+        assert r["synced"] == [[5.0] * 3, [0.0] * 2]
+        assert r["synced_fsdp"] == [r["rank"] + 1.0] * 3
         # every sp peer ends with the scores of all 3 videos of its dp rank, in order; each video was scored once
         # per sp group: 3 = 2 + 1 across the two peers
         expected = [(i / 10 + r["dp_rank"]) if i / 10 + r["dp_rank"] <= 1 else 1.0 for i in range(3)]

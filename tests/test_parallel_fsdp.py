@@ -1,4 +1,5 @@
-"""FSDP2 on 2 gloo ranks (sage_grpo/parallel/fsdp.py, sage_grpo/parallel/muon.py): training steps equal one process,
+"""FSDP2 on 2 gloo ranks (sage_grpo/parallel/fsdp.py, sage_grpo/parallel/muon.py, HunyuanVideo-1.5's recipe in
+sage_grpo/models/parallelize.py): training steps equal one process,
 ShardedMuon equals torch.optim.Muon, the gradient divide factor under sp / HSDP, meta-device loading of each rank's
 rows, the sharded anchor's local refresh, DCP round trips (2 ranks -> 2 ranks, 2 ranks -> 1 process).
 

@@ -1,5 +1,6 @@
-"""Ulysses sequence parallelism (sage_grpo.parallel.ulysses): the pad/split bookkeeping in one process, and the
-sp forward/backward against one process on 2 gloo ranks (tests/dist_workers/ulysses_worker.py)."""
+"""Ulysses sequence parallelism: the pad/split bookkeeping of sage_grpo.parallel.ulysses in one process, and
+HunyuanVideo-1.5's plan (sage_grpo.models.sequence_parallel) forward/backward against one process on 2 gloo ranks
+(tests/dist_workers/ulysses_worker.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_grpo.parallel.ulysses import enable_sequence_parallel, padded_length, shard_tokens
+from sage_grpo.models.sequence_parallel import enable_sequence_parallel
+from sage_grpo.parallel.ulysses import padded_length, shard_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -39,6 +39,9 @@ __all__ = [
     "use_diffusers_attention",
     "valid_token_attention_enabled",
     "valid_lengths",
+    "prefix_attention",
+    "encoder_qkv",
+    "dual_stream_blocks",
 ]
 
 _LENGTHS_ATTR = "_sage_grpo_valid_lengths"
@@ -64,7 +67,7 @@ def valid_lengths(mask: torch.Tensor | None, batch: int, n_tokens: int) -> tuple
     return tuple(min(n, n_tokens) for n in cached)
 
 
-def _attend(query, key, value, lengths, backend):
+def prefix_attention(query, key, value, lengths, backend):
     """Attention of each sample over its first lengths[i] tokens ([B, S, H, D] in and out; zeros beyond)."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
@@ -137,7 +140,7 @@ class ValidTokenAttnProcessor:
             value = torch.cat([value, encoder_value], dim=1)
         # 5: attention on each sample's valid prefix
         lengths = [n_video + n for n in valid_lengths(attention_mask, query.shape[0], n_enc)]
-        out = _attend(query, key, value, lengths, self._attention_backend)
+        out = prefix_attention(query, key, value, lengths, self._attention_backend)
         out = out.flatten(2, 3).to(query.dtype)
         # 6: output projections
         if encoder_hidden_states is not None:
@@ -175,7 +178,8 @@ def _cut_padding_hook(block, args, kwargs):
     return tuple(args), kwargs
 
 
-def _dual_stream_blocks(transformer):
+def dual_stream_blocks(transformer):
+    """The dual-stream blocks (`transformer_blocks`), or an error naming what the model is instead."""
     blocks = getattr(transformer, "transformer_blocks", None)
     if blocks is None or not all(hasattr(b, "attn") and hasattr(b.attn, "add_q_proj") for b in blocks):
         raise SageGRPOError(
@@ -186,12 +190,17 @@ def _dual_stream_blocks(transformer):
 
 def use_valid_token_attention(transformer):
     """Attend over valid tokens only in every dual-stream block (processor + padding cut). Idempotent; survives
-    `copy.deepcopy`; undone by `use_diffusers_attention`. Returns the transformer."""
-    for block in _dual_stream_blocks(transformer):
-        backend = getattr(block.attn.processor, "_attention_backend", None)
-        proc = ValidTokenAttnProcessor()
-        proc._attention_backend = backend
-        block.attn.set_processor(proc)
+    `copy.deepcopy`; undone by `use_diffusers_attention`. Returns the transformer.
+
+    A block whose processor already attends over valid tokens keeps it: the sequence-parallel subclass
+    (`sage_grpo.models.sequence_parallel`) works with hooks outside the blocks, and `load_pipeline` calls this on a
+    transformer that `sage_grpo.models.parallelize.parallelize` may have set up for sequence parallelism already."""
+    for block in dual_stream_blocks(transformer):
+        if not isinstance(block.attn.processor, ValidTokenAttnProcessor):
+            backend = getattr(block.attn.processor, "_attention_backend", None)
+            proc = ValidTokenAttnProcessor()
+            proc._attention_backend = backend
+            block.attn.set_processor(proc)
         if not getattr(block, _HOOK_FLAG, False):
             block.register_forward_pre_hook(_cut_padding_hook, with_kwargs=True)
             setattr(block, _HOOK_FLAG, True)
@@ -202,7 +211,7 @@ def use_diffusers_attention(transformer):
     """Back to diffusers' own processor (dense mask); the padding-cut hook then does nothing."""
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
-    for block in _dual_stream_blocks(transformer):
+    for block in dual_stream_blocks(transformer):
         backend = getattr(block.attn.processor, "_attention_backend", None)
         proc = HunyuanVideo15AttnProcessor2_0()
         proc._attention_backend = backend
@@ -211,4 +220,4 @@ def use_diffusers_attention(transformer):
 
 
 def valid_token_attention_enabled(transformer) -> bool:
-    return all(isinstance(b.attn.processor, ValidTokenAttnProcessor) for b in _dual_stream_blocks(transformer))
+    return all(isinstance(b.attn.processor, ValidTokenAttnProcessor) for b in dual_stream_blocks(transformer))

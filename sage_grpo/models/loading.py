@@ -169,7 +169,7 @@ def load_pipeline(
     dtype: frozen parts (text encoders; the VAE unless vae_dtype). transformer_dtype: the policy weights (e.g. fp32
     master weights with bf16 autocast; default = dtype). load_text_encoders=False leaves them None (prompt
     embeddings all cached on disk). transformer: an already built transformer (FSDP2: the sharded one from
-    sage_grpo.parallel.fsdp.load_sharded_transformer) used instead of loading the whole one; it is not moved.
+    sage_grpo.models.parallelize.load_sharded_transformer) used instead of loading the whole one; it is not moved.
     """
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
 
@@ -231,8 +231,8 @@ def _load_diffusers_parts(root: Path, tdt, vdt, dt, load_text_encoders: bool, lo
 
 
 # ------------------------------------------------------------------------------------------------ sharded loading
-# FSDP2 (sage_grpo.parallel.fsdp.load_sharded_transformer) builds the transformer on the meta device and reads only
-# each rank's rows of every tensor, so no rank ever holds the whole model in host memory.
+# FSDP2 (sage_grpo.models.parallelize.load_sharded_transformer) builds the transformer on the meta device and reads
+# only each rank's rows of every tensor, so no rank ever holds the whole model in host memory.
 
 _ST_SINGLE = "diffusion_pytorch_model.safetensors"
 _ST_INDEX = "diffusion_pytorch_model.safetensors.index.json"

@@ -1,5 +1,6 @@
 """Trainable parts of the policy: LoRA adapters (peft, through diffusers' PeftAdapterMixin) or full fine-tuning,
-plus loading fine-tuned weights (LoRA safetensors, DCP `checkpoint-N/transformer` directories)."""
+plus loading fine-tuned weights (LoRA safetensors, also into an FSDP2-sharded model; DCP `checkpoint-N/transformer`
+directories)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ __all__ = [
     "lora_state_dict",
     "save_lora",
     "load_lora",
+    "sharded_lora_state",
+    "load_lora_sharded",
     "saved_lora_settings",
     "load_dcp_transformer",
     "adapter_parameters",
@@ -86,7 +89,7 @@ def _config_file(weights: Path) -> Path:
 def save_lora(transformer, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the adapter as safetensors (a file path, or a directory that gets adapter_model.safetensors) and its
     settings (r, lora_alpha, lora_dropout, target_modules) as JSON beside it. `state`: the adapter already gathered
-    (FSDP2: `sage_grpo.parallel.fsdp.sharded_lora_state`, a collective every rank ran), else read from the model."""
+    (FSDP2: `sharded_lora_state`, a collective every rank ran), else read from the model."""
     path = Path(path)
     if path.suffix != ".safetensors":
         path.mkdir(parents=True, exist_ok=True)
@@ -142,6 +145,25 @@ def load_lora(transformer, path: str | Path) -> None:
             f"{len(missing)} missing (e.g. {sorted(missing)[:3]}), {len(unexpected)} unexpected (e.g. {sorted(unexpected)[:3]})"
         )
     set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER_NAME)
+
+
+def sharded_lora_state(transformer) -> dict[str, torch.Tensor]:
+    """`lora_state_dict` of an FSDP2 model (what `save_lora` writes), gathered whole on every rank (collective; the
+    adapter is small)."""
+    from sage_grpo.parallel.fsdp import gather_full
+
+    return gather_full(lora_state_dict(transformer))
+
+
+def load_lora_sharded(transformer, path: str | Path) -> None:
+    """`load_lora` for an FSDP2 model: every rank reads the adapter file and copies its own rows (no collective)."""
+    from sage_grpo.parallel.fsdp import copy_full_into_shards_
+
+    path, state = read_adapter(path)
+    params = {n.replace(f".{ADAPTER_NAME}.", "."): p for n, p in adapter_parameters(transformer).items()}
+    if sorted(params) != sorted(state):
+        raise SageGRPOError(f"LoRA adapter {path} does not fit the model (check --lora_r / --lora_target_modules)")
+    copy_full_into_shards_(params, state)
 
 
 def load_dcp_transformer(transformer, path: str | Path) -> None:

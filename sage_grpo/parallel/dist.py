@@ -8,8 +8,9 @@ sequence-parallel groups (rank = dp_rank * sp_size + sp_rank), so a data-paralle
 The device mesh has three named dimensions, (dp_replicate, dp_shard, sp), of sizes
 (R, dp / R, sp) with dp = world / sp: FSDP2 shards parameters over the flattened (dp_shard, sp) ranks and
 replicates them R times (HSDP when R > 1); the Ulysses all-to-all runs inside `sp`; group-relative rewards are
-gathered over `dp` (every rank with the same sp_rank). The divisibility rules are `config.validate`'s, checked
-before any process group exists.
+gathered over `dp` (every rank with the same sp_rank). Without FSDP2, `sync_gradients` turns the ranks' partial
+gradients into the step's gradient (sum over sp, mean over dp). The divisibility rules are `config.validate`'s,
+checked before any process group exists.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DistInfo", "init_distributed", "build_mesh", "all_reduce_sum", "all_gather_cat", "barrier",
-           "mean_metrics", "destroy"]
+           "mean_metrics", "sync_gradients", "destroy"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,18 @@ def all_gather_cat(t: torch.Tensor, group=None) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts)
+
+
+def sync_gradients(params: list, info: DistInfo, fsdp: bool) -> None:
+    """Sum the gradients over all ranks and divide by dp: the mean over data-parallel ranks of the sp groups' sums
+    (every rank calls it with the same parameters; a missing gradient counts as zeros). FSDP2 (fsdp=True) already
+    reduce-scattered them during backward."""
+    if not info.distributed or fsdp:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        all_reduce_sum(p.grad).div_(info.dp_size)
 
 
 def mean_metrics(metrics: dict[str, float]) -> dict[str, float]:

@@ -1,33 +1,29 @@
-"""Ulysses sequence parallelism for diffusers' `HunyuanVideo15Transformer3DModel`, over valid tokens only.
+"""Ulysses sequence parallelism, model-agnostic: the token split, the collectives with the backward its gradient
+convention needs, and the two module hooks that split and gather a sequence.
 
-`enable_sequence_parallel(transformer, sp_group)` installs hooks and an attention processor; the transformer's
-public forward keeps its full-size inputs and outputs. Every rank of the sp group must call it with IDENTICAL full
-inputs (latents, text embeddings and masks, timestep): derive them from shared seeds or broadcast them, never rely
-on RNG lockstep. Inside:
+A model's plan (which module outputs to split and gather, and an attention processor that turns the token split into
+a head split around attention) lives with the model: `sage_grpo.models.sequence_parallel` for HunyuanVideo-1.5.
+The pieces here:
 
-- after the patch embedding (`x_embedder`) the S video tokens are padded with zeros to a multiple of P (the sp
-  size) and each rank keeps its contiguous chunk of S_pad / P tokens; the rotary table (`rope`) is cut the same way,
-  so every token keeps its own position;
-- in every dual-stream block, the processor projects its local video tokens, applies QK-norm and rotary, and one
-  all-to-all turns q/k/v from [B, S_pad/P, H, d] into [B, S_pad, H/P, d] (all tokens, my heads); the pad tokens are
-  dropped there, the text tokens (replicated on every rank, so never all-to-all'd and never double counted) are
-  cut to the same H/P heads, and attention runs over each sample's valid tokens only, as in
-  `sage_grpo.models.attention` (the padding-cut block hook applies unchanged). The video output goes back through
-  the inverse all-to-all; the text output is all-gathered over heads (every rank carries the full text stream);
-- at `proj_out` the video tokens are all-gathered and the pad cut off, so every rank returns the same full
-  velocity [B, C, F, H, W]. Everything downstream (SDE step, log-prob, loss) is then identical on every sp rank.
+- `shard_tokens` / `padded_length`: a sequence of S tokens is zero-padded to a multiple of P (the sp size) and rank r
+  keeps its contiguous chunk of S_pad / P tokens;
+- `seq_to_heads` / `heads_to_seq`: one all-to-all from [B, S_pad/P, H, d] (my tokens, all heads) to
+  [B, S_pad, H/P, d] (all tokens, my heads) and back; each is the other's adjoint (a permutation, no sums);
+- `gather_heads`: an output replicated on every rank, computed per head group ([B, T, H/P, d] -> [B, T, H, d]);
+- `gather_tokens`: the model output, [B, S_pad/P, C] -> [B, S_pad, C] on every rank;
+- `ShardTokensHook` / `GatherTokensHook`: forward hooks applying `shard_tokens` to a module's output (recording the
+  unpadded length in the shared `SPState`) and `gather_tokens` + the cut back to that length.
 
 GRADIENTS (what the caller must do). Every sp rank computes the same full loss from the same full output; the
-gather's backward keeps only the local chunk of the output gradient, so each rank back-propagates its own video
-tokens (and 1/P of the replicated text path through its heads). After `backward()` each rank's parameter
-gradients, and the gradients of the inputs, are partial: THE FULL GRADIENT IS THE SUM OVER THE SP GROUP. Sum them
-over sp (and average over dp) before the optimizer step: `sage_grpo.parallel.fsdp.shard_transformer` sets FSDP2's
-gradient divide factor to dp (not dp x sp), and post_train's `sync_gradients` sums over all ranks and divides by dp.
+gather's backward keeps only the local chunk of the output gradient, so each rank back-propagates its own tokens
+(and 1/P of a replicated path through its heads; `gather_heads`' backward sums the replicated path's partial
+gradients). After `backward()` each rank's parameter gradients, and the gradients of the inputs, are partial: THE
+FULL GRADIENT IS THE SUM OVER THE SP GROUP. Sum them over sp (and average over dp) before the optimizer step:
+`sage_grpo.parallel.fsdp.shard_modules` sets FSDP2's gradient divide factor to dp (not dp x sp), and
+`sage_grpo.parallel.dist.sync_gradients` sums over all ranks and divides by dp.
 
-Limits: P must divide the head count (16 for HunyuanVideo-1.5). Dropout must be 0 on the replicated text path
-(each rank would drop different activations); LoRA dropout is 0 by default. Collectives run inside each block, so
-all sp ranks must run the same forwards and backwards in the same order (also true with gradient checkpointing,
-which recomputes a block with its collectives).
+Collectives run inside the model's forward, so all sp ranks must run the same forwards and backwards in the same
+order (also true with gradient checkpointing, which recomputes a block with its collectives).
 """
 
 from __future__ import annotations
@@ -35,23 +31,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sage_grpo.errors import SageGRPOError
-from sage_grpo.models.attention import (
-    ValidTokenAttnProcessor,
-    _attend,
-    _dual_stream_blocks,
-    encoder_qkv,
-    use_valid_token_attention,
-    valid_lengths,
-)
-
 __all__ = [
-    "UlyssesAttnProcessor",
-    "enable_sequence_parallel",
-    "disable_sequence_parallel",
-    "sequence_parallel_enabled",
     "padded_length",
     "shard_tokens",
+    "seq_to_heads",
+    "heads_to_seq",
+    "gather_heads",
+    "gather_tokens",
+    "SPState",
+    "ShardTokensHook",
+    "GatherTokensHook",
 ]
 
 
@@ -125,8 +114,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 class _GatherHeads(torch.autograd.Function):
-    """Text attention output [B, T, H/P, d] -> [B, T, H, d] on every rank. The replicated text stream downstream
-    carries partial gradients (their sum over sp is the true one), so the backward sums them: reduce-scatter."""
+    """[B, T, H/P, d] -> [B, T, H, d] on every rank. The replicated stream downstream carries partial gradients
+    (their sum over sp is the true one), so the backward sums them: reduce-scatter."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -147,8 +136,8 @@ class _GatherHeads(torch.autograd.Function):
 
 
 class _GatherTokens(torch.autograd.Function):
-    """Model output [B, S_loc, C] -> [B, P*S_loc, C] on every rank. Every rank holds the same full loss, so the
-    output gradient is the same everywhere and the backward keeps my chunk of it (no sum)."""
+    """[B, S_loc, C] -> [B, P*S_loc, C] on every rank. Every rank holds the same full loss, so the output gradient
+    is the same everywhere and the backward keeps my chunk of it (no sum)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -164,154 +153,59 @@ class _GatherTokens(torch.autograd.Function):
         return g[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
 
 
-# ---- processor and hooks ----
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S_loc, H, d] (my tokens, all heads) -> [B, P*S_loc, H/P, d] (all tokens in rank order, my heads)."""
+    return _SeqToHeads.apply(x, group)
 
-class _SPState:
-    """The sp group of one transformer, and the unpadded video length of its current forward (set by the rope hook,
-    read at proj_out; the blocks get it through the rotary tuple so that checkpoint recomputes never read it late).
-    A deepcopy of the transformer (e.g. a frozen reference model) shares the process group, not the length."""
+
+def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
+    """[B, P*S_loc, H/P, d] -> [B, S_loc, H, d] (inverse of `seq_to_heads`)."""
+    return _HeadsToSeq.apply(y, group)
+
+
+def gather_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, T, H/P, d] (my head group of a replicated sequence) -> [B, T, H, d] on every rank; backward sums."""
+    return _GatherHeads.apply(x, group)
+
+
+def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S_loc, C] (my tokens) -> [B, P*S_loc, C] on every rank; backward keeps my chunk."""
+    return _GatherTokens.apply(x, group)
+
+
+# ---- the split and the gather as forward hooks ----
+
+class SPState:
+    """The sp group of one model, and the unpadded sequence length of its current forward (recorded by
+    `ShardTokensHook`, read by `GatherTokensHook`). A deepcopy of the model (e.g. a frozen reference model) shares
+    the process group, not the length."""
 
     def __init__(self, group):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.n_video = None
+        self.n_tokens = None
 
     def __deepcopy__(self, memo):
-        return _SPState(self.group)
+        return SPState(self.group)
 
 
-class UlyssesAttnProcessor(ValidTokenAttnProcessor):
-    """`ValidTokenAttnProcessor` under Ulysses: local video tokens in, all-to-all to a head split, valid-token
-    attention over all video tokens and my heads of the (replicated) text tokens, all-to-all back."""
+class ShardTokensHook:
+    """Forward hook: output [B, S, D] -> my zero-padded chunk [B, S_pad / P, D]; records S in the state."""
 
-    def __init__(self, state: _SPState):
-        self.state = state
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        from diffusers.models.embeddings import apply_rotary_emb
-
-        if image_rotary_emb is None or len(image_rotary_emb) != 3:
-            raise SageGRPOError("UlyssesAttnProcessor runs only inside a transformer set up by enable_sequence_parallel")
-        cos, sin, n_video = image_rotary_emb  # cos/sin: [S_loc, d], my tokens' rows; n_video: unpadded S
-        st = self.state
-        heads = attn.heads // st.size
-        mine = slice(st.rank * heads, (st.rank + 1) * heads)
-        # 1-3: projections, QK-norm, rotary on my video tokens: [B, S_loc, H, d]
-        query = attn.norm_q(attn.to_q(hidden_states).unflatten(2, (attn.heads, -1)))
-        key = attn.norm_k(attn.to_k(hidden_states).unflatten(2, (attn.heads, -1)))
-        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        query = apply_rotary_emb(query, (cos, sin), sequence_dim=1)
-        key = apply_rotary_emb(key, (cos, sin), sequence_dim=1)
-        batch, s_loc = hidden_states.shape[:2]
-        # one all-to-all for q, k, v: [3B, S_loc, H, d] -> [3B, S_pad, H/P, d]; drop the pad tokens -> [3B, S, H/P, d]
-        qkv = _SeqToHeads.apply(torch.cat([query, key, value]), st.group)[:, :n_video]
-        query, key, value = qkv.chunk(3)
-        # 4: text tokens, replicated: project all heads (LoRA-wrapped layers stay whole), keep mine: [B, T, H/P, d]
-        n_enc = 0
-        if encoder_hidden_states is not None:
-            n_enc = encoder_hidden_states.shape[1]
-            eq, ek, ev = encoder_qkv(attn, encoder_hidden_states)
-            query = torch.cat([query, eq[:, :, mine]], dim=1)  # [B, S + T, H/P, d]
-            key = torch.cat([key, ek[:, :, mine]], dim=1)
-            value = torch.cat([value, ev[:, :, mine]], dim=1)
-        # 5: each sample attends over its valid prefix (all video tokens + its valid text tokens)
-        lengths = [n_video + n for n in valid_lengths(attention_mask, batch, n_enc)]
-        out = _attend(query, key, value, lengths, self._attention_backend).to(query.dtype)  # [B, S + T, H/P, d]
-        video = out[:, :n_video]
-        pad = s_loc * st.size - n_video
-        if pad:  # the pad tokens get zero attention output (they are cut at proj_out)
-            video = torch.cat([video, video.new_zeros(batch, pad, *video.shape[2:])], dim=1)
-        video = _HeadsToSeq.apply(video, st.group).flatten(2, 3)  # [B, S_loc, H*d]
-        # 6: output projections
-        video = attn.to_out[1](attn.to_out[0](video))
-        if encoder_hidden_states is None:
-            return video, None
-        text = _GatherHeads.apply(out[:, n_video:], st.group).flatten(2, 3)  # [B, T, H*d], the same on every rank
-        return video, attn.to_add_out(text)
-
-
-class _RopeHook:
-    """rope output (cos, sin) [S, d] -> (my rows of cos, of sin, S)."""
-
-    def __init__(self, state):
+    def __init__(self, state: SPState):
         self.state = state
 
     def __call__(self, module, args, output):
-        cos, sin = output
-        st = self.state
-        st.n_video = cos.shape[0]
-        return shard_tokens(cos, st.size, st.rank, 0), shard_tokens(sin, st.size, st.rank, 0), cos.shape[0]
-
-
-class _SplitHook:
-    """x_embedder output [B, S, D] -> my zero-padded chunk [B, S_pad / P, D]."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def __call__(self, module, args, output):
+        self.state.n_tokens = output.shape[1]
         return shard_tokens(output, self.state.size, self.state.rank, 1)
 
 
-class _GatherHook:
-    """proj_out output [B, S_pad / P, C] -> [B, S, C], the same on every rank."""
+class GatherTokensHook:
+    """Forward hook: output [B, S_pad / P, C] -> [B, S, C], the same on every rank."""
 
-    def __init__(self, state):
+    def __init__(self, state: SPState):
         self.state = state
 
     def __call__(self, module, args, output):
-        return _GatherTokens.apply(output, self.state.group)[:, : self.state.n_video]
-
-
-_HOOK_TYPES = (_RopeHook, _SplitHook, _GatherHook)
-
-
-def _remove_hooks(transformer) -> None:
-    for module in (transformer.rope, transformer.x_embedder, transformer.proj_out):
-        for key in [k for k, h in module._forward_hooks.items() if isinstance(h, _HOOK_TYPES)]:
-            del module._forward_hooks[key]
-
-
-def enable_sequence_parallel(transformer, sp_group):
-    """Run `transformer` (a HunyuanVideo15Transformer3DModel) with Ulysses sequence parallelism over `sp_group`.
-    No-op when the group is None or has one rank. Returns the transformer. Full inputs in, full output out, on
-    every rank; parameter and input gradients are partial: sum them over the sp group (module docstring)."""
-    if sp_group is None or dist.get_world_size(sp_group) == 1:
-        return transformer
-    blocks = _dual_stream_blocks(transformer)
-    sp = dist.get_world_size(sp_group)
-    heads = blocks[0].attn.heads
-    if heads % sp:
-        raise SageGRPOError(f"--sp_size {sp} must divide the attention head count {heads}")
-    drop = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    if drop:
-        raise SageGRPOError(f"sequence parallelism needs dropout 0 (each rank would drop different text activations); "
-                            f"{drop[0]} has p > 0 (set --lora_dropout 0)")
-    disable_sequence_parallel(transformer)
-    # valid-token attention first: its padding-cut block hook (idempotent) serves this processor unchanged
-    use_valid_token_attention(transformer)
-    state = _SPState(sp_group)
-    for block in blocks:
-        proc = UlyssesAttnProcessor(state)
-        proc._attention_backend = block.attn.processor._attention_backend
-        block.attn.set_processor(proc)
-    transformer.rope.register_forward_hook(_RopeHook(state))
-    transformer.x_embedder.register_forward_hook(_SplitHook(state))
-    transformer.proj_out.register_forward_hook(_GatherHook(state))
-    return transformer
-
-
-def disable_sequence_parallel(transformer):
-    """Back to single-process valid-token attention (every rank computes everything). Returns the transformer."""
-    if sequence_parallel_enabled(transformer):
-        for block in _dual_stream_blocks(transformer):
-            proc = ValidTokenAttnProcessor()
-            proc._attention_backend = block.attn.processor._attention_backend
-            block.attn.set_processor(proc)
-    _remove_hooks(transformer)
-    return transformer
-
-
-def sequence_parallel_enabled(transformer) -> bool:
-    return any(isinstance(b.attn.processor, UlyssesAttnProcessor) for b in _dual_stream_blocks(transformer))
+        return gather_tokens(output, self.state.group)[:, : self.state.n_tokens]

@@ -32,22 +32,17 @@ from sage_grpo.checkpoint import dcp_load, dcp_save  # noqa: E402
 from sage_grpo.models.attention import use_valid_token_attention  # noqa: E402
 from sage_grpo.models.lora import (  # noqa: E402
     adapter_parameters,
+    load_lora_sharded,
     lora_state_dict,
     merged_state_dict,
     save_lora,
     setup_trainable,
-)
-from sage_grpo.optim import build_optimizer  # noqa: E402
-from sage_grpo.parallel.dist import init_distributed  # noqa: E402
-from sage_grpo.parallel.fsdp import (  # noqa: E402
-    ShardedAnchor,
-    clone_local_shards,
-    copy_local_shards_,
-    load_lora_sharded,
-    load_sharded_transformer,
-    local_rows,
     sharded_lora_state,
 )
+from sage_grpo.models.parallelize import build_sharded_anchor, load_sharded_transformer  # noqa: E402
+from sage_grpo.optim import build_optimizer  # noqa: E402
+from sage_grpo.parallel.dist import init_distributed  # noqa: E402
+from sage_grpo.parallel.fsdp import clone_local_shards, copy_local_shards_, local_rows  # noqa: E402
 
 out_dir, single_dir, sharded_dir = (Path(a) for a in sys.argv[1:4])
 info = init_distributed()
@@ -228,7 +223,7 @@ class NoCollectives:
 
 policy, _ = load_sharded_transformer(single_dir, info, master_dtype=FP32, param_dtype=FP32, lora={"use_lora": False})
 with NoCollectives() as nc:
-    anchor = ShardedAnchor(policy, info)
+    anchor = build_sharded_anchor(policy, info)
 init_count = nc.count
 anchor_equal_init = all(torch.equal(a.to_local(), p.to_local()) for a, p in
                         zip(anchor.module.parameters(), policy.parameters()))
@@ -251,7 +246,7 @@ with torch.no_grad():
 # offloaded anchor (FSDP2 CPUOffloadPolicy), bf16 compute over fp32 master shards: forward equals the policy's
 pol16, _ = load_sharded_transformer(single_dir, info, master_dtype=FP32, param_dtype=torch.bfloat16,
                                     lora={"use_lora": False})
-off = ShardedAnchor(pol16, info, param_dtype=torch.bfloat16, offload=True)
+off = build_sharded_anchor(pol16, info, param_dtype=torch.bfloat16, offload=True)
 with torch.no_grad():
     y_off, y_pol = off.module(**inputs(1))[0], pol16(**inputs(1))[0]
 res["anchor"]["offload_fwd_equal"] = y_off.dtype == torch.bfloat16 and torch.equal(y_off, y_pol)

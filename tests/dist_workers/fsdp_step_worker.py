@@ -17,9 +17,10 @@ sys.path.insert(0, str(ROOT))
 
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 
+from sage_grpo.models.parallelize import parallelize  # noqa: E402
 from sage_grpo.optim import build_optimizer, clip_grad_norm  # noqa: E402
 from sage_grpo.parallel.dist import DistInfo, build_mesh, init_distributed  # noqa: E402
-from sage_grpo.parallel.fsdp import shard_transformer  # noqa: E402
+from sage_grpo.parallel.fsdp import shard_modules  # noqa: E402
 from sage_grpo.parallel.muon import ShardedMuon  # noqa: E402
 
 out_dir = Path(sys.argv[1])
@@ -79,7 +80,7 @@ def train_case(use_muon: bool, steps: int = 2):
     """`steps` FSDP2 updates on 2 ranks (2 samples each) vs one process on the same 4 samples."""
     ref = tiny_transformer()
     ref.enable_gradient_checkpointing()
-    model = shard_transformer(copy.deepcopy(ref), info, gradient_checkpointing=True)
+    model = parallelize(copy.deepcopy(ref), info, fsdp=True, gradient_checkpointing=True)
     ref.train()
     model.train()
     ocfg = SimpleNamespace(learning_rate=1e-3, weight_decay=0.1, use_muon=use_muon)
@@ -174,7 +175,7 @@ def divide_case(sp, dp_replicate):
     torch.manual_seed(0)
     m = Stand()
     w0 = m.transformer_blocks[0].weight.detach().clone()
-    shard_transformer(m, lay)
+    shard_modules(m, m.transformer_blocks, lay)
     xs = [torch.tensor([[1.0, 2.0, 3.0, 4.0]]) * (r + 1) for r in range(world)]
     # loss linear in the block's output: d loss / d W = ones(2, 1) @ x_r (partial gradient of rank r)
     (m.transformer_blocks[0](xs[rank])).sum().backward()

@@ -1,5 +1,5 @@
-"""torchrun worker for tests/test_parallel_dist.py: the mesh layout, metric reduction and the sp-split reward
-scoring of post_train.score_videos, on 4 gloo ranks (dp 2 x sp 2). Writes one JSON per rank to argv[1]."""
+"""torchrun worker for tests/test_parallel_dist.py: the mesh layout, metric reduction, gradient sync without FSDP2
+and the sp-split reward scoring of post_train.score_videos, on 4 gloo ranks (dp 2 x sp 2). Writes one JSON per rank to argv[1]."""
 
 import json
 import sys
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import post_train as pt  # noqa: E402
-from sage_grpo.parallel.dist import init_distributed, mean_metrics  # noqa: E402
+from sage_grpo.parallel.dist import init_distributed, mean_metrics, sync_gradients  # noqa: E402
 
 info = init_distributed(sp_size=2, dp_replicate=int(sys.argv[2]))
 out = {"rank": info.rank, "dp_rank": info.dp_rank, "sp_rank": info.sp_rank,
@@ -22,6 +22,15 @@ out = {"rank": info.rank, "dp_rank": info.dp_rank, "sp_rank": info.sp_rank,
 
 # ranks report different keys: each key is averaged over the ranks that have it
 out["metrics"] = mean_metrics({"all": float(info.rank), **({"odd": 10.0 * info.rank} if info.rank % 2 else {})})
+
+# rank r holds the partial gradient r + 1 of `a`; `b` got no gradient here (a missing gradient is zeros)
+a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+a.grad = torch.full((3,), float(info.rank + 1))
+sync_gradients([a, b], info, fsdp=False)
+out["synced"] = [a.grad.tolist(), b.grad.tolist()]
+a.grad = torch.full((3,), float(info.rank + 1))
+sync_gradients([a], info, fsdp=True)  # FSDP2 reduced them in backward: left alone
+out["synced_fsdp"] = a.grad.tolist()
 
 
 class CountingReward:

@@ -20,9 +20,9 @@ from diffusers import HunyuanVideo15Transformer3DModel
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.models.attention import use_diffusers_attention, use_valid_token_attention
 from sage_grpo.models.lora import setup_trainable
+from sage_grpo.models.sequence_parallel import enable_sequence_parallel, sequence_parallel_enabled
 from sage_grpo.models.tiny import tiny_transformer_config
 from sage_grpo.parallel.dist import init_distributed
-from sage_grpo.parallel.ulysses import enable_sequence_parallel, sequence_parallel_enabled
 
 TXT, B5, IMG = 24, 8, 4  # MLLM, ByT5 and image token slots
 # 4 heads x 16 (rope axes 4 + 6 + 6 = 16), so each of 2 sp ranks holds 2 heads
