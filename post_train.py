@@ -195,6 +195,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
         controller=AdaptiveKLController.from_config(cfg.kl),
         sampler=GroupSampler(len(prompts), batch_size=cfg.data.batch_size, num_generations=cfg.data.num_generations,
                              dp_size=info.dp_size, seed=cfg.optim.seed),
+        anchor_synced=anchor.equals_initial_policy,
     )
     if resume is not None:
         load_checkpoint(c, state, resume)
@@ -324,29 +325,35 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
             with clock("reward"):
                 adv, valid, reward_metrics = reward_phase(c, traj)
             metrics.update(reward_metrics)
-            # no finite reward on any rank (every rank sees the gathered rewards, so all agree): nothing to learn
-            if reward_metrics["reward/failed"] == reward_metrics["reward/videos"]:
+            # no finite reward on any rank (every rank sees the gathered rewards, so all agree): nothing to learn, but
+            # the round still counts toward the pending update (with no gradient), so updates fall on the same steps
+            # whatever fails and saves at multiples of save_interval stay on update boundaries
+            failed = reward_metrics["reward/failed"] == reward_metrics["reward/videos"]
+            if failed:
                 state.failed_reward_steps += 1
                 state.failed_streak += 1
+                batches = [[]]
             else:
                 state.failed_streak = 0
                 with clock("plan"):
                     batches = micro_batches_of(c, plan_round(c, state, traj))
                 with clock("anchor"):
                     batches = anchor_means(c, state, traj, batches)
-                total = UpdateStats()
-                # one entry of `batches` per optimizer update of this round (updates_per_rollout > 1 needs
-                # gradient_accumulation_steps 1); with one, the update completes every accumulation rounds
-                for mbs in batches:
+            total = UpdateStats()
+            # one entry of `batches` per optimizer update of this round (updates_per_rollout > 1 needs
+            # gradient_accumulation_steps 1); with one, the update completes every accumulation rounds
+            for mbs in batches:
+                if mbs:
                     with clock("update"):
                         stats = backward_phase(c, state, traj, adv, valid, mbs)
                     total.merge(stats)
                     state.pending_kl_sum += stats.sums.get("kl/loss", 0.0)
                     state.pending_kl_pairs += stats.pairs
-                    state.accum_rounds += 1
-                    if state.accum_rounds == o.gradient_accumulation_steps:
-                        with clock("optimizer"):
-                            metrics.update(optimizer_step(c, state))
+                state.accum_rounds += 1
+                if state.accum_rounds == o.gradient_accumulation_steps:
+                    with clock("optimizer"):
+                        metrics.update(optimizer_step(c, state))
+            if not failed:
                 metrics.update(total.summary())
                 metrics["train/masked_pairs"] = total.masked_pairs
             state.step += 1
@@ -680,14 +687,37 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
     # small: gathered whole under FSDP2 (collective, every rank), then rank 0 writes it
     anchor_lora = None if (a.adapter is None or initial) else gather_full(a.adapter)
     lora_state = sharded_lora_state(c.transformer) if (fsdp and lora) else None  # collective, before rank 0 writes
+    # a stop inside an accumulation (signal, failed-reward limit): the gradients of the rounds so far, so that the
+    # resumed run adds the next rounds to them exactly as an uninterrupted run would
+    gradients = pending_gradients(c.transformer) if state.accum_rounds else None
     return save_checkpoint(
-        c.cfg.checkpoint.output_dir, state.step, rank=c.info.rank,
+        c.cfg.checkpoint.output_dir, state.step, rank=c.info.rank, gradient_state=gradients or None,
         model_state=merged_state_dict(c.transformer),
         optimizer_state=get_optimizer_state_dict(c.transformer, c.optimizer.optimizers),
         train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg)},
         lora_writer=(lambda d: save_lora(c.transformer, d, state=lora_state)) if lora else None,
         anchor_state=anchor_state, anchor_lora=anchor_lora, total_limit=c.cfg.checkpoint.checkpoints_total_limit,
     )
+
+
+def pending_gradients(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients accumulated into the pending update, by parameter name (this rank's shards under FSDP2).
+    Parameters without a gradient are left out: the optimizer skips them, and a zero would not be skipped."""
+    return {n: p.grad for n, p in transformer.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def load_pending_gradients(transformer: torch.nn.Module, path: Path) -> None:
+    """Restore `pending_gradients` from a checkpoint's gradients/ (DCP, resharded to this run's layout)."""
+    import torch.distributed.checkpoint as dcp
+
+    from sage_grpo.checkpoint import dcp_load
+
+    params = dict(transformer.named_parameters())
+    names = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    grads = {n: torch.zeros_like(params[n]) for n in names}
+    dcp_load(grads, path, "pending gradients")
+    for n, g in grads.items():
+        params[n].grad = g
 
 
 def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
@@ -725,6 +755,8 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
         set_model_state_dict(a.model, anchor["model"])
     if a.adapter is not None and not initial:
         copy_full_into_shards_(a.adapter, load_file(path / "anchor_lora.safetensors"))  # plain tensors: a copy
+    if (path / "gradients").is_dir():
+        load_pending_gradients(c.transformer, path / "gradients")
     load_rng_state(path, c.info.rank)
     print0(c.info, f"resumed from {path} at step {state.step} ({state.updates} optimizer updates)")
 

@@ -37,6 +37,9 @@ class Anchor:
         self.transformer = transformer
         self.model = None
         self.adapter: dict[str, torch.Tensor] | None = None
+        # A fixed LoRA anchor is the base with the adapter disabled: the initial policy only while the adapter is
+        # zero (B = 0 at injection), not when it starts from --pretrained_lora_path
+        self.equals_initial_policy = not (self.lora and not self.moving and cfg.model.pretrained_lora_path)
         if not self.uses_pos:
             return
         if self.lora:

@@ -7,8 +7,11 @@
         lora/                 adapter_model.safetensors + adapter_config.json (LoRA runs; the weights resume loads)
         anchor/               DCP {"model": ...} of a refreshed full-model anchor, or anchor_lora.safetensors
                               (LoRA moving anchor); absent when the anchor is the initial model (rebuilt exactly)
+        gradients/            DCP {name: gradient} of a checkpoint written inside a gradient accumulation (a stop
+                              signal, the failed-reward limit): the rounds so far, resumed exactly
         rng_rank{r}.safetensors  torch CPU/CUDA generator states (dropout); every other draw is hash-seeded
-        train_state.json      step and update counters, KL controller, prompt sampler, anchor bookkeeping, config
+        train_state.json      post_train's TrainState (counters, pending accumulation, KL controller, prompt
+                              sampler, anchor bookkeeping) and the config
 
 Everything is written into `checkpoint-{step}.tmp/` and renamed when complete (rank 0, after a barrier), so a
 directory named `checkpoint-N` is always whole and `--resume_from_checkpoint latest` takes the newest of them.
@@ -119,6 +122,7 @@ def save_checkpoint(
     lora_writer=None,
     anchor_state: dict | None = None,
     anchor_lora: dict[str, torch.Tensor] | None = None,
+    gradient_state: dict | None = None,
     total_limit: int = 0,
 ) -> Path:
     """Write checkpoint-{step} atomically (collective) -> its path. lora_writer(dir) writes the adapter (rank 0).
@@ -155,6 +159,8 @@ def save_checkpoint(
         dcp_save({"optimizer": optimizer_state}, tmp / "optimizer")
         if anchor_state is not None:
             dcp_save({"model": anchor_state}, tmp / "anchor")
+        if gradient_state is not None:
+            dcp_save(gradient_state, tmp / "gradients")
         save_file({k: v.contiguous() for k, v in _rng_state().items()}, tmp / f"rng_rank{rank}.safetensors")
         if rank == 0:
             if lora_writer is not None:
@@ -188,7 +194,7 @@ _EXACT_KEYS = {
     "reward": ("reward_model", "reward_weights", "reward_checkpoint_mode", "reward_max_pixels", "reward_min_pixels",
                "reward_sample_fps"),
     "kl": None,
-    "optim": ("learning_rate", "weight_decay", "warmup_steps", "gradient_accumulation_steps", "max_grad_norm",
+    "optim": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "warmup_steps", "gradient_accumulation_steps", "max_grad_norm",
               "use_muon", "seed", "clip_range", "adv_clip_max", "timestep_fraction", "enable_timestep_permutation",
               "use_grad_balancing", "mini_batch_size_per_update", "updates_per_rollout"),
 }

@@ -81,7 +81,7 @@ class ModelConfig:
     use_lora: bool = opt(False, "Train LoRA adapters (peft) instead of the full transformer.")
     lora_r: int = opt(8, "LoRA rank.")
     lora_alpha: int = opt(16, "LoRA alpha (scale = alpha / r).")
-    lora_dropout: float = opt(0.0, "LoRA dropout (must be 0 with --sp_size > 1).")
+    lora_dropout: float = opt(0.0, "LoRA dropout (the authors' flag). Must be 0: the rollout's log-probs come from the policy without dropout, so re-scoring with it would move the ratio off 1 and the clip would silently zero those pairs.")
     lora_target_modules: list[str] = opt([], "Module names that get LoRA adapters; empty = every linear layer of the transformer blocks.")
     pretrained_lora_path: str = opt("", "A LoRA adapter (safetensors file or peft directory) to load before training or generation.")
     vae_tiling: bool = opt(True, "Decode rollouts and validation videos with the VAE in tiles (diffusers' enable_tiling): 9 GiB instead of 30 GiB peak for one 81x352x624 video on an H100, 1.5x the time; no effect below the tile size.")
@@ -174,6 +174,9 @@ class OptimConfig:
 
     learning_rate: float = opt(1e-5, "Peak learning rate.")
     weight_decay: float = opt(0.01, "Decoupled weight decay.")
+    adam_beta1: float = opt(0.95, "AdamW beta1 (the AdamW beside Muon, or alone with --use_muon False); 0.95 as the authors' code (torch's default is 0.9).")
+    adam_beta2: float = opt(0.95, "AdamW beta2; 0.95 as the authors' code (torch's default is 0.999).")
+    adam_eps: float = opt(1e-8, "AdamW epsilon (the authors' and torch's 1e-8).")
     max_steps: int = opt(10000, "Training steps (rollout + update rounds).")
     warmup_steps: int = opt(0, "Linear learning-rate warm-up in optimizer updates.")
     gradient_accumulation_steps: int = opt(1, "Rollout rounds (steps) whose gradients are accumulated into one optimizer update: an update sees rounds x batch_size x dp videos (dp = world_size / sp_size): on 8 GPUs with batch_size 2, the paper's 64 videos take 4 rounds at sp 1 and 8 rounds at sp 2. The KL controller, the warm-up and the anchor refresh count optimizer updates.")
@@ -183,7 +186,7 @@ class OptimConfig:
     seed: int = opt(42, "Base seed. Every draw is seeded by a hash of it with what names the draw: rollout noise with (step, prompt text and seed column, generation, diffusion step), timestep permutations with (step, video), the prompt shuffle with the epoch; results do not depend on the rank count.")
     clip_range: float = opt(1e-4, "PPO clip range of the ratio (tiny because log-probs are averaged over latent elements).")
     adv_clip_max: float = opt(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max].")
-    timestep_fraction: float = opt(1.0, "Fraction of the T steps trained per sample: ceil(T * fraction).")
+    timestep_fraction: float = opt(1.0, "Fraction of the T steps trained per sample: int(T * fraction), as the authors' code takes it (0.33 of 20 trains 6); at least one step.")
     enable_timestep_permutation: bool = opt(True, "Train the selected steps of each sample in a random order (else in sampling order).")
     use_grad_balancing: bool = opt(True, "Weight each step's policy loss by the gradient-norm equalizer S_t (paper Eq. 9).")
     mini_batch_size_per_update: int = opt(1, "Samples per forward/backward micro-step of the update.")
@@ -549,6 +552,15 @@ def check_values(cfg: Config) -> None:
             raise SageGRPOError(f"--{name} must be >= 0, got {value}")
     if not 0.0 < o.timestep_fraction <= 1.0:
         raise SageGRPOError(f"--timestep_fraction must be in (0, 1], got {o.timestep_fraction}")
+    noisy = r.grpo_sampling_steps - (1 if r.sde_type == "cps" else 0)  # cps's last step injects no noise
+    if noisy >= 1 and math.floor(round(noisy * o.timestep_fraction, 9)) < 1:
+        raise SageGRPOError(f"--timestep_fraction {o.timestep_fraction:g} trains int({noisy} x "
+                            f"{o.timestep_fraction:g}) = 0 of the {noisy} noisy steps; use at least {1 / noisy:.4g}")
+    for name, value in (("adam_beta1", o.adam_beta1), ("adam_beta2", o.adam_beta2)):
+        if not 0.0 <= value < 1.0:
+            raise SageGRPOError(f"--{name} must be in [0, 1), got {value}")
+    if o.adam_eps <= 0:
+        raise SageGRPOError(f"--adam_eps must be > 0, got {o.adam_eps}")
     if o.clip_range <= 0:
         raise SageGRPOError(f"--clip_range must be > 0, got {o.clip_range}")
     if o.adv_clip_max <= 0:
@@ -635,9 +647,11 @@ def validate(cfg: Config, world_size: int, num_heads: int = 16) -> None:
     if num_heads % sp != 0:
         ok = [x for x in range(1, num_heads + 1) if num_heads % x == 0]
         raise SageGRPOError(f"--sp_size {sp} must divide the attention head count {num_heads}; use one of {ok}")
-    if sp > 1 and cfg.model.use_lora and cfg.model.lora_dropout > 0:
-        raise SageGRPOError(f"--lora_dropout {cfg.model.lora_dropout:g} with --sp_size {sp}: sequence-parallel ranks "
-                            "share the text tokens and would drop different ones; use --lora_dropout 0")
+    if cfg.model.use_lora and cfg.model.lora_dropout > 0:
+        raise SageGRPOError(f"--lora_dropout {cfg.model.lora_dropout:g}: the rollout samples with the deterministic "
+                            "policy (no dropout) and the update would re-score with dropout, so the ratio leaves 1 "
+                            "and the clip silently zeroes those pairs (and sequence-parallel ranks would drop "
+                            "different text tokens); use --lora_dropout 0")
     dp = dp_degree(cfg, world_size)
     if (bs * dp) % g != 0:
         raise SageGRPOError(

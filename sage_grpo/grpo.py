@@ -3,7 +3,7 @@
 Given a rollout (stored x_0..x_T, per-step log-probs), advantages and a step callback that re-runs the policy on
 stored transitions, an update
 
-1. plans the trained (sample, step) pairs: each sample trains ceil(T' * timestep_fraction) of the T' steps that
+1. plans the trained (sample, step) pairs: each sample trains int(T' * timestep_fraction) of the T' steps that
    inject noise (a step with V_t = 0, cps's last, has no policy gradient and its KL_pos would divide by the 1e-6
    guard, so it is removed *before* the selection), permuted per sample or in sampling order;
 2. groups the pairs into micro-batches (the caller decides the composition: the video loop re-scores in the
@@ -47,7 +47,7 @@ def plan_steps(
     permute: bool,
     generators: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> Tensor:
-    """Trained steps of every sample -> LongTensor[B, k] of original diffusion indices, k = ceil(T' * fraction)
+    """Trained steps of every sample -> LongTensor[B, k] of original diffusion indices, k = int(T' * fraction)
     over the T' stochastic steps. With `permute` each sample draws its own order (from its generator, or all from
     one shared generator); without it the first k stochastic steps in sampling order."""
     steps = stochastic_steps(variance)  # [T']

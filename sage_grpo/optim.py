@@ -226,10 +226,11 @@ def _is_dtensor(t: Tensor) -> bool:
 def build_optimizer(named_params: Iterable[tuple[str, Tensor]], optim_cfg, *, materialize: bool = True) -> Optimizers:
     """Muon (2-D block weights) + AdamW (the rest), or AdamW alone when `optim_cfg.use_muon` is False.
 
-    optim_cfg: an object with `learning_rate`, `weight_decay`, `use_muon` (sage_grpo.config.OptimConfig). Both
-    optimizers use `learning_rate` and `weight_decay` (decoupled, on every trainable parameter as in the authors'
-    code); Muon keeps torch's defaults (momentum 0.95, Nesterov, 5 quintic Newton-Schulz steps in bf16) with
-    adjust_lr_fn="match_rms_adamw"; AdamW keeps torch's defaults (betas (0.9, 0.999), eps 1e-8). An empty side is
+    optim_cfg: an object with `learning_rate`, `weight_decay`, `use_muon`, `adam_beta1`, `adam_beta2`, `adam_eps`
+    (sage_grpo.config.OptimConfig). Both optimizers use `learning_rate` and `weight_decay` (decoupled, on every
+    trainable parameter as in the authors' code); Muon keeps torch's defaults (momentum 0.95, Nesterov, 5 quintic
+    Newton-Schulz steps in bf16) with adjust_lr_fn="match_rms_adamw"; AdamW takes the authors' betas (0.95, 0.95)
+    and eps 1e-8 by default (torch's betas are (0.9, 0.999)), from the config. An empty side is
     left out (LoRA only in the blocks: Muon alone). materialize: create all optimizer state now (see
     `Optimizers.materialize_state`; needed for DCP when some parameters never get a gradient).
     """
@@ -250,7 +251,9 @@ def build_optimizer(named_params: Iterable[tuple[str, Tensor]], optim_cfg, *, ma
         optimizers.append(muon_cls([p for _, p in muon], lr=lr, weight_decay=wd, adjust_lr_fn=MUON_ADJUST_LR_FN))
         names.append("muon")
     if adamw:
-        optimizers.append(torch.optim.AdamW([p for _, p in adamw], lr=lr, weight_decay=wd))
+        betas = (float(optim_cfg.adam_beta1), float(optim_cfg.adam_beta2))
+        optimizers.append(torch.optim.AdamW([p for _, p in adamw], lr=lr, weight_decay=wd, betas=betas,
+                                            eps=float(optim_cfg.adam_eps)))
         names.append("adamw")
     container = Optimizers(optimizers, names)
     if materialize:

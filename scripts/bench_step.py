@@ -10,7 +10,7 @@ Reported per configuration (JSON: $OUT/bench_step.json when OUT is set, else out
   counts     per step and phase, transformer work in per-sample forwards (a call on a batch of b counts b; with
              CFG predict_velocity runs one call on 2b), next to the minimum of the configuration:
                rollout  T x B x (2 with CFG)
-               update   trained pairs B x k x (2 with CFG), k = ceil(T' x timestep_fraction) over the T' noisy steps
+               update   trained pairs B x k x (2 with CFG), k = int(T' x timestep_fraction) over the T' noisy steps
                anchor   the same as update, 0 while the anchor equals the policy (initial model / right after a
                         refresh, no optimizer update since) or without a position KL term
              VAE decode B samples and one reward call per step; the text encoder once per distinct prompt per run.

@@ -112,6 +112,11 @@ def test_dump_and_load_back_identically(tmp_path):
     (["--validation_fixed_size", "big"], "write HEIGHTxWIDTH"),
     (["--num_generations", "1"], "--num_generations must be >= 2"),
     (["--timestep_fraction", "1.5"], "--timestep_fraction must be in \\(0, 1\\]"),
+    (["--timestep_fraction", "0.04"], "--timestep_fraction 0.04 trains int\\(20 x 0.04\\) = 0 of the 20 noisy steps; "
+                                      "use at least 0.05"),
+    (["--timestep_fraction", "0.05", "--sde_type", "cps"], "int\\(19 x 0.05\\) = 0 of the 19 noisy steps"),
+    (["--adam_beta2", "1.0"], "--adam_beta2 must be in \\[0, 1\\), got 1.0"),
+    (["--adam_eps", "0"], "--adam_eps must be > 0"),
     (["--reward_weights", "VQ=1"], "--reward_weights must be a JSON object"),
     (["--kl_min_coef", "1e-3"], "need --kl_min_coef \\(0.001\\) <= --kl_coef"),
     (["--kl_coef", "1e-3"], "--kl_coef \\(0.001\\) <= --kl_weight \\(1e-05\\)"),
@@ -161,7 +166,9 @@ def test_yaml_errors_name_the_key(tmp_path):
     (["--sp_size", "32"], 64, "--sp_size 32 must divide the attention head count 16"),
     (["--batch_size", "1", "--sp_size", "2"], 4, "1 \\* 2 = 2 videos per step is not a multiple of --num_generations 4"),
     (["--dp_replicate", "3"], 4, "--dp_replicate 3 must divide dp_degree"),
-    (["--sp_size", "2", "--use_lora", "--lora_dropout", "0.1"], 8, "--lora_dropout 0.1 with --sp_size 2.*use --lora_dropout 0"),
+    (["--sp_size", "2", "--use_lora", "--lora_dropout", "0.1"], 8, "--lora_dropout 0.1: .*use --lora_dropout 0"),
+    (["--use_lora", "--lora_dropout", "0.05"], 1, "--lora_dropout 0.05: the rollout samples with the deterministic "
+                                                  "policy .*ratio leaves 1.*use --lora_dropout 0"),
 ])
 def test_geometry_validation(argv, world, message):
     cfg = load_config(argv)

@@ -4,14 +4,15 @@ round-trips and a bitwise DCP resume."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
+from sage_grpo.config import OptimConfig
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.optim import (
     build_optimizer,
@@ -24,8 +25,9 @@ from sage_grpo.optim import (
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (kellerjordan.github.io/posts/muon)
 
 
-def cfg(lr=1e-2, wd=0.1, use_muon=True):
-    return SimpleNamespace(learning_rate=lr, weight_decay=wd, use_muon=use_muon)
+def cfg(lr=1e-2, wd=0.1, use_muon=True, **kw):
+    """The run's optimizer settings (OptimConfig's defaults: the authors' AdamW betas) with these overrides."""
+    return dataclasses.replace(OptimConfig(), learning_rate=lr, weight_decay=wd, use_muon=use_muon, **kw)
 
 
 def tiny_transformer(seed=0):
@@ -282,7 +284,7 @@ def test_adamw_only_matches_plain_adamw():
     b.load_state_dict(a.state_dict())
     opt = build_optimizer(a.named_parameters(), cfg(use_muon=False))
     assert opt.names == ["adamw"] and len(opt.params()) == len(list(a.parameters()))
-    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.95, 0.95), eps=1e-8)
     for _ in range(3):
         x = torch.randn(2, 3, 1, 2, 2)
         for model, o in ((a, opt), (b, ref)):
@@ -291,6 +293,24 @@ def test_adamw_only_matches_plain_adamw():
             o.zero_grad(set_to_none=True)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+
+
+def test_adamw_takes_the_authors_betas_and_the_flags():
+    """Default AdamW = the authors' betas (0.95, 0.95), eps 1e-8: two steps against the update written out."""
+    p = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    opt = build_optimizer([("proj_out.weight", p)], cfg(lr=0.1, wd=0.01, use_muon=False))
+    assert opt["adamw"].param_groups[0]["betas"] == (0.95, 0.95) and opt["adamw"].param_groups[0]["eps"] == 1e-8
+    b1 = b2 = 0.95
+    x, m, v = p.detach().clone().double(), torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for k, g in enumerate((torch.tensor([0.3, -1.0, 2.0]), torch.tensor([-0.5, 0.2, 1.0])), start=1):
+        p.grad = g.clone()
+        opt.step()
+        m, v = b1 * m + (1 - b1) * g.double(), b2 * v + (1 - b2) * g.double() ** 2
+        x = x * (1 - 0.1 * 0.01) - 0.1 * (m / (1 - b1**k)) / ((v / (1 - b2**k)).sqrt() + 1e-8)
+        torch.testing.assert_close(p.detach().double(), x, rtol=1e-6, atol=1e-7)
+    custom = build_optimizer([("proj_out.weight", nn.Parameter(torch.zeros(2)))],
+                             cfg(use_muon=False, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-6))
+    assert custom["adamw"].param_groups[0]["betas"] == (0.9, 0.999) and custom["adamw"].param_groups[0]["eps"] == 1e-6
 
 
 # --- learning rate -----------------------------------------------------------------------------------------------

@@ -12,11 +12,12 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import test_post_train
 import torch
-from test_post_train import ROOT, _args, _weights, pt
+from test_post_train import ROOT, _args, _stable, _weights, pt
 
 from sage_grpo.checkpoint import list_checkpoints, read_train_state
 from sage_grpo.errors import SageGRPOError
@@ -195,3 +196,70 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank(tiny_model, tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert [s for s, _ in list_checkpoints(out)] == [step, step + 1]
+
+
+def _same_run(a: Path, b: Path) -> None:
+    """Two runs ended in the same state: weights, train state (config aside) and metrics rows, bitwise."""
+    wa, wb = _weights(a), _weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = (read_train_state(list_checkpoints(d)[-1][1]) for d in (a, b))
+    assert {k: v for k, v in sa.items() if k != "config"} == {k: v for k, v in sb.items() if k != "config"}
+    assert _stable(read_metrics(a / "metrics.jsonl")) == _stable(read_metrics(b / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_stop_inside_an_accumulation_resumes_exactly(tiny_model, tmp_path, monkeypatch):
+    """gradient_accumulation_steps 2: a SIGTERM in the third round stops after it, half-way into the second update;
+    the checkpoint keeps the round's gradient and the resumed run ends bitwise where an uninterrupted one does."""
+    extra = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3"]
+    pt.main(_args(tiny_model, tmp_path / "full", *extra))
+    orig = pt.backward_phase
+
+    def signalled(c, state, *a, **k):
+        if state.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return orig(c, state, *a, **k)
+
+    monkeypatch.setattr(pt, "backward_phase", signalled)
+    pt.main(_args(tiny_model, tmp_path / "half", *extra))
+    [(step, path)] = list_checkpoints(tmp_path / "half")
+    assert step == 3 and read_train_state(path)["accum_rounds"] == 1 and (path / "gradients" / ".metadata").is_file()
+    monkeypatch.setattr(pt, "backward_phase", orig)
+    pt.main(_args(tiny_model, tmp_path / "half", *extra, "--resume_from_checkpoint", "latest"))
+    _same_run(tmp_path / "full", tmp_path / "half")
+
+
+@pytest.mark.slow
+def test_a_failed_reward_round_counts_toward_the_update_and_resumes_exactly(tiny_model, tmp_path, monkeypatch):
+    """gradient_accumulation_steps 2 with no finite reward in the second round: the round still counts (no
+    gradient), so the updates stay on steps 2 and 4, the run stopped at step 2 and resumed ends as one that was not."""
+    seen = []
+    orig_rollout = pt.rollout_phase
+
+    def rollout(c, state):
+        seen.append(state.step)
+        return orig_rollout(c, state)
+
+    monkeypatch.setattr(pt, "rollout_phase", rollout)
+    _with_reward(monkeypatch, lambda b: list(range(b)) if seen[-1] == 1 else [])
+    extra = ["--gradient_accumulation_steps", "2", "--learning_rate", "1e-3"]
+    pt.main(_args(tiny_model, tmp_path / "full", "--max_steps", "4", *extra))
+    rows = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    assert [r["reward/failed"] for r in rows] == [0, 4, 0, 0]
+    assert [r["train/updates"] for r in rows] == [0, 1, 1, 2] and rows[1]["train/skipped_update"] == 0
+    pt.main(_args(tiny_model, tmp_path / "half", "--max_steps", "2", *extra))
+    assert read_train_state(list_checkpoints(tmp_path / "half")[-1][1])["accum_rounds"] == 0
+    pt.main(_args(tiny_model, tmp_path / "half", "--max_steps", "4", *extra, "--resume_from_checkpoint", "latest"))
+    _same_run(tmp_path / "full", tmp_path / "half")
+
+
+@pytest.mark.slow
+def test_a_fixed_lora_anchor_from_a_pretrained_adapter_is_not_the_initial_policy(tiny_model, tmp_path):
+    """--pretrained_lora_path with a fixed anchor (the base, adapter disabled): KL_pos is measured from the first
+    round, not taken as 0; without a pretrained adapter the initial policy is the base and KL_pos starts at 0."""
+    lora = ["--use_lora", "--lora_r", "4", "--lora_alpha", "8", "--use_moving_KL", "False", "--use_dual_kl", "False"]
+    pt.main(_args(tiny_model, tmp_path / "pre", "--max_steps", "1", "--learning_rate", "5e-2", *lora))
+    adapter = list_checkpoints(tmp_path / "pre")[-1][1] / "lora"
+    assert [r["kl/pos"] for r in read_metrics(tmp_path / "pre" / "metrics.jsonl")] == [0.0]
+    pt.main(_args(tiny_model, tmp_path / "run", "--max_steps", "1", *lora, "--pretrained_lora_path", str(adapter)))
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["kl/pos"] > 0

@@ -33,15 +33,18 @@ def test_schedule_rejects_bad_arguments():
         sigma_schedule(10, 0.0)
 
 
-@pytest.mark.parametrize("frac,expected", [(1.0, 20), (0.5, 10), (0.3, 6), (0.01, 1), (0.51, 11)])
-def test_num_train_timesteps_is_ceil(frac, expected):
-    assert num_train_timesteps(20, frac) == expected
+@pytest.mark.parametrize("frac,expected", [(1.0, 20), (0.5, 10), (0.3, 6), (0.33, 6), (0.05, 1), (0.51, 10),
+                                           (0.99, 19)])
+def test_num_train_timesteps_is_the_authors_int(frac, expected):
+    assert num_train_timesteps(20, frac) == expected == int(round(20 * frac, 9))
 
 
-def test_num_train_timesteps_float_noise():
-    # 25 * 0.28 = 7.000000000000001 and 50 * 0.14 = 7.000000000000001 must not round up to 8
-    assert 25 * 0.28 > 7 and 50 * 0.14 > 7
-    assert num_train_timesteps(25, 0.28) == 7 and num_train_timesteps(50, 0.14) == 7
+def test_num_train_timesteps_float_noise_and_zero():
+    # 0.29 * 100 = 28.999999999999996 must not lose a step; 25 * 0.28 = 7.000000000000001 stays 7
+    assert 0.29 * 100 < 29 and 25 * 0.28 > 7
+    assert num_train_timesteps(100, 0.29) == 29 and num_train_timesteps(25, 0.28) == 7
+    with pytest.raises(ValueError, match="trains no step"):
+        num_train_timesteps(20, 0.04)
 
 
 def test_select_timesteps_identity_and_permutation():

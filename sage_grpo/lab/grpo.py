@@ -5,7 +5,7 @@ One iteration = one rollout batch:
    sampler, storing x_0..x_T and the per-step log-probs;
 2. reward of the final samples, group-relative advantages (`group_advantages`);
 3. `updates_per_rollout` optimizer updates, each on a disjoint minibatch of samples, through the GRPO update that
-   post_train.py uses (`sage_grpo.grpo`: `plan_steps` picks ceil(T' * timestep_fraction) stochastic steps per sample,
+   post_train.py uses (`sage_grpo.grpo`: `plan_steps` picks int(T' * timestep_fraction) stochastic steps per sample,
    `grpo_backward` re-scores the stored x_{t+1}, weights the clipped surrogate by the equalizer S_t and adds
    lambda_KL * L_KL), so every lab result speaks for the video loop.
 
@@ -64,7 +64,7 @@ class LabConfig:
     iterations: int = 40  # rollout batches
     num_groups: int = 8  # "prompts" per rollout batch (the toy is unconditional: a group = G rollouts)
     group_size: int = 8  # G
-    timestep_fraction: float = 0.5  # trained steps per sample: ceil(T * fraction)
+    timestep_fraction: float = 0.5  # trained steps per sample: int(T * fraction)
     permute_timesteps: bool = True
     updates_per_rollout: int = 2  # optimizer updates per rollout batch (disjoint sample minibatches)
     lr: float = 3e-4  # Adam

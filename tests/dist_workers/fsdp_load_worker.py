@@ -4,10 +4,10 @@ anchor's local refresh, and a DCP round trip of the sharded model + optimizer. a
 sharded_dir (diffusers transformer/ directories written by the test). Writes rank{r}.json and, from rank 0,
 full_after_step.pt (the whole trained state, for the one-process load in the test)."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
 from sage_grpo.checkpoint import dcp_load, dcp_save  # noqa: E402
+from sage_grpo.config import OptimConfig  # noqa: E402
 from sage_grpo.models.attention import use_valid_token_attention  # noqa: E402
 from sage_grpo.models.lora import (  # noqa: E402
     adapter_parameters,
@@ -260,7 +261,7 @@ res["anchor"]["lora_sharded"] = all(isinstance(v, DTensor) and v.to_local().shap
                                     for v, p in zip(second.values(), adapter_parameters(lmodel).values()))
 
 # --- DCP: sharded model + Muon/AdamW saved on 2 ranks, loaded on 2 ranks exactly; one more step equal --------------
-OCFG = SimpleNamespace(learning_rate=1e-3, weight_decay=0.1, use_muon=True)
+OCFG = dataclasses.replace(OptimConfig(), learning_rate=1e-3, weight_decay=0.1, use_muon=True)
 
 
 def train_step(model, opt, seed):
