@@ -141,7 +141,6 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     from sage_grpo.data import GroupSampler, read_prompts
     from sage_grpo.equalizer import equalizer_weights
     from sage_grpo.kl import AdaptiveKLController
-    from sage_grpo.metrics import check_report_to
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.optim import build_optimizer
     from sage_grpo.rewards import build_reward_from_config
@@ -150,7 +149,6 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     from sage_grpo.sde import step_variance
 
     m, r, v = cfg.model, cfg.rollout, cfg.validation
-    check_report_to(cfg.logging.report_to if info.is_main else "none")
     out = check_writable_dir(cfg.checkpoint.output_dir, "--output_dir")  # a private probe file per rank
     prompts = read_prompts(cfg.data.train_video_csv)
     val_records = load_validation_records(cfg, prompts)
@@ -408,10 +406,16 @@ def peak_memory_gib(device: torch.device) -> float:
 class StopRequest:
     """SIGTERM (schedulers, torchrun forwarding a kill) or SIGINT (Ctrl-C) ask the loop to stop: the current step
     finishes, the ranks agree (a rank that got no signal follows the others), a checkpoint is written and the run
-    exits 0. A second signal interrupts at once; the last complete checkpoint is then what a resume starts from."""
+    exits 0. Signals within REPEAT_WINDOW_S of the first are copies of the same request, not a second one: SLURM
+    signals every process of the job step and torchrun forwards its own copy, and a terminal's Ctrl-C reaches
+    torchrun and the workers alike, so a worker gets the same signal twice within milliseconds. A signal after the
+    window interrupts at once; the last complete checkpoint is then what a resume starts from."""
+
+    REPEAT_WINDOW_S = 10.0
 
     def __init__(self):
         self.signal: str | None = None
+        self._first_at = 0.0
         self._previous: dict = {}
 
     def __enter__(self):
@@ -425,11 +429,14 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
         if self.signal is not None:
+            if now - self._first_at < self.REPEAT_WINDOW_S:
+                return  # a copy of the first request (scheduler + torchrun, or the terminal's process group)
             raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-        print(f"[post_train] {self.signal}: finishing this step, then a checkpoint (send it again to stop at once)",
-              file=sys.stderr, flush=True)
+        self.signal, self._first_at = signal.Signals(signum).name, now
+        print(f"[post_train] {self.signal}: finishing this step, then a checkpoint (a signal more than "
+              f"{self.REPEAT_WINDOW_S:g} s from now stops at once)", file=sys.stderr, flush=True)
 
     def agreed(self, device: torch.device) -> bool:
         """Whether any rank was asked to stop (collective: every rank calls it once per step)."""
@@ -767,18 +774,16 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
 def main(argv: list[str] | None = None) -> Path:
     import os
 
-    from sage_grpo.checkpoint import resolve_resume
     from sage_grpo.metrics import MetricsLogger, plot_curves
     from sage_grpo.parallel.dist import barrier, destroy, init_distributed
 
     cfg = load_config(argv, prog="post_train.py", description=__doc__)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world_size=world)
-    check_supported(cfg, world)
-    resume = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.checkpoint.output_dir)
-    info = init_distributed(cfg.parallel.sp_size, cfg.parallel.dp_replicate)
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's processes per node
+    preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None)
+    info = init_distributed(cfg.parallel.sp_size, cfg.parallel.dp_replicate, cfg.parallel.dist_timeout_minutes)
     logger = None
     try:
+        resume = agreed_resume(cfg, info)
         c, state = setup(cfg, info, resume)
         if info.is_main:
             dump_yaml(cfg, c.out / "config.yaml")
@@ -793,6 +798,45 @@ def main(argv: list[str] | None = None) -> Path:
         logger.close()
         plot_curves(c.out / "metrics.jsonl", c.out / "curves.png")
     return c.out
+
+
+def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> None:
+    """Every check that needs no model, in one process, before any collective or model load: flags against the
+    world size (and the processes per node: a sequence-parallel group must not cross nodes), the resume target, the
+    metrics sinks and the prompt files. `scripts/check_launch.py` runs it for the launchers before torchrun spawns
+    a worker, so a user error is one line, not one per rank."""
+    from sage_grpo.checkpoint import resolve_resume
+    from sage_grpo.data import read_prompts
+    from sage_grpo.metrics import check_report_to
+
+    validate(cfg, world_size=world_size)
+    check_supported(cfg, world_size)
+    sp = cfg.parallel.sp_size
+    if nproc_per_node is not None and nproc_per_node % sp:
+        raise SageGRPOError(f"--sp_size {sp} must divide the processes per node ({nproc_per_node}): a "
+                            "sequence-parallel group exchanges activations in every attention layer and must stay "
+                            "inside one node")
+    resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.checkpoint.output_dir)
+    check_report_to(cfg.logging.report_to)
+    load_validation_records(cfg, read_prompts(cfg.data.train_video_csv))
+
+
+def agreed_resume(cfg: Config, info: DistInfo) -> Path | None:
+    """`--resume_from_checkpoint` resolved once, on rank 0, and broadcast: on a shared filesystem a node with a
+    stale directory listing would otherwise load an older checkpoint than the others (collective)."""
+    from sage_grpo.checkpoint import resolve_resume
+    from sage_grpo.parallel.dist import broadcast_object
+
+    path, error = None, None
+    if info.is_main:
+        try:
+            path = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.checkpoint.output_dir)
+        except SageGRPOError as e:
+            error = str(e)
+    path, error = broadcast_object((None if path is None else str(path), error))
+    if error is not None:
+        raise SageGRPOError(error)
+    return None if path is None else Path(path)
 
 
 def check_supported(cfg: Config, world_size: int) -> None:

@@ -9,18 +9,35 @@
 # Usage:
 #   NGPU=8 CONFIG=configs/single_node_8gpu.yaml bash run_post_train.sh [extra post_train.py flags ...]
 #   AUTO_RESUME=1 bash run_post_train.sh ...     # continue from the newest complete checkpoint in output_dir
-# NGPU defaults to the number of visible GPUs (1 process on a CPU-only machine); CONFIG to the 8-GPU config.
+#   MAX_RESTARTS=3 bash run_post_train.sh ...    # torchrun restarts failed workers, each time from the newest checkpoint
+# NGPU defaults to the number of visible GPUs (1 process on a CPU-only machine); CONFIG to the 8-GPU config;
+# PYTHON to python3 (the environment with torch and this project).
+# SLURM: ask for the stop signal early enough for a step plus a checkpoint, e.g. `#SBATCH --signal=B:TERM@900`
+# (B: to this batch script's shell, which passes it to torchrun), and keep KillWait (the grace period before
+# SIGKILL) above that; repeated copies of the signal within 10 s count as one request.
+# The flags are checked once, in one process, before torchrun starts (scripts/check_launch.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "$(basename "$0"): $PY cannot import torch: activate the project's environment (source .venv/bin/activate) or set PYTHON=/path/to/python" >&2
+  exit 2
+fi
 if [ -z "${NGPU:-}" ]; then
-  NGPU=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
+  NGPU=$("$PY" -c "import torch; print(max(torch.cuda.device_count(), 1))")
 fi
 CONFIG="${CONFIG:-configs/single_node_8gpu.yaml}"
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
 # On SIGTERM/SIGINT torchrun forwards the signal and kills the workers after this many seconds; post_train.py needs
-# the rest of the current step plus a checkpoint (torch's default is 30 s).
+# the rest of the current step plus a checkpoint (torch's default is 30 s). torchrun reads it from torch 2.12 on.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-1800}"
-resume=()
-if [ "${AUTO_RESUME:-0}" = "1" ]; then
-  resume=(--resume_from_checkpoint latest)
+if ! "$PY" -c "import dataclasses, sys; from torch.distributed.launcher.api import LaunchConfig as L; sys.exit('shutdown_timeout' not in {f.name for f in dataclasses.fields(L)})" 2>/dev/null; then
+  echo "$(basename "$0"): warning: this torch's torchrun ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT and kills the workers 30 s after SIGTERM: a stop saves its checkpoint only if the step and the save end within 30 s (torch >= 2.12 waits the full timeout)" >&2
 fi
-exec torchrun --standalone --nproc_per_node "$NGPU" post_train.py --config "$CONFIG" "${resume[@]}" "$@"
+resume=()
+if [ "${AUTO_RESUME:-0}" = "1" ] || [ "$MAX_RESTARTS" != "0" ]; then
+  resume=(--resume_from_checkpoint latest)  # a restarted worker group continues from the newest checkpoint
+fi
+"$PY" scripts/check_launch.py --nnodes 1 --nproc_per_node "$NGPU" --config "$CONFIG" "${resume[@]}" "$@"
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" --max-restarts "$MAX_RESTARTS" \
+  post_train.py --config "$CONFIG" "${resume[@]}" "$@"

@@ -5,6 +5,13 @@
 #   NNODES=8 NODE_RANK=<0..7> NPROC_PER_NODE=8 MASTER_ADDR=<node 0 host> MASTER_PORT=29500 \
 #     CONFIG=configs/multinode_64gpu.yaml bash run_post_train_multinode.sh --train_video_csv prompts.csv
 #   AUTO_RESUME=1 ... bash run_post_train_multinode.sh ...   # every node resumes from the newest complete checkpoint
+# MAX_RESTARTS (default 3): torchrun restarts the worker group after a failure (a lost node that comes back, a
+# crashed rank) without a person, each time from the newest complete checkpoint (--resume_from_checkpoint latest
+# is added whenever MAX_RESTARTS > 0). The checkpoint to load is resolved once on rank 0 and broadcast.
+#
+# SLURM: ask for the stop signal early enough for a step plus a checkpoint, e.g. `#SBATCH --signal=B:TERM@900`,
+# and keep KillWait above that; SLURM signals every process of the step and torchrun forwards its own copy, which
+# post_train.py reads as one request (repeats within 10 s).
 #
 # SLURM (one task per node; the variables come from the allocation):
 #   #SBATCH --nodes 8 --ntasks-per-node 1 --gpus-per-node 8
@@ -18,7 +25,9 @@
 #   bash run_post_train_multinode.sh ...'   (with -R exec, %n is the host's 0-based index in the list)
 #
 # output_dir must be a filesystem every node sees (checkpoints are written collectively by all ranks).
-# NPROC_PER_NODE defaults to the node's visible GPU count; MASTER_PORT to 29500; CONFIG to the 64-GPU config.
+# NPROC_PER_NODE defaults to the node's visible GPU count; MASTER_PORT to 29500; CONFIG to the 64-GPU config;
+# PYTHON to python3 (the environment with torch and this project). The flags are checked once per node, in one
+# process, before torchrun starts (scripts/check_launch.py), for the world size NNODES x NPROC_PER_NODE.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 missing=()
@@ -39,18 +48,29 @@ if [ "$NODE_RANK" -ge "$NNODES" ]; then
   echo "run_post_train_multinode.sh: NODE_RANK $NODE_RANK must be below NNODES $NNODES" >&2
   exit 2
 fi
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "$(basename "$0"): $PY cannot import torch: activate the project's environment (source .venv/bin/activate) or set PYTHON=/path/to/python" >&2
+  exit 2
+fi
 if [ -z "${NPROC_PER_NODE:-}" ]; then
-  NPROC_PER_NODE=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
+  NPROC_PER_NODE=$("$PY" -c "import torch; print(max(torch.cuda.device_count(), 1))")
 fi
 MASTER_PORT="${MASTER_PORT:-29500}"
 CONFIG="${CONFIG:-configs/multinode_64gpu.yaml}"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
 # On SIGTERM/SIGINT torchrun forwards the signal and kills the workers after this many seconds; post_train.py needs
-# the rest of the current step plus a checkpoint (torch's default is 30 s).
+# the rest of the current step plus a checkpoint (torch's default is 30 s). torchrun reads it from torch 2.12 on.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-1800}"
-resume=()
-if [ "${AUTO_RESUME:-0}" = "1" ]; then
-  resume=(--resume_from_checkpoint latest)
+if ! "$PY" -c "import dataclasses, sys; from torch.distributed.launcher.api import LaunchConfig as L; sys.exit('shutdown_timeout' not in {f.name for f in dataclasses.fields(L)})" 2>/dev/null; then
+  echo "$(basename "$0"): warning: this torch's torchrun ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT and kills the workers 30 s after SIGTERM: a stop saves its checkpoint only if the step and the save end within 30 s (torch >= 2.12 waits the full timeout)" >&2
 fi
-exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
-  --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "${RDZV_ID:-sage-grpo}" \
-  post_train.py --config "$CONFIG" "${resume[@]}" "$@"
+resume=()
+if [ "${AUTO_RESUME:-0}" = "1" ] || [ "$MAX_RESTARTS" != "0" ]; then
+  resume=(--resume_from_checkpoint latest)  # a restarted worker group continues from the newest checkpoint
+fi
+"$PY" scripts/check_launch.py --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --config "$CONFIG" \
+  "${resume[@]}" "$@"
+exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
+  --max-restarts "$MAX_RESTARTS" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \
+  --rdzv_id "${RDZV_ID:-sage-grpo}" post_train.py --config "$CONFIG" "${resume[@]}" "$@"

@@ -354,13 +354,12 @@ def video_tokens(c) -> int:
 
 def measure(argv: list[str], steps: int, *, pipeline_repeats: int = 0, quiet: bool = True) -> dict:
     """Build the components of `argv` (post_train's own setup), train `steps` steps instrumented -> report dict."""
-    from sage_grpo.config import load_config, validate
+    from sage_grpo.config import load_config
     from sage_grpo.parallel.dist import destroy, init_distributed
 
     pt = load_post_train()
     cfg = load_config(argv, prog="bench_step.py")
-    validate(cfg, world_size=1)
-    pt.check_supported(cfg, 1)
+    pt.preflight(cfg, 1)
     info = init_distributed(cfg.parallel.sp_size, cfg.parallel.dp_replicate)
     meter = Meter(info.device)
     try:

@@ -138,6 +138,43 @@ def test_a_stop_signal_finishes_the_step_checkpoints_and_returns(tiny_model, tmp
     assert signal.getsignal(sig) is not None and signal.getsignal(sig) != pt.StopRequest._handle  # restored
 
 
+@pytest.mark.parametrize("gap", [0.02, 0.5])
+def test_a_repeated_signal_within_the_window_is_the_same_request(tiny_model, tmp_path, monkeypatch, capsys, gap):
+    """SLURM signals every process of the step and torchrun forwards a copy: two SIGTERMs 20 ms or 500 ms apart
+    still finish the step and write the checkpoint (the second was read as "stop now" before)."""
+    orig = pt.backward_phase
+
+    def signalled_twice(c, state, *a, **k):
+        if state.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(gap)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return orig(c, state, *a, **k)
+
+    monkeypatch.setattr(pt, "backward_phase", signalled_twice)
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "6"))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+    assert "stopped by SIGTERM after step 2" in capsys.readouterr().out
+
+
+def test_a_signal_after_the_window_stops_at_once(tiny_model, tmp_path, monkeypatch):
+    """A person's second Ctrl-C, after the window, interrupts the step (no checkpoint of it)."""
+    monkeypatch.setattr(pt.StopRequest, "REPEAT_WINDOW_S", 0.2)
+    orig = pt.backward_phase
+
+    def signalled_twice(c, state, *a, **k):
+        if state.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGINT)
+        return orig(c, state, *a, **k)
+
+    monkeypatch.setattr(pt, "backward_phase", signalled_twice)
+    with pytest.raises(KeyboardInterrupt):
+        pt.main(_args(tiny_model, tmp_path, "--max_steps", "6"))
+    assert list_checkpoints(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_kill_9_loses_at_most_the_steps_since_the_last_checkpoint(tiny_model, tmp_path):
     """A real SIGKILL of a running `python post_train.py`; the resumed run continues from the newest complete

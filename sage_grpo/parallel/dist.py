@@ -15,6 +15,7 @@ checked before any process group exists.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 
@@ -87,10 +88,11 @@ def build_mesh(device_type: str, world: int, sp_size: int, dp_replicate: int):
     return mesh, dp_mesh, hsdp
 
 
-def init_distributed(sp_size: int = 1, dp_replicate: int = 1) -> DistInfo:
+def init_distributed(sp_size: int = 1, dp_replicate: int = 1, timeout_minutes: float | None = None) -> DistInfo:
     """Read torchrun's environment, pick the device (cuda:LOCAL_RANK when CUDA is present) and, for world size > 1,
     create the default process group (NCCL on GPU, gloo on CPU) and the device mesh. The geometry must already
-    have passed `config.validate(cfg, world_size)`."""
+    have passed `config.validate(cfg, world_size)`. timeout_minutes: how long a collective waits for the slowest rank
+    (torch's default, 10 min for NCCL, when None)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -100,7 +102,9 @@ def init_distributed(sp_size: int = 1, dp_replicate: int = 1) -> DistInfo:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None, timeout=timeout)
     mesh, dp_mesh, fsdp_mesh = build_mesh(device.type, world, sp_size, dp_replicate) if world > 1 else (None,) * 3
     return DistInfo(rank=rank, world_size=world, local_rank=local, sp_size=sp_size, device=device,
                     dp_replicate=dp_replicate, mesh=mesh, dp_mesh=dp_mesh, fsdp_mesh=fsdp_mesh)
@@ -156,6 +160,16 @@ def mean_metrics(metrics: dict[str, float]) -> dict[str, float]:
         vals = [m[key] for m in every if key in m]
         out[key] = sum(vals) / len(vals)
     return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s picklable `obj` on every rank (collective; identity at world size 1). Only for small values the
+    ranks produce themselves (a path, a message), never for anything read from a user's file."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def barrier() -> None:

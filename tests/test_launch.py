@@ -1,0 +1,77 @@
+"""Launch-time checks: the launchers' preflight (scripts/check_launch.py) fails in one line before torchrun starts,
+the resume target is agreed across ranks, the process-group timeout follows the flag."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--report_to", "none"]
+
+
+def _check(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "scripts/check_launch.py"), *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nnodes", "1", "--nproc_per_node", "8", *TINY], None),
+    (["--nnodes", "1", "--nproc_per_node", "8", "--config", "nope.yaml"], "nope.yaml"),
+    (["--nnodes", "2", "--nproc_per_node", "3", *TINY, "--sp_size", "4", "--batch_size", "4"],
+     "--sp_size 4 must divide the world size 6"),
+    (["--nnodes", "2", "--nproc_per_node", "2", *TINY, "--sp_size", "4", "--num_generations", "2"],
+     "--sp_size 4 must divide the processes per node \\(2\\).*inside one node"),
+    (["--nnodes", "1", "--nproc_per_node", "2", *TINY, "--train_video_csv", "missing.csv"], "missing.csv"),
+    (["--nnodes", "1", "--nproc_per_node", "2", *TINY, "--resume_from_checkpoint", "/no/such/ckpt"],
+     "not a complete checkpoint"),
+])
+def test_check_launch_fails_in_one_line(args, message):
+    import re
+
+    r = _check(*args)
+    if message is None:
+        assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
+        return
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_launcher_refuses_before_torchrun_with_one_line(tmp_path):
+    """A typo'd geometry through run_post_train.sh: one error line, exit 2, no worker started (no traceback)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "NGPU": "2",
+           "CONFIG": str(ROOT / "configs/tiny_cpu.yaml")}
+    r = subprocess.run(["bash", str(ROOT / "run_post_train.sh"), "--sp_size", "3", "--output_dir", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "warning:" not in ln]
+    assert r.returncode == 2 and lines == ["error: --sp_size 3 must divide the world size 2; use one of [1, 2]"], r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and not any(tmp_path.iterdir())
+
+
+def test_launcher_without_torch_says_so(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "run_post_train.sh")], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHON": "/bin/false"})
+    assert r.returncode == 2 and "/bin/false cannot import torch" in r.stderr
+
+
+@pytest.mark.dist
+def test_resume_target_is_rank_0s_and_the_timeout_is_the_flags(tmp_path):
+    from sage_grpo.checkpoint import TRAIN_STATE
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / TRAIN_STATE).write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "tests/dist_workers/resume_worker.py"), str(tmp_path), str(run)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert [x["timeout_s"] for x in ranks] == [77 * 60.0] * 2
+    assert [x["latest"] for x in ranks] == [str(run / "checkpoint-2")] * 2
+    assert ranks[1]["local_latest"] == str(run / "checkpoint-1")  # alone, the stale rank would have loaded this
+    assert ranks[0]["error"] == ranks[1]["error"] and "not a complete checkpoint" in ranks[0]["error"]
