@@ -1,4 +1,5 @@
-"""Rewards: protocol, registry, weighted composite, VideoAlign, CLIPScore/PickScore and closed-form demo rewards.
+"""Rewards: protocol, registry, weighted composite, VideoAlign, CLIPScore/PickScore, closed-form demo rewards and the
+synthetic world's detector rewards.
 
 The training loop calls :func:`build_reward` once and then ``reward(videos, prompts)`` on decoded videos
 float [B, F, 3, H, W] in [0, 1]; the result holds ``"total"`` (weighted sum) and every component, NaN where a score
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from sage_grpo.rewards import builtin, clip_metrics, videoalign  # noqa: F401 - registers the rewards
+from sage_grpo.rewards import builtin, clip_metrics, videoalign, world  # noqa: F401 - registers the rewards
 from sage_grpo.rewards.base import (
     CompositeReward,
     Reward,

@@ -1,0 +1,134 @@
+"""Rewards with exact answers on the synthetic world (`sage_grpo.world`): each reads a video with the world's
+detectors, so on a rendered clip its value is known in closed form.
+
+* ``world_caption``: share of the prompt's attributes (background, and each object's colour, shape, size and
+  motion) that the detectors find in the video; 1.0 on the rendered clip of that caption.
+* ``world_size``: share of the frame the largest object covers, mean over frames.
+* ``world_color_share``: share of all pixels whose nearest named colour is the target (``world_color``, default
+  red) and within `COLOR_TOL` of it.
+* ``world_motion_right``: horizontal displacement of the largest object's centroid from its first to its last
+  frame, over the frame width, in [-1, 1].
+
+They are deliberately hackable one-number targets (a huge object, a red screen, a drift to the right); the held-out
+metrics in `sage_grpo.world.metrics` show what such a reward trades away. Detection runs on the CPU per video.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.rewards.base import register_reward
+from sage_grpo.world.captions import COLORS
+from sage_grpo.world.detectors import detect, nearest_color, palette
+from sage_grpo.world.metrics import caption_scores
+
+__all__ = ["COLOR_TOL", "WorldCaptionReward", "WorldSizeReward", "WorldColorShareReward", "WorldMotionRightReward"]
+
+COLOR_TOL = 0.25  # a pixel counts as a named colour within this RGB distance (half the closest two names' gap)
+
+
+def _check_videos(videos: torch.Tensor) -> None:
+    """Raise ValueError unless ``videos`` is float [B, F, 3, H, W]."""
+    if videos.ndim != 5 or videos.shape[2] != 3 or not videos.is_floating_point():
+        raise ValueError(f"expected float videos [B, F, 3, H, W] in [0, 1], got {tuple(videos.shape)} {videos.dtype}")
+
+
+class WorldCaptionReward:
+    """Caption agreement in [0, 1]: the share of the prompt's attributes the detectors confirm. A prompt that is not
+    a world caption raises SageGRPOError (`score_safely` turns that video's score into NaN)."""
+
+    components = ("world_caption",)
+    default_weights = {"world_caption": 1.0}
+
+    def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Score [B, F, 3, H, W] -> {"world_caption": [B]}."""
+        _check_videos(videos)
+        return {"world_caption": caption_scores(videos, prompts)["agreement"].to(videos.device)}
+
+
+class WorldSizeReward:
+    """Mean over frames of the share of the frame the largest detected object covers, in [0, 1] (0: no object)."""
+
+    components = ("world_size",)
+    default_weights = {"world_size": 1.0}
+
+    def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Score [B, F, 3, H, W] -> {"world_size": [B]}."""
+        _check_videos(videos)
+        out = []
+        for v in videos:
+            objs = detect(v).objects
+            out.append(float(objs[0].area.mean()) if objs else 0.0)
+        return {"world_size": torch.tensor(out, dtype=torch.float32, device=videos.device)}
+
+
+class WorldColorShareReward:
+    """Share of all pixels of all frames that are the named colour ``color`` (nearest name, within `COLOR_TOL`)."""
+
+    components = ("world_color_share",)
+    default_weights = {"world_color_share": 1.0}
+
+    def __init__(self, color: str = "red"):
+        """``color``: one of the world's colour names."""
+        if color not in COLORS:
+            raise SageGRPOError(f"world_color must be one of the world's colours ({', '.join(COLORS)}), got {color!r}")
+        self.color = color
+        self.index = palette()[0].index(color)
+
+    def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Score [B, F, 3, H, W] -> {"world_color_share": [B]}."""
+        _check_videos(videos)
+        rgb = videos.detach().float().clamp(0, 1).movedim(2, -1)  # [B, F, H, W, 3]
+        idx, dist = nearest_color(rgb)  # [B, F, H, W] each
+        hit = (idx == self.index) & (dist <= COLOR_TOL)
+        return {"world_color_share": hit.float().mean(dim=(1, 2, 3))}
+
+
+class WorldMotionRightReward:
+    """(last x - first x) / width of the largest object's centroid over the frames it is found in, in [-1, 1];
+    0 when no object is found in two frames."""
+
+    components = ("world_motion_right",)
+    default_weights = {"world_motion_right": 1.0}
+
+    def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Score [B, F, 3, H, W] -> {"world_motion_right": [B]}."""
+        _check_videos(videos)
+        width = videos.shape[-1]
+        out = []
+        for v in videos:
+            objs = detect(v).objects
+            if not objs:
+                out.append(0.0)
+                continue
+            x = objs[0].track[:, 0]  # [F], NaN where absent
+            x = x[~torch.isnan(x)]
+            out.append(float(x[-1] - x[0]) / width if x.numel() >= 2 else 0.0)
+        return {"world_motion_right": torch.tensor(out, dtype=torch.float32, device=videos.device)}
+
+
+@register_reward("world_caption")
+def build_world_caption(**_: object) -> WorldCaptionReward:
+    """Builder for the caption-agreement reward (ignores model options)."""
+    return WorldCaptionReward()
+
+
+@register_reward("world_size")
+def build_world_size(**_: object) -> WorldSizeReward:
+    """Builder for the object-size reward."""
+    return WorldSizeReward()
+
+
+@register_reward("world_color_share")
+def build_world_color_share(world_color: str = "red", **_: object) -> WorldColorShareReward:
+    """Builder for the named-colour-share reward (``world_color``: the colour name)."""
+    return WorldColorShareReward(world_color)
+
+
+@register_reward("world_motion_right")
+def build_world_motion_right(**_: object) -> WorldMotionRightReward:
+    """Builder for the motion-to-the-right reward."""
+    return WorldMotionRightReward()
