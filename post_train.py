@@ -384,10 +384,23 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                     last_saved = state.step
                 print0(info, f"stopped by {stop.signal or 'a signal on another rank'} after step {state.step}; "
                        f"checkpoint-{state.step} is saved; continue with --resume_from_checkpoint latest")
+                mark_clean_stop(info, state.step)
                 break
     bar.close()
     if final_save and last_saved != state.step:  # the final checkpoint: collective, every rank calls it
         save(c, state)
+
+
+def mark_clean_stop(info: DistInfo, step: int) -> None:
+    """Tell `sage_grpo.launch` (the launch scripts' torchrun) that this node's workers stopped cleanly, so that it
+    exits 0: each node's local rank 0 writes the file that the launcher named."""
+    import os
+
+    from sage_grpo.launch import STOP_FILE_ENV
+
+    path = os.environ.get(STOP_FILE_ENV)
+    if path and info.local_rank == 0:
+        Path(path).write_text(f"{step}\n")
 
 
 def log(logger, step: int, metrics: dict) -> None:

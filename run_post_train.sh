@@ -39,5 +39,5 @@ if [ "${AUTO_RESUME:-0}" = "1" ] || [ "$MAX_RESTARTS" != "0" ]; then
   resume=(--resume_from_checkpoint latest)  # a restarted worker group continues from the newest checkpoint
 fi
 "$PY" scripts/check_launch.py --nnodes 1 --nproc_per_node "$NGPU" --config "$CONFIG" "${resume[@]}" "$@"
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" --max-restarts "$MAX_RESTARTS" \
+exec "$PY" -m sage_grpo.launch --standalone --nproc_per_node "$NGPU" --max-restarts "$MAX_RESTARTS" \
   post_train.py --config "$CONFIG" "${resume[@]}" "$@"

@@ -71,6 +71,6 @@ if [ "${AUTO_RESUME:-0}" = "1" ] || [ "$MAX_RESTARTS" != "0" ]; then
 fi
 "$PY" scripts/check_launch.py --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --config "$CONFIG" \
   "${resume[@]}" "$@"
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
+exec "$PY" -m sage_grpo.launch --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
   --max-restarts "$MAX_RESTARTS" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \
   --rdzv_id "${RDZV_ID:-sage-grpo}" post_train.py --config "$CONFIG" "${resume[@]}" "$@"

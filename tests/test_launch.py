@@ -75,3 +75,60 @@ def test_resume_target_is_rank_0s_and_the_timeout_is_the_flags(tmp_path):
     assert [x["latest"] for x in ranks] == [str(run / "checkpoint-2")] * 2
     assert ranks[1]["local_latest"] == str(run / "checkpoint-1")  # alone, the stale rank would have loaded this
     assert ranks[0]["error"] == ranks[1]["error"] and "not a complete checkpoint" in ranks[0]["error"]
+
+
+def _launcher_env(tmp_path, **extra):
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    model = tmp_path / "hv"
+    if not model.exists():
+        write_tiny_checkpoint(model)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "NGPU": "2",
+           "CONFIG": str(ROOT / "configs/tiny_cpu.yaml"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300", **extra}
+    args = ["--model_path", str(model), "--output_dir", str(tmp_path / "run"), "--batch_size", "2",
+            "--grpo_sampling_steps", "4", "--sample_n_frames", "5", "--report_to", "none", "--log_interval", "1"]
+    return env, args
+
+
+@pytest.mark.dist
+def test_a_clean_stop_through_the_launcher_exits_0(tmp_path):
+    """SIGTERM to run_post_train.sh (2 workers): the workers finish the step and save, the launcher exits 0 with the
+    one "stopped" line (printed by rank 0 only) and no traceback; torchrun alone exits 1 with SignalException."""
+    import signal
+    import time
+
+    from sage_grpo.checkpoint import list_checkpoints
+    from sage_grpo.metrics import read_metrics
+
+    env, args = _launcher_env(tmp_path)
+    proc = subprocess.Popen(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", "200"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while not metrics.exists() or len(read_metrics(metrics)) < 2:
+            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before step 2"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [(step, _)] = list_checkpoints(tmp_path / "run")
+    assert proc.returncode == 0, log[-3000:]
+    assert log.count(f"stopped by SIGTERM after step {step}; checkpoint-{step} is saved") == 1
+    assert "Traceback" not in log and "SignalException" not in log
+
+
+@pytest.mark.dist
+def test_a_user_error_inside_a_worker_ends_with_its_line(tmp_path):
+    """An error preflight cannot see (the model folder is missing) fails in the workers: the launcher ends with that
+    one line and the worker's exit code 2, without torchrun's ChildFailedError traceback."""
+    env, args = _launcher_env(tmp_path)
+    args[args.index("--model_path") + 1] = str(tmp_path / "no_model_here")
+    r = subprocess.run(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", "1"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
+    assert last.startswith("error: ") and "no_model_here" in last, r.stderr[-3000:]
+    assert "Traceback" not in r.stdout + r.stderr and "ChildFailedError" not in r.stdout + r.stderr
