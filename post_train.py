@@ -167,7 +167,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     needed = [p.prompt for p in prompts] + ([rec.prompt for rec in val_records] if validates else [])
     if r.cfg_scale != 1.0 or (validates and v.validation_guidance_scale != 1.0):
         needed.append(r.neg_prompt)
-    cache.precompute(needed)
+    cache.precompute(needed, info)  # collective: each distinct prompt is encoded by one rank
     if m.offload_text_encoder:
         cache.offload_encoders()
 

@@ -7,7 +7,8 @@
 
 It takes the same `--config` and flags as post_train.py (sage_grpo.config.load_config / validate: an impossible
 geometry ends with one message), plus `--world_size`, `--gpu_memory_gib` (80), `--text_tokens`, `--attention`,
-`--fsdp_param_dtype`, `--overhead_gib` and `--json`.
+`--fsdp_param_dtype`, `--overhead_gib`, `--num_prompts` / `--prompt_tokens` / `--glyph_tokens` (the text cache's
+host memory) and `--json`.
 
 Where each number comes from
 ----------------------------
@@ -38,6 +39,13 @@ Without FSDP every rank holds everything, and bf16 autocast over fp32 master wei
 trainable weight for the duration of a forward (--enable_fsdp False, or one process).
 Ulysses sequence parallelism splits the video tokens over sp ranks; the text tokens are replicated on every sp rank
 except inside attention (after the all-to-all each rank holds all tokens for heads / sp).
+
+Host memory per rank, text-embedding cache (sage_grpo/models/text_cache.py): each prompt keeps its valid tokens only,
+valid MLLM tokens x 3,584 (Qwen2.5-VL-7B hidden size) + quoted-text bytes x 1,472 (ByT5) in --dtype. Assumed typical
+prompt (`--prompt_tokens 120 --glyph_tokens 0`): ~90 English words at ~1.3 Qwen tokens per word, including the
+closing chat-template tokens left after the system-prompt crop, and no quoted text. Without
+--text_embedding_cache_dir every rank holds every prompt; with one a rank holds none (each batch is read from the
+files, which the node's page cache shares). Each rank encodes ceil(prompts / world) of them.
 
 Phases (peak = the largest): encode (text encoders resident), rollout (no-grad forwards), decode + reward, anchor
 (no-grad forwards of the anchor: offloaded under FSDP2 only its gathered blocks come to the GPU; without FSDP the
@@ -97,6 +105,7 @@ GPU_FACTS = {
 # Estimates (not measured on a GPU).
 REWARD_GIB_PER_VIDEO = 0.5  # VideoAlign no-grad working set per video (3,024 vision patches, ~1.5k LM tokens)
 ENCODE_GIB = 1.0  # Qwen2.5-VL-7B forward over one 1,108-token prompt with output_hidden_states (29 x 1108 x 3584 bf16)
+TYPICAL_PROMPT_TOKENS = 120  # valid MLLM tokens of a typical training prompt (an assumption: see the docstring)
 
 # ------------------------------------------------------------------------------------------------- parameters
 
@@ -190,6 +199,33 @@ def block_activation_bytes(*, batch: int, video_tokens: int, text_tokens: int, d
     return batch * total
 
 
+def text_cache_bytes(*, prompt_tokens: int, glyph_tokens: int, elem: int, trimmed: bool = True,
+                     text_dim: int = QWEN25_VL_7B_TEXT["hidden_size"], byt5_dim: int = BYT5_SMALL["d_model"]) -> int:
+    """Bytes the text-embedding cache holds for one prompt: its valid tokens (the project), or the pipeline's
+    padded 1,000 + 256 tokens with both masks (what every rank held before)."""
+    if trimmed:
+        return (prompt_tokens * text_dim + glyph_tokens * byt5_dim) * elem
+    return (TEXT_LEN_MLLM * text_dim + TEXT_LEN_BYT5 * byt5_dim + TEXT_LEN_MLLM + TEXT_LEN_BYT5) * elem
+
+
+def text_cache_host(cfg: Config, opts: PlanOptions) -> dict:
+    """Host memory per rank of the text-embedding cache for `opts.num_prompts` distinct prompts."""
+    e = torch_dtype(cfg.model.dtype).itemsize
+    one = text_cache_bytes(prompt_tokens=opts.prompt_tokens, glyph_tokens=opts.glyph_tokens, elem=e)
+    in_memory = opts.num_prompts * one
+    return {
+        "num_prompts": opts.num_prompts, "prompt_tokens": opts.prompt_tokens, "glyph_tokens": opts.glyph_tokens,
+        "per_prompt_mb": one / 1e6,
+        "in_memory_gb": in_memory / 1e9,  # no --text_embedding_cache_dir: every rank holds every prompt
+        "with_cache_dir_gb": 0.0,  # read per batch from the files (one page-cache copy per node)
+        "files_gb": in_memory / 1e9,
+        "padded_before_gb": opts.num_prompts * text_cache_bytes(prompt_tokens=0, glyph_tokens=0, elem=e,
+                                                                  trimmed=False) / 1e9,
+        "per_rank_gb": 0.0 if cfg.model.text_embedding_cache_dir else in_memory / 1e9,
+        "encoded_per_rank": math.ceil(opts.num_prompts / opts.world_size),
+    }
+
+
 # ------------------------------------------------------------------------------------------------- the plan
 
 
@@ -201,6 +237,9 @@ class PlanOptions:
     attention: str = "valid"
     fsdp_param_dtype: str = ""  # "" = the compute dtype
     overhead_gib: float = 2.0
+    num_prompts: int = 10_000  # distinct prompts of the run (train + validation + negative), for the text cache
+    prompt_tokens: int = TYPICAL_PROMPT_TOKENS
+    glyph_tokens: int = 0
 
 
 def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dict | None = None) -> dict:
@@ -218,6 +257,12 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         raise SageGRPOError(f"--attention must be valid or diffusers, got {opts.attention!r}")
     if not 0 < opts.text_tokens <= TEXT_LEN_MLLM + TEXT_LEN_BYT5:
         raise SageGRPOError(f"--text_tokens must be in 1..{TEXT_LEN_MLLM + TEXT_LEN_BYT5}, got {opts.text_tokens}")
+    if opts.num_prompts < 0:
+        raise SageGRPOError(f"--num_prompts must be >= 0, got {opts.num_prompts}")
+    if not 1 <= opts.prompt_tokens <= TEXT_LEN_MLLM:
+        raise SageGRPOError(f"--prompt_tokens must be in 1..{TEXT_LEN_MLLM}, got {opts.prompt_tokens}")
+    if not 0 <= opts.glyph_tokens <= TEXT_LEN_BYT5:
+        raise SageGRPOError(f"--glyph_tokens must be in 0..{TEXT_LEN_BYT5}, got {opts.glyph_tokens}")
     heads, head_dim = tcfg["num_attention_heads"], tcfg["attention_head_dim"]
     validate(cfg, opts.world_size, num_heads=heads)
 
@@ -360,6 +405,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         "peak_gib": peak / GIB, "peak_phase": peak_phase, "gpu_memory_gib": opts.gpu_memory_gib,
         "fits": peak / GIB <= opts.gpu_memory_gib,
         "headroom_gib": opts.gpu_memory_gib - peak / GIB,
+        "host_text_cache": text_cache_host(cfg, opts),
     }
 
 
@@ -416,6 +462,14 @@ def render(pl: dict) -> str:
     verdict = "fits" if pl["fits"] else "does NOT fit"
     lines += ["", f"peak {pl['peak_gib']:.1f} GiB ({pl['peak_phase']}) {verdict} in {pl['gpu_memory_gib']:g} GiB "
               f"(headroom {pl['headroom_gib']:.1f} GiB). (est) = estimate not measured on a GPU; see the docstring."]
+    h = pl["host_text_cache"]
+    lines += ["", f"host memory per rank, text-embedding cache: {h['num_prompts']:,} prompts x {h['prompt_tokens']} "
+              f"MLLM + {h['glyph_tokens']} ByT5 valid tokens ({h['per_prompt_mb']:.2f} MB each, {s['dtype']}):",
+              f"  in memory (no --text_embedding_cache_dir)   {h['in_memory_gb']:8.2f} GB per rank",
+              f"  with --text_embedding_cache_dir              {h['with_cache_dir_gb']:8.2f} GB per rank "
+              f"({h['files_gb']:.2f} GB of files, read per batch)",
+              f"  padded to 1000 + 256 tokens (before)         {h['padded_before_gb']:8.2f} GB per rank",
+              f"  this run: {h['per_rank_gb']:.2f} GB per rank; each rank encodes {h['encoded_per_rank']:,} prompts"]
     return "\n".join(lines)
 
 
@@ -431,6 +485,12 @@ def parse_args(argv: list[str] | None):
     own.add_argument("--fsdp_param_dtype", default="", help="Dtype of FSDP2's unsharded parameters (default --dtype).")
     own.add_argument("--overhead_gib", type=float, default=2.0,
                      help="CUDA context, NCCL buffers, allocator fragmentation (default 2, an estimate).")
+    own.add_argument("--num_prompts", type=int, default=10_000,
+                     help="Distinct prompts of the run, for the text cache's host memory (default 10000).")
+    own.add_argument("--prompt_tokens", type=int, default=TYPICAL_PROMPT_TOKENS,
+                     help=f"Valid MLLM tokens of a typical prompt (default {TYPICAL_PROMPT_TOKENS}, ~90 words).")
+    own.add_argument("--glyph_tokens", type=int, default=0,
+                     help="ByT5 tokens (bytes of quoted text) of a typical prompt (default 0).")
     own.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     own.add_argument("--validate", action="store_true", help="Also compare the activation model with gpu_facts.md.")
     own.add_argument("-h", "--help", action="store_true")
@@ -443,7 +503,8 @@ def parse_args(argv: list[str] | None):
 
     opts = PlanOptions(world_size=args.world_size, gpu_memory_gib=args.gpu_memory_gib, text_tokens=args.text_tokens,
                        attention=args.attention,
-                       fsdp_param_dtype=args.fsdp_param_dtype, overhead_gib=args.overhead_gib)
+                       fsdp_param_dtype=args.fsdp_param_dtype, overhead_gib=args.overhead_gib,
+                       num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens, glyph_tokens=args.glyph_tokens)
     if opts.fsdp_param_dtype:
         torch_dtype(opts.fsdp_param_dtype)
     cfg = load_config(rest, prog="plan_memory.py")

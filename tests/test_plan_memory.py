@@ -16,6 +16,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import measure_memory as mm  # noqa: E402
 import plan_memory as pm  # noqa: E402
+from hv_fixtures import *  # noqa: E402,F401,F403
 
 from sage_grpo.config import Config, config_from_dict, read_yaml  # noqa: E402
 from sage_grpo.models.tiny import tiny_transformer_config  # noqa: E402
@@ -153,3 +154,36 @@ def test_impossible_geometry_is_one_message(argv, needle, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_text_cache_host_memory_per_rank(counts, tiny_pipe):
+    """10,000 typical prompts (120 valid MLLM tokens, no quoted text) in bf16: 8.6 GB per rank held in memory, none
+    with a cache directory, against 79 GB padded; the per-prompt formula is what the cache really holds."""
+    from sage_grpo.models.text_cache import TextEmbeddingCache
+
+    c, frozen = counts
+    h = pm.plan(_cfg(), pm.PlanOptions(world_size=8), c, frozen)["host_text_cache"]
+    assert (h["num_prompts"], h["prompt_tokens"], h["glyph_tokens"]) == (10_000, 120, 0)
+    assert h["in_memory_gb"] == pytest.approx(10_000 * 120 * 3584 * 2 / 1e9) == h["per_rank_gb"]
+    assert h["padded_before_gb"] == pytest.approx(10_000 * (1000 * 3584 + 256 * 1472 + 1256) * 2 / 1e9)
+    assert h["padded_before_gb"] > 9 * h["in_memory_gb"] and h["encoded_per_rank"] == 1250
+    with_dir = pm.plan(_cfg(text_embedding_cache_dir="/shared/cache"), pm.PlanOptions(world_size=8), c, frozen)
+    assert with_dir["host_text_cache"]["per_rank_gb"] == 0 < with_dir["host_text_cache"]["files_gb"]
+    assert "host memory per rank, text-embedding cache: 10,000 prompts" in pm.render(with_dir)
+    # the formula against the cache itself (tiny widths, fp32)
+    prompts = ["a cat", 'a sign that says "OPEN"']
+    cache = TextEmbeddingCache(tiny_pipe, "cpu", torch.float32)
+    cache.precompute(prompts)
+    tc = tiny_pipe.transformer.config
+    want = 0
+    for p in prompts:
+        one = cache.lookup(p)
+        want += pm.text_cache_bytes(prompt_tokens=int(one.prompt_mask.sum()), glyph_tokens=int(one.byt5_mask.sum()),
+                                    elem=4, text_dim=tc.text_embed_dim, byt5_dim=tc.text_embed_2_dim)
+    assert cache.memory_bytes == want
+
+
+def test_text_cache_options_are_checked(counts):
+    c, frozen = counts
+    with pytest.raises(pm.SageGRPOError, match="--prompt_tokens must be in 1..1000"):
+        pm.plan(_cfg(), pm.PlanOptions(world_size=8, prompt_tokens=1001), c, frozen)

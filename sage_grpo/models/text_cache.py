@@ -1,16 +1,33 @@
-"""Text conditioning: encode each distinct prompt once, keep it in memory (and optionally on disk).
+"""Text conditioning: encode each distinct prompt once across the job, keep only its valid tokens.
 
 The authors encode every prompt twice per rollout and keep the 7B text encoder on every GPU (their defect 12).
-Here `TextEmbeddingCache.get(prompts)` runs diffusers' `encode_prompt` (chat template, crop, glyph extraction for
-quoted text) once per distinct string, stores the four tensors on CPU, and `offload_encoders()` moves the text
-encoders off the accelerator once the prompt set is cached; an uncached prompt later still works (the encoders
-come back for it). The disk cache is keyed by sha256(prompt + encoder identity), one safetensors file per prompt.
+Here `TextEmbeddingCache` runs diffusers' `encode_prompt` (chat template, crop, glyph extraction for quoted text)
+once per distinct string and keeps only the valid tokens of the two embeddings (the masks are right padding, so
+they are implied by the lengths): ~120 x 3584 bf16 = 0.86 MB for a typical prompt instead of the padded
+1000 x 3584 + 256 x 1472 (7.9 MB). `get` re-pads a batch to its longest valid length (zero embeddings, mask 0):
+the transformer zeroes and masks padded text tokens and the valid-token attention cuts them anyway, so the output
+equals the full-length one up to float rounding (tests/test_models_text_cache.py).
+
+`precompute(prompts, info)` under torchrun splits the distinct prompts over the ranks: each rank encodes its share
+and the results are shared through the disk cache when there is one (`--text_embedding_cache_dir`: each rank writes
+its share, the others read the files when they need them; nothing stays in memory, the node's page cache holds one
+copy) or else through all-gathers of the trimmed CPU tensors in bounded rounds (every rank then holds every prompt).
+`offload_encoders()` moves the text encoders off the accelerator once the prompt set is cached; an uncached prompt
+later still works (the encoders come back for it).
+
+The disk cache is keyed by sha256(prompt + encoder identity), one safetensors file per prompt, written under a name
+unique to the writer and renamed into place (several ranks or jobs may write the same prompt at once), never
+rewritten once complete; an unreadable file is a miss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
+import os
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +63,24 @@ class TextConditioning:
     def index(self, idx: Tensor | list[int] | slice) -> TextConditioning:
         return self._map(lambda t: t[idx])
 
+    def pad_to(self, n_mllm: int, n_byt5: int) -> TextConditioning:
+        """Right-pad the token dims to `n_mllm` / `n_byt5` with zero embeddings and mask 0 (valid tokens stay a
+        prefix, as the transformer expects)."""
+        def pad(t: Tensor, n: int) -> Tensor:
+            if t.shape[1] >= n:
+                return t
+            return torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1], *t.shape[2:])], dim=1)
+
+        return TextConditioning(pad(self.prompt_embeds, n_mllm), pad(self.prompt_mask, n_mllm),
+                                pad(self.byt5_embeds, n_byt5), pad(self.byt5_mask, n_byt5))
+
     @staticmethod
     def cat(items: list[TextConditioning]) -> TextConditioning:
-        return TextConditioning(*(torch.cat(ts, dim=0) for ts in zip(*(_fields(c) for c in items))))
+        """Concatenate along the batch, padded to the longest token dims (the cache hands each batch at its own
+        longest valid length, e.g. prompts and the negative prompt of a CFG forward)."""
+        n1 = max(c.prompt_embeds.shape[1] for c in items)
+        n2 = max(c.byt5_embeds.shape[1] for c in items)
+        return TextConditioning(*(torch.cat(ts, dim=0) for ts in zip(*(_fields(c.pad_to(n1, n2)) for c in items))))
 
 
 def _fields(c: TextConditioning) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -128,11 +160,64 @@ def warn_if_truncated(pipe, prompt: str) -> None:
                       "cut off (shorten the prompt to keep all of it)", stacklevel=3)
 
 
+@dataclass
+class _Entry:
+    """One prompt's valid tokens (CPU, the cache dtype): the masks are all ones over these lengths."""
+
+    mllm: Tensor  # [n, D_text], n >= 1 (the chat template's closing tokens are always there)
+    byt5: Tensor  # [m, D_byt5], m = 0 when the prompt quotes no text
+
+    @property
+    def nbytes(self) -> int:
+        return self.mllm.nbytes + self.byt5.nbytes
+
+
+def _prefix_length(mask: Tensor, what: str) -> int:
+    m = mask.bool()
+    n = int(m.sum())
+    if not bool(m[:n].all()):
+        raise SageGRPOError(f"the {what} mask has padding between valid tokens; the text cache keeps a valid prefix only")
+    return n
+
+
+def _trim(c: TextConditioning) -> _Entry:
+    """[1, L, D] padded conditioning -> its valid tokens. The clones drop the padded storage (a slice would keep it)."""
+    n1 = _prefix_length(c.prompt_mask[0], "prompt")
+    n2 = _prefix_length(c.byt5_mask[0], "glyph (ByT5)")
+    return _Entry(c.prompt_embeds[0, :n1].clone(), c.byt5_embeds[0, :n2].clone())
+
+
+def _pad(entries: list[_Entry]) -> TextConditioning:
+    """Entries -> [N, ...] padded to the longest valid length of each stream; at least one token each, so no
+    stream is ever empty (a masked zero token changes nothing)."""
+    n1 = max(1, max(e.mllm.shape[0] for e in entries))
+    n2 = max(1, max(e.byt5.shape[0] for e in entries))
+    ref = entries[0].mllm
+    pe = ref.new_zeros(len(entries), n1, ref.shape[1])
+    be = ref.new_zeros(len(entries), n2, entries[0].byt5.shape[1])
+    pm, bm = ref.new_zeros(len(entries), n1), ref.new_zeros(len(entries), n2)  # masks in the embedding dtype
+    for i, e in enumerate(entries):
+        pe[i, : e.mllm.shape[0]] = e.mllm
+        pm[i, : e.mllm.shape[0]] = 1
+        be[i, : e.byt5.shape[0]] = e.byt5
+        bm[i, : e.byt5.shape[0]] = 1
+    return TextConditioning(pe, pm, be, bm)
+
+
+# Prompts each rank contributes to one all-gather round of a memory-only shared precompute, divided by the world
+# size: a round moves at most ~1,024 trimmed prompts (~1 GB at 120 tokens) through every rank (on NCCL through its
+# GPU: all_gather_object stages the pickled bytes there), whatever the number of ranks.
+_ROUND_PROMPTS = 1024
+_FORMAT = "trimmed-1"  # disk files: the valid tokens only; files of the padded format (masks stored) still load
+
+
 class TextEmbeddingCache:
-    """prompt -> TextConditioning [1, ...] on CPU in `dtype`; `get` batches them.
+    """prompt -> its valid-token embeddings on CPU in `dtype`; `get` batches them, re-padded.
 
     pipe: a HunyuanVideo15Pipeline (its encoders may be None if every prompt is on disk).
-    device: where the text encoders run. cache_dir: optional on-disk cache ("" / None = memory only).
+    device: where the text encoders run. cache_dir: optional on-disk cache ("" / None = memory only). With a
+    cache_dir nothing is held in memory: every `get` reads its prompts' files (~1 MB each, from the page cache,
+    which the ranks of a node share), so host memory does not grow with the prompt set.
     """
 
     def __init__(self, pipe, device: torch.device | str, dtype: torch.dtype, cache_dir: str | Path | None = None):
@@ -140,10 +225,11 @@ class TextEmbeddingCache:
         self.device = torch.device(device)
         self.dtype = dtype
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        self._memory: dict[str, TextConditioning] = {}
+        self._memory: dict[str, _Entry] = {}
+        self._on_disk: set[str] = set()  # prompts this process knows to have a file (for len())
         self._identity: str | None = None
         self._offloaded = False
-        self.num_encoded = 0  # prompts run through the encoders (tests and logs)
+        self.num_encoded = 0  # prompts run through the encoders by this process (tests and logs)
 
     @property
     def identity(self) -> str:
@@ -151,34 +237,52 @@ class TextEmbeddingCache:
             self._identity = encoder_identity(self.pipe) + f":{self.dtype}"
         return self._identity
 
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of embeddings held in memory (0 with a cache_dir)."""
+        return sum(e.nbytes for e in self._memory.values())
+
     def _path(self, prompt: str) -> Path:
         key = hashlib.sha256(f"{self.identity}\n{prompt}".encode()).hexdigest()
         return self.cache_dir / f"{key}.safetensors"
 
-    def _load_disk(self, prompt: str) -> TextConditioning | None:
-        if self.cache_dir is None:
-            return None
-        path = self._path(prompt)
-        if not path.is_file():
-            return None
+    def _read(self, path: Path, prompt: str) -> _Entry | None:
+        """The entry in `path`, or None when it is missing, another prompt's / encoder's, or unreadable."""
         from safetensors import safe_open
 
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
-        if meta.get("prompt") != prompt or meta.get("identity") != self.identity:
+        if not path.is_file():
             return None
-        t = load_file(path)
-        return TextConditioning(t["prompt_embeds"], t["prompt_mask"], t["byt5_embeds"], t["byt5_mask"])
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("prompt") != prompt or meta.get("identity") != self.identity:
+                return None
+            t = load_file(path)
+            if meta.get("format") == _FORMAT:
+                return _Entry(t["mllm"], t["byt5"])
+            return _trim(TextConditioning(t["prompt_embeds"], t["prompt_mask"], t["byt5_embeds"], t["byt5_mask"]))
+        except Exception as e:  # noqa: BLE001 -- any unreadable file (truncated by a crash, a foreign file) is a miss
+            warnings.warn(f"text-embedding cache file {path} is unreadable ({type(e).__name__}: {e}); "
+                          "encoding the prompt again", stacklevel=3)
+            return None
 
-    def _save_disk(self, prompt: str, c: TextConditioning) -> None:
-        if self.cache_dir is None:
-            return
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+    def _save_disk(self, prompt: str, entry: _Entry) -> None:
         path = self._path(prompt)
-        tmp = path.with_suffix(".tmp")
-        tensors = dict(zip(("prompt_embeds", "prompt_mask", "byt5_embeds", "byt5_mask"), (t.contiguous() for t in _fields(c))))
-        save_file(tensors, tmp, metadata={"prompt": prompt, "identity": self.identity})
-        tmp.replace(path)  # atomic: concurrent ranks never read half a file
+        if self._read(path, prompt) is not None:
+            return  # another rank or job wrote it meanwhile: never rewrite a complete file
+        # A name unique to this writer: several ranks (or jobs) sharing the directory write the same prompt at once;
+        # a shared "<key>.tmp" let one rank rename another's file away (FileNotFoundError) or publish a mixed file.
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            save_file({"mllm": entry.mllm.contiguous(), "byt5": entry.byt5.contiguous()}, tmp,
+                      metadata={"prompt": prompt, "identity": self.identity, "format": _FORMAT})
+            os.replace(tmp, path)  # atomic: a reader sees no file or a complete one
+        except OSError as e:
+            with contextlib.suppress(OSError):  # e.g. the directory could not be created: there is no file
+                tmp.unlink(missing_ok=True)
+            raise SageGRPOError(f"cannot write the text-embedding cache --text_embedding_cache_dir {self.cache_dir}: "
+                                f"{e.strerror or e}") from e
 
     @torch.no_grad()
     def _encode(self, prompt: str) -> TextConditioning:
@@ -201,25 +305,85 @@ class TextEmbeddingCache:
         warn_if_truncated(pipe, prompt)
         return TextConditioning(pe, pm, be, bm).to("cpu")
 
-    def lookup(self, prompt: str) -> TextConditioning:
-        """One prompt -> [1, ...] on CPU (memory, then disk, then the encoders)."""
-        c = self._memory.get(prompt)
-        if c is None:
-            c = self._load_disk(prompt)
-            if c is None:
-                c = self._encode(prompt)
-                self._save_disk(prompt, c)
-            self._memory[prompt] = c
-        return c
+    def _entry(self, prompt: str) -> _Entry:
+        """Memory, then disk, then the encoders (the result goes to disk if there is one, else to memory)."""
+        e = self._memory.get(prompt)
+        if e is not None:
+            return e
+        if self.cache_dir is not None:
+            e = self._read(self._path(prompt), prompt)
+        if e is None:
+            e = _trim(self._encode(prompt))
+            if self.cache_dir is None:
+                self._memory[prompt] = e
+            else:
+                self._save_disk(prompt, e)
+        if self.cache_dir is not None:
+            self._on_disk.add(prompt)
+        return e
 
-    def precompute(self, prompts: list[str]) -> None:
-        for p in dict.fromkeys(prompts):
-            self.lookup(p)
+    def lookup(self, prompt: str) -> TextConditioning:
+        """One prompt -> [1, n, ...] on CPU, its valid tokens only (masks all ones, except an empty glyph stream:
+        one masked zero token)."""
+        return _pad([self._entry(prompt)])
+
+    def precompute(self, prompts: list[str], info=None) -> None:
+        """Make every prompt available. `info` (sage_grpo.parallel.dist.DistInfo) of a multi-rank run: COLLECTIVE,
+        every rank must call it with the same prompts; each distinct prompt is then encoded by one rank only.
+        Without `info` (or at world size 1) this process resolves every prompt itself."""
+        distinct = list(dict.fromkeys(prompts))
+        if info is None or not info.distributed:
+            for p in distinct:
+                self._entry(p)
+            return
+        self._precompute_shared(distinct, info.rank, info.world_size)
+
+    def _precompute_shared(self, distinct: list[str], rank: int, world: int) -> None:
+        import torch.distributed as dist
+
+        def gather(obj) -> list:
+            out: list = [None] * world
+            dist.all_gather_object(out, obj)
+            return out
+
+        def run_all(fn) -> None:
+            """fn() on this rank, then every rank raises the first failure of any rank: a rank that raised alone
+            would leave the others waiting in the next collective until the timeout."""
+            try:
+                fn()
+                err = None
+            except Exception as e:  # noqa: BLE001 -- re-raised below, on every rank
+                err = f"rank {rank}: {e}"
+            errors = [x for x in gather(err) if x is not None]
+            if errors:
+                raise SageGRPOError(f"text-embedding precompute failed on {len(errors)} rank(s); {errors[0]}")
+
+        digest = hashlib.sha256("\n".join(distinct).encode()).hexdigest()
+        if len(set(gather(digest))) != 1:  # the split below is by position: every rank must see the same list
+            raise SageGRPOError("the ranks were given different prompt lists to precompute (every rank must read the "
+                                "same prompt file and validation prompts)")
+        mine = distinct[rank::world]
+        run_all(lambda: [self._entry(p) for p in mine])  # also the barrier: every share is on disk / in memory
+        if self.cache_dir is not None:
+            # Shared through the directory. A directory that is not shared by every node (node-local storage) shows
+            # the other nodes' files missing: this rank encodes those itself.
+            others = [p for i, p in enumerate(distinct) if i % world != rank]
+            run_all(lambda: [self._entry(p) for p in others if not self._path(p).is_file()])
+            self._on_disk.update(distinct)
+            return
+        # Memory only: all-gather the trimmed CPU tensors (pickled) in rounds. The number of rounds depends only on
+        # the list and the world size, so every rank runs the same collectives.
+        per_round = max(1, _ROUND_PROMPTS // world)
+        rounds = math.ceil(math.ceil(len(distinct) / world) / per_round)
+        for k in range(rounds):
+            for part in gather({p: self._memory[p] for p in mine[k * per_round:(k + 1) * per_round]}):
+                self._memory.update(part)
 
     def get(self, prompts: list[str], device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TextConditioning:
-        """N prompts -> [N, ...] on `device` (default: the cache device) in `dtype` (default: the cache dtype)."""
-        c = TextConditioning.cat([self.lookup(p) for p in prompts])
-        return c.to(device or self.device, dtype or self.dtype)
+        """N prompts -> [N, L, ...] on `device` (default: the cache device) in `dtype` (default: the cache dtype),
+        L = the batch's longest valid length per stream (right padding: zero embeddings, mask 0)."""
+        entries = {p: self._entry(p) for p in dict.fromkeys(prompts)}  # a repeated prompt is read once
+        return _pad([entries[p] for p in prompts]).to(device or self.device, dtype or self.dtype)
 
     def _move_encoders(self, device) -> None:
         for enc in (self.pipe.text_encoder, self.pipe.text_encoder_2):
@@ -234,4 +398,4 @@ class TextEmbeddingCache:
         self._offloaded = True
 
     def __len__(self) -> int:
-        return len(self._memory)
+        return len(self._memory) + len(self._on_disk)
