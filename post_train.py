@@ -162,7 +162,10 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     anchor = Anchor(transformer, cfg, info, sharded=uses_fsdp(cfg, info))
 
     # every prompt the run will use, encoded once (a prompt missed here is still encoded on first use)
-    cache = TextEmbeddingCache(pipe, info.device, dtype, m.text_embedding_cache_dir or None)
+    # under torchrun the embeddings live on disk beside the run (a rank holding every prompt needs ~0.9 MB each:
+    # 8.6 GB for 10,000 prompts), each rank encoding its share once
+    cache_dir = m.text_embedding_cache_dir or (str(out / "text_embeddings") if info.distributed else None)
+    cache = TextEmbeddingCache(pipe, info.device, dtype, cache_dir)
     validates = bool(v.validation_interval) or v.validate_at_step0
     needed = [p.prompt for p in prompts] + ([rec.prompt for rec in val_records] if validates else [])
     if r.cfg_scale != 1.0 or (validates and v.validation_guidance_scale != 1.0):
