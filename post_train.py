@@ -790,6 +790,7 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
 def main(argv: list[str] | None = None) -> Path:
     import os
 
+    from sage_grpo.checkpoint import clear_run, read_train_state
     from sage_grpo.metrics import MetricsLogger, plot_curves
     from sage_grpo.parallel.dist import barrier, destroy, init_distributed
 
@@ -798,8 +799,18 @@ def main(argv: list[str] | None = None) -> Path:
     preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None)
     info = init_distributed(cfg.parallel.sp_size, cfg.parallel.dp_replicate, cfg.parallel.dist_timeout_minutes)
     logger = None
+    ck = cfg.checkpoint
     try:
         resume = agreed_resume(cfg, info)
+        if ck.resume_from_checkpoint and resume is None:
+            print0(info, f"no checkpoint in {ck.output_dir}: starting from step 0")
+        if resume is not None and read_train_state(resume)["step"] >= cfg.optim.max_steps:
+            print0(info, f"{resume.name} is already at --max_steps {cfg.optim.max_steps}: nothing to train (raise "
+                   "--max_steps to continue)")
+            return Path(ck.output_dir)
+        if ck.overwrite_output_dir and info.is_main:
+            clear_run(ck.output_dir)
+        barrier()  # nothing of the previous run is read after this
         c, state = setup(cfg, info, resume)
         if info.is_main:
             dump_yaml(cfg, c.out / "config.yaml")
@@ -821,7 +832,7 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     world size (and the processes per node: a sequence-parallel group must not cross nodes), the resume target, the
     metrics sinks and the prompt files. `scripts/check_launch.py` runs it for the launchers before torchrun spawns
     a worker, so a user error is one line, not one per rank."""
-    from sage_grpo.checkpoint import resolve_resume
+    from sage_grpo.checkpoint import resolve_resume, run_outputs
     from sage_grpo.data import read_prompts
     from sage_grpo.metrics import check_report_to
 
@@ -832,7 +843,16 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
         raise SageGRPOError(f"--sp_size {sp} must divide the processes per node ({nproc_per_node}): a "
                             "sequence-parallel group exchanges activations in every attention layer and must stay "
                             "inside one node")
-    resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.checkpoint.output_dir)
+    ck = cfg.checkpoint
+    resolve_resume(ck.resume_from_checkpoint, ck.output_dir)
+    previous = run_outputs(ck.output_dir)
+    if previous and not ck.resume_from_checkpoint and not ck.overwrite_output_dir:
+        names = ", ".join(p.name for p in previous[:4]) + (", ..." if len(previous) > 4 else "")
+        raise SageGRPOError(f"--output_dir {ck.output_dir} already holds a run ({names}): continue it with "
+                            "--resume_from_checkpoint latest, or start over with --overwrite_output_dir (deletes "
+                            "them)")
+    if ck.resume_from_checkpoint and ck.overwrite_output_dir:
+        raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
     load_validation_records(cfg, read_prompts(cfg.data.train_video_csv))
 

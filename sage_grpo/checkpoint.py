@@ -62,12 +62,33 @@ def resolve_resume(spec: str, output_dir: str | Path) -> Path | None:
         return None
     if spec == "latest":
         found = list_checkpoints(output_dir)
+        if not found and not Path(output_dir).parent.is_dir():  # neither the run folder nor its parent: a typo
+            raise SageGRPOError(f"--resume_from_checkpoint latest: {output_dir} does not exist, nor does its parent "
+                                "folder; check --output_dir")
         return found[-1][1] if found else None
     p = Path(spec)
     if not (p / TRAIN_STATE).is_file():
         raise SageGRPOError(f"--resume_from_checkpoint {spec!r} is not a complete checkpoint (no {TRAIN_STATE}); "
                             f"pass output_dir/checkpoint-N or 'latest'")
     return p
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "curves.png", "samples", "tensorboard", "wandb", "config.yaml")
+
+
+def run_outputs(output_dir: str | Path) -> list[Path]:
+    """What a previous run left in `output_dir` (checkpoints, complete or not, and logs), sorted; the text-embedding
+    cache is not a run's output (it stays valid)."""
+    d = Path(output_dir)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.name in RUN_OUTPUTS or re.match(r"^checkpoint-\d+(\.tmp)?$", p.name))
+
+
+def clear_run(output_dir: str | Path) -> None:
+    """Delete `run_outputs(output_dir)` (--overwrite_output_dir)."""
+    for p in run_outputs(output_dir):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def read_train_state(path: str | Path) -> dict:

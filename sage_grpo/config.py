@@ -217,6 +217,7 @@ class CheckpointConfig:
     save_interval: int = opt(100, "Steps between checkpoints (a final one is always written).")
     resume_from_checkpoint: str = opt("", "Checkpoint directory to resume from, or 'latest' for the newest complete one in output_dir.")
     checkpoints_total_limit: int = opt(0, "Keep at most this many checkpoints (oldest deleted first); 0 keeps all.")
+    overwrite_output_dir: bool = opt(False, "Start a new run in an --output_dir that already holds one: its checkpoints, metrics, curves, samples and TensorBoard logs are deleted first. Without it such a folder is refused (continue it with --resume_from_checkpoint latest).")
 
 
 @dataclass

@@ -442,3 +442,27 @@ def test_fsdp_keeps_bf16_master_weights(tiny_model, tmp_path):
     meta = FileSystemReader(str(list_checkpoints(tmp_path)[-1][1] / "transformer")).read_metadata()
     dtypes = {m.properties.dtype for k, m in meta.state_dict_metadata.items() if k.endswith(".weight")}
     assert dtypes == {torch.bfloat16}
+
+
+def test_a_run_folder_is_never_silently_overwritten(tiny_model, tmp_path, capsys):
+    """Re-running a finished command refuses in one line (a subprocess, as a user runs it) before anything loads;
+    --overwrite_output_dir starts over (old checkpoints gone); latest on an empty folder says it starts at 0; a
+    resume already at max_steps says so and trains nothing; latest under a missing parent is a typo."""
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "2"))
+    again = subprocess.run([sys.executable, str(ROOT / "post_train.py"), *_args(tiny_model, out, "--max_steps", "2")],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+    lines = [ln for ln in again.stderr.splitlines() if ln.strip()]
+    assert again.returncode == 2 and len(lines) == 1, again.stderr[-2000:]
+    assert f"--output_dir {out} already holds a run (checkpoint-2, config.yaml, curves.png, metrics.jsonl)" in lines[0]
+    assert "--resume_from_checkpoint latest" in lines[0] and "--overwrite_output_dir" in lines[0]
+    pt.main(_args(tiny_model, out, "--max_steps", "2", "--resume_from_checkpoint", "latest"))  # already done
+    assert "checkpoint-2 is already at --max_steps 2: nothing to train" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+    pt.main(_args(tiny_model, out, "--max_steps", "1", "--overwrite_output_dir"))
+    assert [s for s, _ in list_checkpoints(out)] == [1] and len(read_metrics(out / "metrics.jsonl")) == 1
+    pt.main(_args(tiny_model, tmp_path / "fresh", "--max_steps", "1", "--resume_from_checkpoint", "latest"))
+    assert f"no checkpoint in {tmp_path / 'fresh'}: starting from step 0" in capsys.readouterr().out
+    with pytest.raises(SageGRPOError, match="does not exist, nor does its parent folder"):
+        pt.main(_args(tiny_model, tmp_path / "typo" / "run", "--resume_from_checkpoint", "latest"))
+    assert not (tmp_path / "typo").exists()
