@@ -311,7 +311,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
         with PhaseClock(hook)("validation"):
             log(logger, 0, validation(c, 0))
     last_saved = state.step
-    bar = tqdm(total=o.max_steps, initial=state.step, desc="steps", disable=not info.is_main)
+    live = LiveNumbers(info.is_main, o.max_steps, state.step, cfg.logging.log_interval)
     with StopRequest() as stop:
         while state.step < o.max_steps:
             clock = PhaseClock(hook)
@@ -369,7 +369,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
             metrics["mem/peak_gib"] = peak_memory_gib(info.device)
             if state.step % cfg.logging.log_interval == 0 or state.step == o.max_steps:
                 log(logger, state.step, mean_metrics(metrics))  # collective: every rank reaches it at the same steps
-            bar.update(1)
+            live.update(state.step, metrics)
             if ck.save_interval and state.step % ck.save_interval == 0:
                 save(c, state)
                 last_saved = state.step
@@ -389,9 +389,36 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                        f"checkpoint-{state.step} is saved; continue with --resume_from_checkpoint latest")
                 mark_clean_stop(info, state.step)
                 break
-    bar.close()
+    live.close()
     if final_save and last_saved != state.step:  # the final checkpoint: collective, every rank calls it
         save(c, state)
+
+
+class LiveNumbers:
+    """What a run shows on rank 0: on a terminal, the step bar with the reward mean, L_KL, clip fraction and seconds
+    per step; in a log file (no terminal), one compact line every log_interval steps instead of tqdm's redraws."""
+
+    KEYS = (("reward", "reward/total_mean", "{:.4f}"), ("kl", "kl/loss", "{:.2e}"), ("clip", "train/clipfrac", "{:.3f}"),
+            ("s/step", "perf/step_s", "{:.2f}"))
+
+    def __init__(self, main: bool, total: int, initial: int, every: int):
+        self.main, self.total, self.every = main, total, every
+        self.terminal = main and sys.stderr.isatty()
+        self.bar = tqdm(total=total, initial=initial, desc="steps", disable=not self.terminal)
+
+    def fields(self, metrics: dict) -> dict[str, str]:
+        return {name: fmt.format(metrics[key]) for name, key, fmt in self.KEYS if key in metrics}
+
+    def update(self, step: int, metrics: dict) -> None:
+        if self.terminal:
+            self.bar.set_postfix(self.fields(metrics), refresh=False)
+            self.bar.update(1)
+        elif self.main and (step % self.every == 0 or step == self.total):
+            print(f"[post_train] step {step}/{self.total}  "
+                  + "  ".join(f"{k} {v}" for k, v in self.fields(metrics).items()), flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def mark_clean_stop(info: DistInfo, step: int) -> None:
@@ -485,7 +512,8 @@ def rollout_phase(c: Components, state: TrainState) -> Trajectory:
         prompt_seeds=torch.tensor([prompt_noise_seed(rec.prompt, rec.seed, rec.index) for rec in recs]),
         latent_shape=c.shape, settings=c.settings, image_tokens=c.pipe.vision_num_semantic_tokens,
         base_seed=derive_seed(cfg.optim.seed, state.step), same_noise=cfg.rollout.use_same_noise,
-        storage_dtype=torch.float32, show_progress=info.is_main, chunk_size=cfg.optim.mini_batch_size_per_update,
+        storage_dtype=torch.float32, show_progress=info.is_main and cfg.logging.verbose,
+        chunk_size=cfg.optim.mini_batch_size_per_update,
         device=info.device,
     )
 
@@ -665,7 +693,7 @@ def validation(c: Components, step: int) -> dict:
     for j, (rec, frames) in enumerate(sample_videos(
             c.pipe, c.cache, todo, settings=c.val_settings, shape=c.val_shape,
             base_seed=cfg.validation.validation_seed, negative_prompt=cfg.rollout.neg_prompt,
-            show_progress=info.is_main, decode=info.sp_rank == 0)):
+            show_progress=info.is_main and cfg.logging.verbose, decode=info.sp_rank == 0)):
         if j >= len(mine) or info.sp_rank != 0:  # padding, or an sp peer's copy: the sp leader writes and scores
             continue
         score = c.reward(frames[None].to(info.device), [rec.prompt])
@@ -791,10 +819,14 @@ def main(argv: list[str] | None = None) -> Path:
     import os
 
     from sage_grpo.checkpoint import clear_run, read_train_state
+    from sage_grpo.cli import quiet_libraries
     from sage_grpo.metrics import MetricsLogger, plot_curves
     from sage_grpo.parallel.dist import barrier, destroy, init_distributed
 
     cfg = load_config(argv, prog="post_train.py", description=__doc__)
+    quiet_libraries(cfg.logging.verbose)
+    if cfg.logging.threads:
+        torch.set_num_threads(cfg.logging.threads)
     local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's processes per node
     preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None)
     info = init_distributed(cfg.parallel.sp_size, cfg.parallel.dp_replicate, cfg.parallel.dist_timeout_minutes)

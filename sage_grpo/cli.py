@@ -8,6 +8,7 @@ import math
 import sys
 import tempfile
 import typing
+import warnings
 from pathlib import Path
 
 from sage_grpo.errors import SageGRPOError
@@ -79,6 +80,8 @@ def quiet_libraries(verbose: bool = False) -> None:
     progress bars unless `verbose`; errors still show. Call before loading models."""
     if verbose:
         return
+    # DCP saving or loading in one process warns on every call, with a dangling source line after it
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     try:
         from diffusers.utils import logging as dlog
 

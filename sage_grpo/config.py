@@ -228,6 +228,8 @@ class LoggingConfig:
     report_to: str = opt("tensorboard", "Metric sink besides metrics.jsonl.", ("tensorboard", "wandb", "none"))
     wandb_project: str = opt("sage-grpo", "Weights & Biases project (with --report_to wandb).")
     run_name: str = opt("", "Run name for the metric sinks; empty = the output_dir name.")
+    verbose: bool = opt(False, "Show the libraries' warnings and the per-denoising-step bars of rollouts and validation (hidden by default: the step bar with its live numbers, or one line per log_interval when not on a terminal, is what a run shows).")
+    threads: int = opt(0, "torch CPU threads per process (intra-op); 0 = torch's default (all cores). On a shared CPU machine 1-2 avoids oversubscription; also the environment variable OMP_NUM_THREADS.")
 
 
 GROUPS: dict[str, type] = {
@@ -535,6 +537,7 @@ def check_values(cfg: Config) -> None:
     nonneg = {
         "max_steps": o.max_steps,
         "warmup_steps": o.warmup_steps,
+        "threads": cfg.logging.threads,
         "num_workers": d.num_workers,
         "save_interval": cfg.checkpoint.save_interval,
         "validation_interval": v.validation_interval,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,10 +93,16 @@ def test_train_state_restores_every_field():
         b.load_state_dict({k: v for k, v in a.state_dict().items() if k != "accum_rounds"})
 
 
-def test_two_steps_write_everything_and_train(tiny_model, tmp_path):
+def test_two_steps_write_everything_and_train(tiny_model, tmp_path, capsys):
     out = tmp_path / "run"
     pt.main(_args(tiny_model, out, "--validation_interval", "2", "--validation_num_inference_steps", "2",
                   "--validate_video_length", "5"))
+    # not a terminal: one compact line per step with the live numbers, no progress-bar redraws, no library noise
+    shown = capsys.readouterr()
+    for step in (1, 2):
+        assert re.search(rf"\[post_train\] step {step}/2  reward 0\.\d{{4}}  kl \d\.\d\de[+-]\d\d  clip \d\.\d{{3}}  "
+                         r"s/step \d+\.\d\d", shown.out), shown.out
+    assert "\r" not in shown.err and "it/s" not in shown.err and "torch.distributed is disabled" not in shown.err
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -466,3 +473,14 @@ def test_a_run_folder_is_never_silently_overwritten(tiny_model, tmp_path, capsys
     with pytest.raises(SageGRPOError, match="does not exist, nor does its parent folder"):
         pt.main(_args(tiny_model, tmp_path / "typo" / "run", "--resume_from_checkpoint", "latest"))
     assert not (tmp_path / "typo").exists()
+
+
+def test_threads_flag_sets_torchs_threads_before_anything_loads(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    with pytest.raises(SageGRPOError, match="missing.txt"):
+        pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--threads", "1", "--train_video_csv",
+                 str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "run")])
+    assert calls == [1]
+    with pytest.raises(SageGRPOError, match="--threads must be >= 0"):
+        pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--threads", "-1"])
