@@ -49,6 +49,10 @@ __all__ = [
     "validate",
     "parse_bool",
     "parse_size",
+    "REWARD_MIN_PIXELS",
+    "REWARD_MAX_PIXELS",
+    "REWARD_SAMPLE_FPS",
+    "VIDEO_FPS",
     "dp_degree",
     "DTYPES",
     "torch_dtype",
@@ -56,6 +60,12 @@ __all__ = [
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPES = tuple(TORCH_DTYPES)
+# VideoAlign's frame preprocessing (qwen_vl_utils) and the frame rate of decoded videos: the defaults of the
+# reward flags, of the reward builders (sage_grpo.rewards) and of scripts/score_videos.py
+REWARD_MIN_PIXELS = 128 * 28 * 28  # 100352
+REWARD_MAX_PIXELS = 256 * 28 * 28  # 200704
+REWARD_SAMPLE_FPS = 2.0
+VIDEO_FPS = 24
 _TRUE = {"true", "1", "yes", "on", "y", "t"}
 _FALSE = {"false", "0", "no", "off", "n", "f"}
 
@@ -122,7 +132,7 @@ class RolloutConfig:
     height: int = opt(352, "Rollout video height in pixels (multiple of 16; 352x624 is the authors' '480' bucket).")
     width: int = opt(624, "Rollout video width in pixels (multiple of 16).")
     use_same_noise: bool = opt(False, "One initial noise per group (the G rollouts of a prompt differ only by SDE noise).")
-    video_fps: int = opt(24, "Frame rate of decoded videos (rewards sample frames relative to it; mp4 files use it).")
+    video_fps: int = opt(VIDEO_FPS, "Frame rate of decoded videos (rewards sample frames relative to it; mp4 files use it).")
     cps_logprob: str = opt("peer", "cps log-prob: peer = -(x' - mean)^2 averaged (what every CPS implementation uses), normalized = Gaussian log-density.", CPS_LOGPROB_MODES)
     sage_sigma_clamp: float = opt(SAGE_SIGMA_CLAMP, "sage_grpo clamps sigma_t to at most this value inside the log so that the first step stays finite (paper App. A.3).")
 
@@ -137,9 +147,9 @@ class RewardConfig:
     reward_weights: str = opt('{"VQ":0.5,"MQ":0.5,"TA":1.0}', "JSON weights of the composite reward (case-insensitive keys). Setting A: {\"VQ\":1,\"MQ\":1,\"TA\":1}; Setting B (default, best): VQ 0.5, MQ 0.5, TA 1.0. Empty = each reward's own default weights.")
     reward_checkpoint_mode: str = opt("v3", "Key remapping of the VideoReward state dict: v1/v2 older layouts, v3 current transformers.", ("v1", "v2", "v3"))
     reward_checkpoint_step: int = opt(-1, "Which checkpoint-<step>/ of the VideoReward directory to load; -1 = the newest.")
-    reward_max_pixels: int = opt(200704, "Max pixels per frame fed to VideoAlign (resized to multiples of 28 within it).")
-    reward_min_pixels: int = opt(100352, "Min pixels per frame fed to VideoAlign (VideoAlign's frame-loading default).")
-    reward_sample_fps: float = opt(2.0, "Frames per second sampled from the video for VideoAlign (81 frames at 24 fps -> 6 frames).")
+    reward_max_pixels: int = opt(REWARD_MAX_PIXELS, "Max pixels per frame fed to VideoAlign (resized to multiples of 28 within it).")
+    reward_min_pixels: int = opt(REWARD_MIN_PIXELS, "Min pixels per frame fed to VideoAlign (VideoAlign's frame-loading default).")
+    reward_sample_fps: float = opt(REWARD_SAMPLE_FPS, "Frames per second sampled from the video for VideoAlign (81 frames at 24 fps -> 6 frames).")
     reward_batch_size: int = opt(0, "Videos per reward forward; 0 = all videos of the rank at once.")
     max_failed_reward_steps: int = opt(3, "Stop, after writing a checkpoint, when this many steps in a row had no finite reward on any rank (such steps train nothing and are counted in train/failed_reward_steps); 0 = never stop.")
     reward_dtype: str = opt("bf16", "Dtype of the reward model.", DTYPES)

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from sage_grpo.cli import CLIParser, at_least, quiet_libraries
-    from sage_grpo.config import DTYPES, torch_dtype
+    from sage_grpo.config import DTYPES, REWARD_MIN_PIXELS, torch_dtype
     from sage_grpo.errors import SageGRPOError
     from sage_grpo.rewards.tiny import write_tiny_base, write_tiny_videoreward
     from sage_grpo.rewards.videoalign import VideoAlignReward
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=33)
     ap.add_argument("--height", type=int, default=64)
     ap.add_argument("--width", type=int, default=96)
-    ap.add_argument("--min_pixels", type=int, default=28 * 28 * 4, help="tiny default; the real one is 100352")
+    ap.add_argument("--min_pixels", type=int, default=28 * 28 * 4, help=f"tiny default; the real one is {REWARD_MIN_PIXELS}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default="", help="report path (default $OUT/bench_reward.json or outputs/bench/)")
     args = ap.parse_args(argv)
