@@ -33,26 +33,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from sage_grpo.config import Config, config_to_dict, dump_yaml, load_config, torch_dtype, validate
+from sage_grpo.config import Config, config_to_dict, dump_yaml, load_config, parse_size, torch_dtype, validate
 from sage_grpo.errors import SageGRPOError, run_cli
 
 
 def print0(info, *args) -> None:
     if info.is_main:
         print("[post_train]", *args, flush=True)
-
-
-# ------------------------------------------------------------------------------------------------------ checks
-
-
-def check_supported(cfg: Config, world_size: int) -> None:
-    """Flag combinations that would be silently ignored are refused."""
-    p = cfg.parallel
-    if p.dp_replicate > 1 and not (p.enable_fsdp and world_size > 1):
-        raise SageGRPOError(f"--dp_replicate {p.dp_replicate} (HSDP) needs --enable_fsdp under torchrun; without "
-                            "FSDP2 every rank holds the whole model anyway: use --dp_replicate 1")
-    if not cfg.data.train_video_csv:
-        raise SageGRPOError("--train_video_csv is required: a prompt file (.csv with a `prompt` column, .txt or .jsonl)")
 
 
 # ------------------------------------------------------------------------------------------------------ setup
@@ -191,18 +178,6 @@ class Anchor:
         return self.refreshed_at == 0
 
 
-def ensure_tiny_model(cfg: Config, info) -> None:
-    """The tiny default model is built on first use (seconds); real weights are never fetched here."""
-    from sage_grpo.models.tiny_checkpoint import TINY_CHECKPOINT_DIR, write_tiny_checkpoint
-    from sage_grpo.parallel.dist import barrier
-
-    target = cfg.model.model_path
-    if info.is_main and target and Path(target) == Path(TINY_CHECKPOINT_DIR) and not (Path(target) / "model_index.json").exists():
-        print0(info, f"building the tiny random model at {target}")
-        write_tiny_checkpoint(target)
-    barrier()
-
-
 def uses_fsdp(cfg: Config, info) -> bool:
     """FSDP2 shards the policy when asked and there is more than one process (one process trains unsharded)."""
     return cfg.parallel.enable_fsdp and info.distributed
@@ -282,6 +257,7 @@ def setup(cfg: Config, info, resume: Path | None) -> Run:
     from sage_grpo.kl import AdaptiveKLController
     from sage_grpo.metrics import check_report_to
     from sage_grpo.models.text_cache import TextEmbeddingCache
+    from sage_grpo.models.tiny_checkpoint import ensure_tiny_checkpoint
     from sage_grpo.optim import build_optimizer
     from sage_grpo.rewards import build_reward_from_config
     from sage_grpo.rollout import SamplerSettings, latent_shape
@@ -293,7 +269,7 @@ def setup(cfg: Config, info, resume: Path | None) -> Run:
     out = check_writable_dir(cfg.checkpoint.output_dir, "--output_dir")  # a private probe file per rank
     prompts = read_prompts(cfg.data.train_video_csv)
     val_records = load_validation_records(cfg, prompts)
-    ensure_tiny_model(cfg, info)
+    ensure_tiny_checkpoint(cfg.model.model_path, is_main=info.is_main, log=lambda msg: print0(info, msg))
 
     dtype = torch_dtype(m.dtype)
     pipe, transformer, trainable = load_policy(cfg, info)
@@ -318,7 +294,7 @@ def setup(cfg: Config, info, resume: Path | None) -> Run:
     variance = step_variance(r.sde_type, sigmas[:-1], sigmas[1:], r.eta, sigma_max=sigmas[1], sage_clamp=r.sage_sigma_clamp)
     s_t = (equalizer_weights(r.sde_type, sigmas, r.eta, cps_logprob=r.cps_logprob, sage_clamp=r.sage_sigma_clamp)
            if cfg.optim.use_grad_balancing else torch.ones(r.grpo_sampling_steps))
-    vh, vw = (int(x) for x in v.validation_fixed_size.lower().split("x"))
+    vh, vw = parse_size(v.validation_fixed_size, "--validation_fixed_size")
     val_settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=v.validation_num_inference_steps,
                                    shift=v.validation_timestep_shift, cfg_scale=v.validation_guidance_scale,
                                    compute_dtype=dtype, autocast=settings.autocast, master_dtype=settings.master_dtype)
@@ -695,7 +671,6 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = load_config(argv, prog="post_train.py", description=__doc__)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size=world)
-    check_supported(cfg, world)
     resume = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.checkpoint.output_dir)
     info = init_distributed(cfg.parallel.sp_size, cfg.parallel.dp_replicate)
     try:

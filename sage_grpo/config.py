@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import sys
 import types
 import typing
@@ -292,12 +293,12 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def parse_size(value: str, name: str = "size") -> tuple[int, int]:
-    """'480x864' -> (480, 864)."""
-    try:
-        h, w = (int(x) for x in str(value).lower().split("x"))
-    except ValueError:
-        raise SageGRPOError(f"{name}: {value!r} is not a size; write HEIGHTxWIDTH, e.g. 480x864") from None
-    return h, w
+    """'480x864' (or 480X864) -> (480, 864): the one parser of every HxW size flag; `name` is the flag the error
+    names. Whether the sides fit the model (multiples of 16) is `check_values`' rule."""
+    match = re.fullmatch(r"(\d+)[xX](\d+)", str(value).strip())
+    if not match:
+        raise SageGRPOError(f"{name} must be HxW (HEIGHTxWIDTH in pixels, e.g. 480x864), got {value!r}")
+    return int(match.group(1)), int(match.group(2))
 
 
 def _field_types() -> dict[str, tuple[str, dataclasses.Field, Any]]:
@@ -633,8 +634,10 @@ def check_values(cfg: Config) -> None:
         raise SageGRPOError("--resume_from_checkpoint needs --output_dir")
 
 
-def validate(cfg: Config, world_size: int, num_heads: int = 16) -> None:
-    """All checks, including the distributed batch geometry for `world_size` processes and `num_heads` heads."""
+def validate(cfg: Config, world_size: int, num_heads: int = 16, *, training: bool = True) -> None:
+    """All checks, including the distributed batch geometry for `world_size` processes and `num_heads` heads, and
+    flag combinations that would be silently ignored. `training`: the config is about to train (post_train.py,
+    scripts/bench_step.py), so a prompt file is required; scripts/plan_memory.py plans a config without one."""
     check_values(cfg)
     sp, bs, g = cfg.parallel.sp_size, cfg.data.batch_size, cfg.data.num_generations
     if world_size % sp != 0:
@@ -659,3 +662,9 @@ def validate(cfg: Config, world_size: int, num_heads: int = 16) -> None:
         raise SageGRPOError(
             f"--dp_replicate {cfg.parallel.dp_replicate} must divide dp_degree = world_size / sp_size = {dp}"
         )
+    p = cfg.parallel
+    if p.dp_replicate > 1 and not (p.enable_fsdp and world_size > 1):
+        raise SageGRPOError(f"--dp_replicate {p.dp_replicate} (HSDP) needs --enable_fsdp under torchrun; without "
+                            "FSDP2 every rank holds the whole model anyway: use --dp_replicate 1")
+    if training and not cfg.data.train_video_csv:
+        raise SageGRPOError("--train_video_csv is required: a prompt file (.csv with a `prompt` column, .txt or .jsonl)")

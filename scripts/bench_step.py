@@ -396,7 +396,6 @@ def measure(argv: list[str], steps: int, *, pipeline_repeats: int = 0, quiet: bo
     pt = load_post_train()
     cfg = load_config(argv, prog="bench_step.py")
     validate(cfg, world_size=1)
-    pt.check_supported(cfg, 1)
     info = init_distributed(cfg.parallel.sp_size, cfg.parallel.dp_replicate)
     meter = Meter(info.device)
     try:

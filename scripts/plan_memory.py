@@ -219,7 +219,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     if not 0 < opts.text_tokens <= TEXT_LEN_MLLM + TEXT_LEN_BYT5:
         raise SageGRPOError(f"--text_tokens must be in 1..{TEXT_LEN_MLLM + TEXT_LEN_BYT5}, got {opts.text_tokens}")
     heads, head_dim = tcfg["num_attention_heads"], tcfg["attention_head_dim"]
-    validate(cfg, opts.world_size, num_heads=heads)
+    validate(cfg, opts.world_size, num_heads=heads, training=False)  # a plan needs no prompt file
 
     m, p, d, r, o = cfg.model, cfg.parallel, cfg.data, cfg.rollout, cfg.optim
     if counts is None:
@@ -420,17 +420,21 @@ def render(pl: dict) -> str:
 
 
 def parse_args(argv: list[str] | None):
+    d = PlanOptions()
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    own.add_argument("--world_size", type=int, default=int(os.environ.get("WORLD_SIZE", "8")),
-                     help="GPUs of the run (default 8, or $WORLD_SIZE).")
-    own.add_argument("--gpu_memory_gib", type=float, default=80.0, help="Memory per GPU in GiB (default 80).")
-    own.add_argument("--text_tokens", type=int, default=256,
-                     help="Valid text tokens (MLLM + ByT5) of the longest prompt in a forward (default 256).")
-    own.add_argument("--attention", default="valid", choices=("valid", "diffusers"),
-                     help="valid: the project's valid-token processor; diffusers: the dense-mask processor.")
-    own.add_argument("--fsdp_param_dtype", default="", help="Dtype of FSDP2's unsharded parameters (default --dtype).")
-    own.add_argument("--overhead_gib", type=float, default=2.0,
-                     help="CUDA context, NCCL buffers, allocator fragmentation (default 2, an estimate).")
+    own.add_argument("--world_size", type=int, default=int(os.environ.get("WORLD_SIZE", d.world_size)),
+                     help=f"GPUs of the run (default {d.world_size}, or $WORLD_SIZE).")
+    own.add_argument("--gpu_memory_gib", type=float, default=d.gpu_memory_gib,
+                     help=f"Memory per GPU in GiB (default {d.gpu_memory_gib:g}).")
+    own.add_argument("--text_tokens", type=int, default=d.text_tokens,
+                     help=f"Valid text tokens (MLLM + ByT5) of the longest prompt in a forward (default {d.text_tokens}).")
+    own.add_argument("--attention", default=d.attention, choices=("valid", "diffusers"),
+                     help="valid: the project's valid-token processor; diffusers: the dense-mask processor "
+                     f"(default {d.attention}).")
+    own.add_argument("--fsdp_param_dtype", default=d.fsdp_param_dtype,
+                     help="Dtype of FSDP2's unsharded parameters (default --dtype).")
+    own.add_argument("--overhead_gib", type=float, default=d.overhead_gib,
+                     help=f"CUDA context, NCCL buffers, allocator fragmentation (default {d.overhead_gib:g}, an estimate).")
     own.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     own.add_argument("--validate", action="store_true", help="Also compare the activation model with gpu_facts.md.")
     own.add_argument("-h", "--help", action="store_true")
