@@ -40,7 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dims", type=int, nargs="+", default=None, help="data dimensions >= 2 (default: 2 quick, 2 16 full)")
     p.add_argument("--iterations", type=int, default=None, help="GRPO iterations per run (default: 30 quick, 60)")
     p.add_argument("--samplers", nargs="+", default=list(LAB_SAMPLERS), choices=LAB_SAMPLERS)
-    p.add_argument("--kls", nargs="+", default=list(KL_VARIANTS), choices=KL_VARIANTS)
+    p.add_argument("--kls", nargs="+", default=[k for k in KL_VARIANTS if k != "dual_fixed"], choices=KL_VARIANTS,
+                   help="KL variants (default: all but dual_fixed, which differs from dual only in never refreshing "
+                   "the anchor)")
     p.add_argument("--workers", type=int, default=2, help="cells run in parallel (one thread each)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     args = p.parse_args(argv)
