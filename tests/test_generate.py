@@ -111,7 +111,7 @@ def test_text_encoders_are_offloaded_once_prompts_are_cached(tiny_diffusers_dir,
     assert calls == [3]
 
 
-# ------------------------------------------------------------------------------------------------ issue 11
+# ------------------------------------------------------------------------------------------------ flag checks
 # Every flag is checked (with the config's rules) before any model loads: each case also names a model path that
 # does not exist, so reaching the loader would give the "download_weights.sh" error instead of the flag's own.
 FLAG_ERRORS = [

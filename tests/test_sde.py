@@ -13,7 +13,7 @@ from sage_grpo.sde import SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule, check
 SDES = ["dance_grpo", "flow_grpo", "sage_grpo", "cps"]
 SIG = sigma_schedule(20, 5.0)
 
-# algorithm.md section 2: std per step, T = 20, shift 5, eta = 0.5
+# README "The samplers": std per step, T = 20, shift 5, eta = 0.5
 STD_TABLE_STEPS = [0, 1, 2, 5, 9, 14, 18, 19]
 STD_TABLE = {
     "sage_grpo": [.556, .426, .331, .233, .190, .164, .122, .080],
