@@ -118,7 +118,8 @@ def _check_values(args: argparse.Namespace, cfg) -> None:
     if args.flow_shift <= 0:  # the config's message names two flags at once
         raise SageGRPOError(f"--flow_shift must be > 0, got {args.flow_shift:g}")
     if args.cfg_scale < 1:
-        raise SageGRPOError(f"--cfg_scale must be >= 1 (1 = no guidance; the pipeline's default is 6), got {args.cfg_scale:g}")
+        raise SageGRPOError("--cfg_scale must be >= 1 (1 = no guidance; the pipeline's default is 6), got "
+                            f"{args.cfg_scale:g}")
     if args.sampler != "ode" and not 0 < args.eta <= 1:
         raise SageGRPOError(f"--eta must be in (0, 1] for --sampler {args.sampler} (the rollouts use 0.3-0.7; above 1 "
                             f"the first steps inject more noise than the sample holds), got {args.eta:g}")
@@ -134,14 +135,16 @@ def _check_values(args: argparse.Namespace, cfg) -> None:
     c.rollout.video_fps = args.fps
     if args.sampler != "ode":  # the rollout rules of the sampler (the YAML's rollout section is checked already)
         r = c.rollout
-        r.sde_type, r.eta, r.grpo_sampling_steps, r.flow_shift = args.sampler, args.eta, args.num_inference_steps, args.flow_shift
+        r.sde_type, r.eta = args.sampler, args.eta
+        r.grpo_sampling_steps, r.flow_shift = args.num_inference_steps, args.flow_shift
         r.sage_sigma_clamp, r.cfg_scale = args.sage_sigma_clamp, args.cfg_scale
     elif not 0.0 < args.sage_sigma_clamp < 1.0:
         raise SageGRPOError(f"--sage_sigma_clamp must be in (0, 1), got {args.sage_sigma_clamp}")
     try:
         check_values(c)
     except SageGRPOError as err:
-        raise SageGRPOError(re.sub(r"--(\w+)", lambda m: "--" + _FLAG_OF.get(m.group(1), m.group(1)), str(err))) from None
+        message = re.sub(r"--(\w+)", lambda m: "--" + _FLAG_OF.get(m.group(1), m.group(1)), str(err))
+        raise SageGRPOError(message) from None
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -274,7 +277,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     dtype = resolve_dtype(args.dtype)
 
     ensure_tiny_checkpoint(args.model_path, is_main=rank == 0, log=lambda msg: print(f"[generate] {msg}", flush=True))
-    pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype, device=device)
+    pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype,
+                         device=device)
     if args.checkpoint_path:  # full weights first, then an adapter on top of them
         load_dcp_transformer(pipe.transformer, args.checkpoint_path)
     if args.lora_path:
@@ -314,7 +318,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
                     seconds=round(time.time() - t0, 3), video=str(path))
         write_sample(path, frames, prompt=rec.prompt, fps=args.fps, meta=meta)
         written.append(path)
-        print(f"[generate] rank {rank}: {path} ({frames.shape[0]} frames {args.height}x{args.width}, {meta['seconds']} s)", flush=True)
+        print(f"[generate] rank {rank}: {path} ({frames.shape[0]} frames {args.height}x{args.width}, {meta['seconds']} "
+              "s)", flush=True)
         t0 = time.time()
     barrier()
     destroy()

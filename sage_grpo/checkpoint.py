@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.parallel.dist import all_reduce_sum, barrier
 
-__all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save", "dcp_load",
-           "load_rng_state", "read_train_state", "exactness_diff"]
+__all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save",
+           "dcp_load", "load_rng_state", "read_train_state", "exactness_diff"]
 
 TRAIN_STATE = "train_state.json"
 
@@ -88,7 +88,8 @@ def dcp_load(state: dict, path: Path, what: str) -> None:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise SageGRPOError(f"{path} does not fit this run's {what} ({str(e).strip().splitlines()[-1][:300]}); "
-                            "resume with the settings of the saved run (model, --use_lora, --lora_r, --use_muon)") from None
+                            "resume with the settings of the saved run (model, --use_lora, --lora_r, "
+                            "--use_muon)") from None
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -220,7 +220,8 @@ def step_variance(
 
 
 def mean_sensitivity(sde_type: str, sigma: Tensor, sigma_next: Tensor, variance: Tensor) -> Tensor:
-    """d mean_t / d v, the sensitivity of the step mean to the network output (paper App. A.5; the equalizer row of README "The rest of the algorithm")."""
+    """d mean_t / d v, the sensitivity of the step mean to the network output (paper App. A.5; the equalizer row of
+    README "The rest of the algorithm")."""
     check_sampler(sde_type)
     dt = sigma_next - sigma
     if sde_type == "cps":

@@ -39,7 +39,8 @@ def learning_stats(metrics_path: Path, window: int = 10) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", required=True, help="output_dir of a post_train.py run (config.yaml, metrics.jsonl, checkpoint-N)")
+    p.add_argument("--run", required=True, help="output_dir of a post_train.py run (config.yaml, metrics.jsonl, "
+                                                "checkpoint-N)")
     p.add_argument("--out", required=True, help="folder for the before/after videos and strip.png")
     p.add_argument("--prompts", type=int, default=3, help="how many validation prompts to compare")
     args = p.parse_args(argv)

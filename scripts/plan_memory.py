@@ -2,8 +2,8 @@
 
     python scripts/plan_memory.py --config configs/single_node_8gpu.yaml --world_size 8
     python scripts/plan_memory.py --config configs/multinode_64gpu.yaml --world_size 64 --json
-    python scripts/plan_memory.py --config configs/single_node_8gpu.yaml --world_size 8 --gradient_accumulation_steps 8 \
-        --save_interval 200        # the paper's 64-video update on one 8-GPU node
+    python scripts/plan_memory.py --config configs/single_node_8gpu.yaml --world_size 8 \\
+        --gradient_accumulation_steps 8 --save_interval 200   # the paper's 64-video update on one 8-GPU node
 
 It takes the same `--config` and flags as post_train.py (sage_grpo.config.load_config / validate: an impossible
 geometry ends with one message), plus `--world_size`, `--gpu_memory_gib` (80), `--text_tokens`, `--attention`,
@@ -396,12 +396,15 @@ def render(pl: dict) -> str:
     s, pr, tg, ph = pl["setting"], pl["params"], pl["terms_gib"], pl["phases_gib"]
     lines = [
         f"HunyuanVideo-1.5 {s['version']}: {pr['transformer']:,} parameters ({pr['num_blocks']} blocks x "
-        f"{pr['per_block']:,}); trainable {pr['trainable']:,} ({'LoRA r=' + str(s['lora_r']) if s['use_lora'] else 'full'})"
+        f"{pr['per_block']:,}); trainable {pr['trainable']:,} "
+        f"({'LoRA r=' + str(s['lora_r']) if s['use_lora'] else 'full'})"
         f", Muon share {pr['muon']:,}",
         f"world {s['world_size']} = dp {s['dp_degree']} (replicate {s['dp_replicate']} x shard {s['dp_shard']}) x sp "
         f"{s['sp_size']}; FSDP {'on: sharded over ' + str(s['shard_ranks']) + ' ranks' if s['fsdp'] else 'off'}; "
-        f"{s['videos_per_round']} videos per round x {s['gradient_accumulation_steps']} = {s['videos_per_update']} per update",
-        f"video {s['video']} -> latent {s['latent']}, {s['video_tokens']:,} video tokens ({s['video_tokens_per_rank']:,} "
+        f"{s['videos_per_round']} videos per round x {s['gradient_accumulation_steps']} = {s['videos_per_update']} per "
+        "update",
+        f"video {s['video']} -> latent {s['latent']}, {s['video_tokens']:,} video tokens "
+        f"({s['video_tokens_per_rank']:,} "
         f"per rank) + {s['text_tokens']} text tokens ({s['attention']} attention); forward batch {s['forward_batch']}"
         f" (micro-batch x CFG); {s['dtype']} compute, {s['master_weight_type']} master, {s['optimizer']}, "
         f"checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, anchor {s['anchor']}",
@@ -427,14 +430,16 @@ def parse_args(argv: list[str] | None):
     own.add_argument("--gpu_memory_gib", type=float, default=d.gpu_memory_gib,
                      help=f"Memory per GPU in GiB (default {d.gpu_memory_gib:g}).")
     own.add_argument("--text_tokens", type=int, default=d.text_tokens,
-                     help=f"Valid text tokens (MLLM + ByT5) of the longest prompt in a forward (default {d.text_tokens}).")
+                     help="Valid text tokens (MLLM + ByT5) of the longest prompt in a forward (default "
+                          f"{d.text_tokens}).")
     own.add_argument("--attention", default=d.attention, choices=("valid", "diffusers"),
                      help="valid: the project's valid-token processor; diffusers: the dense-mask processor "
                      f"(default {d.attention}).")
     own.add_argument("--fsdp_param_dtype", default=d.fsdp_param_dtype,
                      help="Dtype of FSDP2's unsharded parameters (default --dtype).")
     own.add_argument("--overhead_gib", type=float, default=d.overhead_gib,
-                     help=f"CUDA context, NCCL buffers, allocator fragmentation (default {d.overhead_gib:g}, an estimate).")
+                     help=f"CUDA context, NCCL buffers, allocator fragmentation (default {d.overhead_gib:g}, an "
+                          "estimate).")
     own.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     own.add_argument("--validate", action="store_true", help="Also compare the activation model with gpu_facts.md.")
     own.add_argument("-h", "--help", action="store_true")

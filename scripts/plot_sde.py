@@ -24,7 +24,9 @@ from sage_grpo.sde import SAGE_SIGMA_CLAMP, check_sage_schedule, step_variance
 SDES = ("sage_grpo", "flow_grpo", "dance_grpo", "cps")
 
 
-def tables(steps: int, shift: float, eta: float, sage_clamp: float = SAGE_SIGMA_CLAMP) -> dict[str, dict[str, list[float]]]:
+def tables(
+    steps: int, shift: float, eta: float, sage_clamp: float = SAGE_SIGMA_CLAMP
+) -> dict[str, dict[str, list[float]]]:
     """{sampler: {"std": [T], "N": [T], "S": [T]}} and the schedule under key "sigma"."""
     sig = sigma_schedule(steps, shift)
     out: dict[str, dict[str, list[float]]] = {"sigma": {"sigma": sig.tolist()}}
@@ -72,9 +74,12 @@ def plot(t: dict, steps: int, shift: float, eta: float, out: Path) -> list[Path]
     x = list(range(steps))
     paths = []
     specs = [
-        ("sde_std.png", "std", "step", "noise std per step", f"Injected noise per step (T={steps}, shift={shift}, eta={eta})", x, "linear"),
+        ("sde_std.png", "std", "step", "noise std per "
+                                       "step", f"Injected noise per step (T={steps}, shift={shift}, "
+                                               f"eta={eta})", x, "linear"),
         ("equalizer_weights.png", "S", "step", "S_t", "Gradient-norm equalizer weights S_t", x, "log"),
-        ("gradient_scale.png", "N", "sigma_t", "N_t (|d mean/d v| / sqrt(V_t); cps: x sqrt(V_t))", "Gradient-scale proxy against sigma", sig, "log"),
+        ("gradient_scale.png", "N", "sigma_t", "N_t (|d mean/d v| / sqrt(V_t); cps: x "
+                                               "sqrt(V_t))", "Gradient-scale proxy against sigma", sig, "log"),
     ]
     for name, key, xlabel, ylabel, title, xs, yscale in specs:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -98,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     """CLI entry point."""
     r = Config().rollout  # the rollout's defaults
     p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=r.grpo_sampling_steps, help="rollout steps T >= 1 (default %(default)s)")
+    p.add_argument("--steps", type=int, default=r.grpo_sampling_steps, help="rollout steps T >= 1 (default "
+                                                                            "%(default)s)")
     p.add_argument("--shift", type=float, default=r.flow_shift, help="schedule shift > 0 (default %(default)g)")
     p.add_argument("--eta", type=float, default=r.eta,
                    help="noise level eta in (0, 1] (default %(default)g; cps needs <= 1)")

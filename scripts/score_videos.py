@@ -190,7 +190,8 @@ def write_tables(rows: list[dict], out: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags (reward flags share the training flags' names)."""
     ap = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--videos", required=True, help="folder of .mp4 files, one .mp4, or CSV with prompt + video_path columns")
+    ap.add_argument("--videos", required=True, help="folder of .mp4 files, one .mp4, or CSV with prompt + video_path "
+                                                    "columns")
     ap.add_argument("--out", required=True, help="output prefix: writes <out>.csv and <out>.json")
     ap.add_argument("--metrics", default="videoalign_local,clipscore,pickscore", help="comma-separated reward names")
     r = Config().reward  # the training flags' defaults
@@ -273,7 +274,8 @@ def run(argv: list[str] | None) -> int:
     tables = f"{out.with_suffix('.csv')}, {out.with_suffix('.json')}"
     dead = [k for k, n in failed.items() if n == len(rows)]
     if dead:
-        what = "every video failed to score" if len(dead) == len(means) else f"no video could be scored for {', '.join(dead)}"
+        what = ("every video failed to score" if len(dead) == len(means)
+                else f"no video could be scored for {', '.join(dead)}")
         raise SageGRPOError(f"{what} ({len(rows)} videos; see the warnings above); the tables are in {tables}")
     print(f"scored {len(rows)} videos -> {tables}")
     for k, v in means.items():

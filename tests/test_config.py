@@ -171,9 +171,11 @@ def test_yaml_errors_name_the_key(tmp_path):
 @pytest.mark.parametrize("argv,world,message", [
     (["--sp_size", "3"], 8, "--sp_size 3 must divide the world size 8; use one of \\[1, 2, 4, 8\\]"),
     (["--sp_size", "32"], 64, "--sp_size 32 must divide the attention head count 16"),
-    (["--batch_size", "1", "--sp_size", "2"], 4, "1 \\* 2 = 2 videos per step is not a multiple of --num_generations 4"),
+    (["--batch_size", "1", "--sp_size", "2"], 4, "1 \\* 2 = 2 videos per step is not a multiple of --num_generations "
+                                                 "4"),
     (["--dp_replicate", "3"], 4, "--dp_replicate 3 must divide dp_degree"),
-    (["--sp_size", "2", "--use_lora", "--lora_dropout", "0.1"], 8, "--lora_dropout 0.1 with --sp_size 2.*use --lora_dropout 0"),
+    (["--sp_size", "2", "--use_lora", "--lora_dropout", "0.1"], 8, "--lora_dropout 0.1 with --sp_size 2.*use "
+                                                                   "--lora_dropout 0"),
 ])
 def test_geometry_validation(argv, world, message):
     cfg = load_config(argv)
@@ -224,7 +226,8 @@ def test_groups_are_dataclasses_with_unique_flags():
 
 
 def test_cli_error_is_one_line_and_exit_code_2():
-    code = "from sage_grpo.config import load_config; from sage_grpo.errors import run_cli; run_cli(load_config, ['--eta', 'x'])"
+    code = ("from sage_grpo.config import load_config; from sage_grpo.errors import run_cli; "
+            "run_cli(load_config, ['--eta', 'x'])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --eta: 'x' is not a valid float"

@@ -28,8 +28,8 @@ def test_video_roundtrip(tmp_path):
 def test_generate_one_prompt_and_a_prompt_file(tiny_diffusers_dir, tmp_path):
     import generate
 
-    common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size", "16x32",
-              "--num_inference_steps", "3"]
+    common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size",
+              "16x32", "--num_inference_steps", "3"]
     [path] = generate.main([*common, "--prompt", "a red ball rolls", "--output_path", str(tmp_path / "one.mp4")])
     frames, fps = read_video(path)
     assert path == tmp_path / "one.mp4" and frames.shape == (5, 3, 16, 32) and fps == 24.0
@@ -68,7 +68,8 @@ def test_user_errors_raise_sage_error(extra, match):
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, match", ERRORS)
 def test_user_errors_are_one_line(extra, match):
-    r = subprocess.run([sys.executable, str(REPO / "generate.py"), *extra], capture_output=True, text=True, cwd=REPO, timeout=120)
+    r = subprocess.run([sys.executable, str(REPO / "generate.py"), *extra], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
     assert r.returncode != 0 and match in r.stderr and "Traceback" not in r.stderr
 
 

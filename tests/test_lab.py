@@ -123,7 +123,8 @@ def test_pretrained_flow_reproduces_data_16d():
 
 
 def test_rollout_log_probs_rescore_exactly(ring, base_flow):
-    """Re-scoring the stored x_{t+1} with the same parameters must give ratio == 1 (README "The samplers", log-probabilities)."""
+    """Re-scoring the stored x_{t+1} with the same parameters must give ratio == 1 (README "The samplers",
+    log-probabilities)."""
     cfg = LabConfig(sampler="flow_grpo", num_steps=8)
     sigmas = sigma_schedule(cfg.num_steps, cfg.shift)
     noise = torch.randn(16, 2, generator=torch.Generator().manual_seed(0))

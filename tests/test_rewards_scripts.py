@@ -145,7 +145,7 @@ def test_bench_reward_runs(capsys, tmp_path):
     assert set(rep["results"]["seconds_median"]) == {"in_memory", "mp4_round_trip"}
 
 
-# ------------------------------------------------------------------------------------------------ score_videos.py inputs and flags
+# ------------------------------------------------------------------------------- score_videos.py inputs and flags
 
 
 def _run(sv, argv, capsys):

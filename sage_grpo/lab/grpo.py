@@ -39,7 +39,13 @@ from torch import Tensor, nn
 from ..advantage import group_advantages
 from ..equalizer import equalizer_weights, gradient_scale
 from ..grpo import PairBatch, grpo_backward, plan_steps
-from ..kl import KL_VARIANTS, MOVING_ANCHOR_VARIANTS, POSITION_VARIANTS, VELOCITY_VARIANTS, AdaptiveKLController
+from ..kl import (
+    KL_VARIANTS,
+    MOVING_ANCHOR_VARIANTS,
+    POSITION_VARIANTS,
+    VELOCITY_VARIANTS,
+    AdaptiveKLController,
+)
 from ..schedule import sigma_schedule
 from ..sde import check_sampler, sde_step
 from .data import RingManifold
@@ -195,7 +201,8 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
     beta_vel = (cfg.kl_stepwise_beta_vel if cfg.kl == "stepwise" else cfg.kl_beta_vel) if cfg.uses_kl_vel else 0.0
     anchor_synced = True  # the anchor equals the policy (initial copy or just refreshed) until the next update
 
-    result = RunResult(config=asdict(cfg), equalizer=s_eq, predicted_scale=gradient_scale(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob))
+    predicted = gradient_scale(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob)  # [T]
+    result = RunResult(config=asdict(cfg), equalizer=s_eq, predicted_scale=predicted)
     result.base = _evaluate(policy, data, eval_noise, cfg)
     num_updates = 0
     for it in range(cfg.iterations):

@@ -37,7 +37,8 @@ class TextConditioning:
         return self.prompt_embeds.shape[0]
 
     def _map(self, fn) -> TextConditioning:
-        return TextConditioning(*(fn(t) for t in (self.prompt_embeds, self.prompt_mask, self.byt5_embeds, self.byt5_mask)))
+        fields = (self.prompt_embeds, self.prompt_mask, self.byt5_embeds, self.byt5_mask)
+        return TextConditioning(*(fn(t) for t in fields))
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> TextConditioning:
         """Move; `dtype` casts embeddings and masks alike (the pipeline hands masks in the transformer dtype)."""
@@ -97,7 +98,8 @@ def encoder_identity(pipe) -> str:
         d = Path(loc.root) / sub
         files = sorted(f for f in d.rglob("*") if f.is_file()) if d.is_dir() else []
         parts += [f"{f.relative_to(loc.root).as_posix()}:{_file_digest(f)}" for f in files]
-    lengths = {k: getattr(pipe, k) for k in ("tokenizer_max_length", "prompt_template_encode_start_idx", "tokenizer_2_max_length")}
+    lengths = {k: getattr(pipe, k)
+               for k in ("tokenizer_max_length", "prompt_template_encode_start_idx", "tokenizer_2_max_length")}
     parts += [json.dumps(lengths, sort_keys=True), getattr(pipe, "system_message", "")]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -176,7 +178,8 @@ class TextEmbeddingCache:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         path = self._path(prompt)
         tmp = path.with_suffix(".tmp")
-        tensors = dict(zip(("prompt_embeds", "prompt_mask", "byt5_embeds", "byt5_mask"), (t.contiguous() for t in _fields(c))))
+        names = ("prompt_embeds", "prompt_mask", "byt5_embeds", "byt5_mask")
+        tensors = dict(zip(names, (t.contiguous() for t in _fields(c))))
         save_file(tensors, tmp, metadata={"prompt": prompt, "identity": self.identity})
         tmp.replace(path)  # atomic: concurrent ranks never read half a file
 
@@ -216,7 +219,9 @@ class TextEmbeddingCache:
         for p in dict.fromkeys(prompts):
             self.lookup(p)
 
-    def get(self, prompts: list[str], device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TextConditioning:
+    def get(
+        self, prompts: list[str], device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> TextConditioning:
         """N prompts -> [N, ...] on `device` (default: the cache device) in `dtype` (default: the cache dtype)."""
         c = TextConditioning.cat([self.lookup(p) for p in prompts])
         return c.to(device or self.device, dtype or self.dtype)

@@ -82,7 +82,8 @@ def build_mesh(device_type: str, world: int, sp_size: int, dp_replicate: int):
         return mesh, dp_mesh, mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
     # a 2-D slice mixing a flattened dim is deprecated in torch >= 2.11: build the HSDP mesh on its own (rank
     # = replica * (dp_shard * sp) + shard rank, as in `mesh`)
-    hsdp = init_device_mesh(device_type, (dp_replicate, world // dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard_sp"))
+    hsdp = init_device_mesh(device_type, (dp_replicate, world // dp_replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard_sp"))
     return mesh, dp_mesh, hsdp
 
 
@@ -99,7 +100,8 @@ def init_distributed(sp_size: int = 1, dp_replicate: int = 1) -> DistInfo:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     mesh, dp_mesh, fsdp_mesh = build_mesh(device.type, world, sp_size, dp_replicate) if world > 1 else (None,) * 3
     return DistInfo(rank=rank, world_size=world, local_rank=local, sp_size=sp_size, device=device,
                     dp_replicate=dp_replicate, mesh=mesh, dp_mesh=dp_mesh, fsdp_mesh=fsdp_mesh)

@@ -192,7 +192,8 @@ class UlyssesAttnProcessor(ValidTokenAttnProcessor):
         from diffusers.models.embeddings import apply_rotary_emb
 
         if image_rotary_emb is None or len(image_rotary_emb) != 3:
-            raise SageGRPOError("UlyssesAttnProcessor runs only inside a transformer set up by enable_sequence_parallel")
+            raise SageGRPOError("UlyssesAttnProcessor runs only inside a transformer set up by "
+                                "enable_sequence_parallel")
         cos, sin, n_video = image_rotary_emb  # cos/sin: [S_loc, d], my tokens' rows; n_video: unpadded S
         st = self.state
         heads = attn.heads // st.size

@@ -203,7 +203,8 @@ def write_tiny_videoreward(
             "lora_namespan_exclude": ["lm_head", "rm_head", "embed_tokens", "visual"], "use_rslora": False,
             "lora_task_type": "CAUSAL_LM",
         },
-        "inference_config": {f"{k}_{s}": v for k, (m, sd) in DEFAULT_NORM.items() for s, v in (("mean", m), ("std", sd))},
+        "inference_config": {f"{k}_{s}": v
+                             for k, (m, sd) in DEFAULT_NORM.items() for s, v in (("mean", m), ("std", sd))},
     }  # fmt: skip
     (out / "model_config.json").write_text(json.dumps(config, indent=2))
     for i, step in enumerate(steps):

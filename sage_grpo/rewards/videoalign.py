@@ -69,7 +69,7 @@ Assess how well the video matches the textual prompt across the following sub-di
 Textual prompt - {text_prompt}
 Please provide the ratings of Text Alignment: <|TA_reward|>
 END
-"""  # noqa: W291 - trailing spaces are part of the trained prompt
+"""  # noqa: W291, E501 - the authors' prompt, verbatim (trailing spaces and long lines are what the model was trained with)
 
 # Qwen2-VL's chat template for one user turn holding [video, text], with add_generation_prompt=True
 CHAT_PREFIX = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
