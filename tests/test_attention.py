@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel
-from hv_fixtures import *  # noqa: F401,F403
 
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.models.attention import (

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from hv_fixtures import *  # noqa: F401,F403
 
 from sage_grpo.data import PromptRecord
 from sage_grpo.generation import sample_stem, sample_videos, write_sample

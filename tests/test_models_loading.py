@@ -4,7 +4,6 @@ import shutil
 
 import pytest
 import torch
-from hv_fixtures import *  # noqa: F401,F403
 
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.models.convert import (

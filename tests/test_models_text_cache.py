@@ -1,7 +1,6 @@
 """Text conditioning cache: one encode per distinct prompt, disk cache keyed by prompt + encoder, glyph text."""
 
 import torch
-from hv_fixtures import *  # noqa: F401,F403
 
 from sage_grpo.models.text_cache import TextEmbeddingCache
 

@@ -3,50 +3,18 @@ anchor cadence, gradient independence of the micro-batch size, accumulation, cra
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from post_train_helpers import ROOT, _args, _weights, pt
 
 from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.metrics import read_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("post_train", ROOT / "post_train.py")
-pt = importlib.util.module_from_spec(_spec)
-sys.modules["post_train"] = pt  # dataclasses look their module up there
-_spec.loader.exec_module(pt)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "hv")
-
-
-def _args(model, out, *extra):
-    return ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(model), "--output_dir", str(out),
-            "--train_video_csv", str(ROOT / "configs/tiny_prompts.txt"), "--grpo_sampling_steps", "4",
-            "--sample_n_frames", "5", "--max_steps", "2", "--save_interval", "0", "--report_to", "none", *extra]
-
-
-def _weights(out: Path) -> dict[str, torch.Tensor]:
-    """The trained transformer of the newest checkpoint, as a plain state dict."""
-    from sage_grpo.models.loading import load_pipeline
-    from sage_grpo.models.lora import load_dcp_transformer
-
-    step, path = list_checkpoints(out)[-1]
-    cfg = json.loads((path / "train_state.json").read_text())["config"]
-    pipe = load_pipeline(model_path=cfg["model"]["model_path"], dtype="fp32", load_text_encoders=False)
-    load_dcp_transformer(pipe.transformer, path / "transformer")
-    return pipe.transformer.state_dict()
 
 
 def _stable(rows):

@@ -13,15 +13,12 @@ import sys
 import time
 
 import pytest
-import test_post_train
 import torch
-from test_post_train import ROOT, _args, _weights, pt
+from post_train_helpers import ROOT, _args, _weights, pt
 
 from sage_grpo.checkpoint import list_checkpoints, read_train_state
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.metrics import read_metrics
-
-tiny_model = test_post_train.tiny_model  # the module-scoped fixture
 
 
 def _base_weights(model) -> dict[str, torch.Tensor]:

@@ -3,8 +3,7 @@ CFG layout, decoding."""
 
 import pytest
 import torch
-from hv_fixtures import *  # noqa: F401,F403
-from hv_fixtures import TINY_FRAMES, TINY_H, TINY_W
+from helpers import TINY_FRAMES, TINY_H, TINY_W
 
 from sage_grpo.rollout import (
     INIT_NOISE_STEP,
