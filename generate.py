@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from sage_grpo.cli import CLIParser, check_output_file, check_writable_dir, quiet_libraries, show_progress
-from sage_grpo.config import DTYPES, parse_bool
+from sage_grpo.config import DTYPES, parse_bool, parse_size
 from sage_grpo.errors import SageGRPOError, run_cli
 from sage_grpo.sde import SAMPLERS
 
@@ -36,40 +36,51 @@ OTHER_EXTENSIONS = {".mkv", ".avi", ".mov", ".webm", ".gif", ".m4v", ".mpg", ".m
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sage_grpo.config import Config
+
+    d = Config()  # the defaults the help shows are the config's (resolve_args fills unset flags from it)
+    m, v, r = d.model, d.validation, d.rollout
     p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--config", default="", help="our YAML config: its model: and validation: sections fill unset flags")
     a("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    a("--negative_prompt", default=None, help="negative prompt for CFG (default: empty, or rollout.neg_prompt)")
-    a("--valid_video_csv", "--prompt_file", dest="prompt_file", default="", help="prompt file: .csv (column prompt, optional index/seed), .txt, .jsonl")
-    a("--model_path", default=None, help="diffusers-layout directory (default: auto-detect under --pretrained_model_root)")
-    a("--pretrained_model_root", default=None, help="root of the weights (default: ckpts)")
-    a("--pretrained_transformer_version", default=None, help="authors' transformer sub-folder (default: 480p_t2v)")
+    a("--negative_prompt", default=None,
+      help=f"negative prompt for CFG (default: rollout.neg_prompt, {r.neg_prompt!r})")
+    a("--valid_video_csv", "--prompt_file", dest="prompt_file", default="",
+      help="prompt file: .csv (column prompt, optional index/seed), .txt, .jsonl")
+    a("--model_path", default=None,
+      help="diffusers-layout directory (default: auto-detect under --pretrained_model_root)")
+    a("--pretrained_model_root", default=None, help=f"root of the weights (default: {m.pretrained_model_root})")
+    a("--pretrained_transformer_version", default=None,
+      help=f"authors' transformer sub-folder (default: {m.pretrained_transformer_version})")
     a("--checkpoint_path", default="", help="a training checkpoint: checkpoint-N/transformer (DCP)")
     a("--lora_path", default="", help="LoRA adapter (safetensors file or directory) to apply; its saved "
       "adapter_config.json sets r, alpha and the target modules")
-    a("--num_inference_steps", type=int, default=None, help="sampling steps (default: 40)")
-    a("--video_length", type=int, default=None, help="frames, 4k+1 (default: 81)")
-    a("--fixed_size", default=None, help="HxW in pixels, multiples of 16 (default: 480x864)")
-    a("--seed", type=int, default=None, help="base seed (default: 930); each video's noise seed combines it with the "
-      "prompt text and the prompt file's seed column (or the prompt's row index)")
-    a("--output_path", default="outputs/generate", help="an .mp4 file (one prompt) or a directory (default: "
-      "outputs/generate)")
-    a("--dtype", default=None, choices=DTYPES, help="weights/compute dtype (default: bf16)")
+    a("--num_inference_steps", type=int, default=None,
+      help=f"sampling steps (default: {v.validation_num_inference_steps})")
+    a("--video_length", type=int, default=None, help=f"frames, 4k+1 (default: {v.validate_video_length})")
+    a("--fixed_size", default=None, help=f"HxW in pixels, multiples of 16 (default: {v.validation_fixed_size})")
+    a("--seed", type=int, default=None, help=f"base seed (default: {v.validation_seed}); each video's noise seed "
+      "combines it with the prompt text and the prompt file's seed column (or the prompt's row index)")
+    a("--output_path", default="outputs/generate",
+      help="an .mp4 file (one prompt) or a directory (default: %(default)s)")
+    a("--dtype", default=None, choices=DTYPES, help=f"weights/compute dtype (default: {m.dtype})")
     a("--sampler", default="ode", choices=SAMPLERS, help="ode (deterministic, default) or a GRPO SDE sampler")
-    a("--eta", type=float, default=None, help="SDE noise level in (0, 1] for --sampler != ode (default: rollout eta, 0.5)")
+    a("--eta", type=float, default=None,
+      help=f"SDE noise level in (0, 1] for --sampler != ode (default: rollout.eta, {r.eta:g})")
     a("--sage_sigma_clamp", type=float, default=None, help="sage_grpo's sigma clamp inside the log, in (0, 1) "
-      "(default: rollout.sage_sigma_clamp, 1 - 3e-3)")
-    a("--cfg_scale", type=float, default=None, help="classifier-free guidance scale >= 1 (default: 6.0; 1 = off)")
-    a("--flow_shift", type=float, default=None, help="schedule shift > 0 (default: 5.0)")
-    a("--fps", type=int, default=None, help="mp4 frame rate >= 1 (default: 24)")
+      f"(default: rollout.sage_sigma_clamp, {r.sage_sigma_clamp:g})")
+    a("--cfg_scale", type=float, default=None,
+      help=f"classifier-free guidance scale >= 1 (default: {v.validation_guidance_scale:g}; 1 = off)")
+    a("--flow_shift", type=float, default=None, help=f"schedule shift > 0 (default: {v.validation_timestep_shift:g})")
+    a("--fps", type=int, default=None, help=f"mp4 frame rate >= 1 (default: {r.video_fps})")
     a("--text_embedding_cache_dir", default=None, help="on-disk text-embedding cache (default: "
-      "model.text_embedding_cache_dir, empty = in memory)")
+      f"model.text_embedding_cache_dir, {m.text_embedding_cache_dir!r}; empty = in memory)")
     a("--offload_text_encoder", default=None, metavar="BOOL", help="move the text encoders off the device once the "
-      "prompts are encoded (default: model.offload_text_encoder, true)")
+      f"prompts are encoded (default: model.offload_text_encoder, {str(m.offload_text_encoder).lower()})")
     a("--sp_size", type=int, default=1, help="Ulysses sequence-parallel degree under torchrun: each group of sp_size "
-      "ranks samples one video at a time (must divide the world size and the 16 heads; default 1; the prompts are "
-      "split over the world_size / sp_size groups)")
+      "ranks samples one video at a time (must divide the world size and the 16 heads; default %(default)s; the "
+      "prompts are split over the world_size / sp_size groups)")
     a("--verbose", action="store_true", help="show the libraries' warnings and progress bars (hidden by default; "
       "the sampling bar shows on an interactive terminal)")
     return p
@@ -107,7 +118,8 @@ def _check_values(args: argparse.Namespace, cfg) -> None:
     if args.flow_shift <= 0:  # the config's message names two flags at once
         raise SageGRPOError(f"--flow_shift must be > 0, got {args.flow_shift:g}")
     if args.cfg_scale < 1:
-        raise SageGRPOError(f"--cfg_scale must be >= 1 (1 = no guidance; the pipeline's default is 6), got {args.cfg_scale:g}")
+        raise SageGRPOError("--cfg_scale must be >= 1 (1 = no guidance; the pipeline's default is 6), got "
+                            f"{args.cfg_scale:g}")
     if args.sampler != "ode" and not 0 < args.eta <= 1:
         raise SageGRPOError(f"--eta must be in (0, 1] for --sampler {args.sampler} (the rollouts use 0.3-0.7; above 1 "
                             f"the first steps inject more noise than the sample holds), got {args.eta:g}")
@@ -123,14 +135,16 @@ def _check_values(args: argparse.Namespace, cfg) -> None:
     c.rollout.video_fps = args.fps
     if args.sampler != "ode":  # the rollout rules of the sampler (the YAML's rollout section is checked already)
         r = c.rollout
-        r.sde_type, r.eta, r.grpo_sampling_steps, r.flow_shift = args.sampler, args.eta, args.num_inference_steps, args.flow_shift
+        r.sde_type, r.eta = args.sampler, args.eta
+        r.grpo_sampling_steps, r.flow_shift = args.num_inference_steps, args.flow_shift
         r.sage_sigma_clamp, r.cfg_scale = args.sage_sigma_clamp, args.cfg_scale
     elif not 0.0 < args.sage_sigma_clamp < 1.0:
         raise SageGRPOError(f"--sage_sigma_clamp must be in (0, 1), got {args.sage_sigma_clamp}")
     try:
         check_values(c)
     except SageGRPOError as err:
-        raise SageGRPOError(re.sub(r"--(\w+)", lambda m: "--" + _FLAG_OF.get(m.group(1), m.group(1)), str(err))) from None
+        message = re.sub(r"--(\w+)", lambda m: "--" + _FLAG_OF.get(m.group(1), m.group(1)), str(err))
+        raise SageGRPOError(message) from None
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -159,10 +173,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, k, val)
     args.offload_text_encoder = parse_bool(args.offload_text_encoder, "--offload_text_encoder")
     args.lora = dict(r=m.lora_r, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=list(m.lora_target_modules))
-    match = re.fullmatch(r"(\d+)[xX](\d+)", str(args.fixed_size))
-    if not match:
-        raise SageGRPOError(f"--fixed_size must be HxW, e.g. 480x864, got {args.fixed_size!r}")
-    args.height, args.width = int(match.group(1)), int(match.group(2))
+    args.height, args.width = parse_size(args.fixed_size, "--fixed_size")
     if args.sampler == "ode" and args.eta:
         raise SageGRPOError("--eta applies to SDE samplers; pass --sampler sage_grpo (or another) with it")
     if explicit_clamp and args.sampler != "sage_grpo":
@@ -236,16 +247,6 @@ def _check_weights(args) -> None:
             raise SageGRPOError(f"{flag} {path} does not exist")
 
 
-def _ensure_model(args) -> None:
-    """The tiny default model is built on first use (seconds); real weights are never fetched here."""
-    from sage_grpo.models.tiny_checkpoint import TINY_CHECKPOINT_DIR, write_tiny_checkpoint
-
-    target = args.model_path or ""
-    if target and Path(target) == Path(TINY_CHECKPOINT_DIR) and not (Path(target) / "model_index.json").exists():
-        print(f"[generate] building the tiny random model at {target} (scripts/make_tiny_checkpoint.py)", flush=True)
-        write_tiny_checkpoint(target)
-
-
 def main(argv: list[str] | None = None) -> list[Path]:
     args = resolve_args(build_parser().parse_args(argv))
     records = _prompts(args)
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     from sage_grpo.models.lora import load_dcp_transformer, setup_trainable
     from sage_grpo.models.parallelize import parallelize
     from sage_grpo.models.text_cache import TextEmbeddingCache
+    from sage_grpo.models.tiny_checkpoint import ensure_tiny_checkpoint
     from sage_grpo.parallel.dist import barrier, destroy, init_distributed
     from sage_grpo.rollout import SamplerSettings, latent_shape
 
@@ -274,10 +276,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     rank, device = info.rank, info.device
     dtype = resolve_dtype(args.dtype)
 
-    if rank == 0:  # one writer; _ensure_model only builds the tiny default and never raises
-        _ensure_model(args)
-    barrier()
-    pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype, device=device)
+    ensure_tiny_checkpoint(args.model_path, is_main=rank == 0, log=lambda msg: print(f"[generate] {msg}", flush=True))
+    pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype,
+                         device=device)
     if args.checkpoint_path:  # full weights first, then an adapter on top of them
         load_dcp_transformer(pipe.transformer, args.checkpoint_path)
     if args.lora_path:
@@ -317,7 +318,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
                     seconds=round(time.time() - t0, 3), video=str(path))
         write_sample(path, frames, prompt=rec.prompt, fps=args.fps, meta=meta)
         written.append(path)
-        print(f"[generate] rank {rank}: {path} ({frames.shape[0]} frames {args.height}x{args.width}, {meta['seconds']} s)", flush=True)
+        print(f"[generate] rank {rank}: {path} ({frames.shape[0]} frames {args.height}x{args.width}, {meta['seconds']} "
+              "s)", flush=True)
         t0 = time.time()
     barrier()
     destroy()

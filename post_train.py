@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from sage_grpo.config import Config, config_to_dict, dump_yaml, load_config, torch_dtype, validate
+from sage_grpo.config import Config, config_to_dict, dump_yaml, load_config, parse_size, torch_dtype, validate
 from sage_grpo.errors import SageGRPOError, run_cli
 
 if TYPE_CHECKING:
@@ -142,6 +142,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     from sage_grpo.equalizer import equalizer_weights
     from sage_grpo.kl import AdaptiveKLController
     from sage_grpo.models.text_cache import TextEmbeddingCache
+    from sage_grpo.models.tiny_checkpoint import ensure_tiny_checkpoint
     from sage_grpo.optim import build_optimizer
     from sage_grpo.rewards import build_reward_from_config
     from sage_grpo.rollout import SamplerSettings, latent_shape
@@ -152,7 +153,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     out = check_writable_dir(cfg.checkpoint.output_dir, "--output_dir")  # a private probe file per rank
     prompts = read_prompts(cfg.data.train_video_csv)
     val_records = load_validation_records(cfg, prompts)
-    ensure_tiny_model(cfg, info)
+    ensure_tiny_checkpoint(cfg.model.model_path, is_main=info.is_main, log=lambda msg: print0(info, msg))
 
     dtype = torch_dtype(m.dtype)
     pipe, transformer, trainable = load_policy(cfg, info)
@@ -180,7 +181,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
                              sage_clamp=r.sage_sigma_clamp)
     s_t = (equalizer_weights(r.sde_type, sigmas, r.eta, cps_logprob=r.cps_logprob, sage_clamp=r.sage_sigma_clamp)
            if cfg.optim.use_grad_balancing else torch.ones(r.grpo_sampling_steps))
-    vh, vw = (int(x) for x in v.validation_fixed_size.lower().split("x"))
+    vh, vw = parse_size(v.validation_fixed_size, "--validation_fixed_size")
     val_settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=v.validation_num_inference_steps,
                                    shift=v.validation_timestep_shift, cfg_scale=v.validation_guidance_scale,
                                    compute_dtype=dtype, autocast=settings.autocast, master_dtype=settings.master_dtype)
@@ -212,19 +213,6 @@ def load_validation_records(cfg: Config, prompts: list[PromptRecord]) -> list[Pr
     if v.validation_prompts:
         return [PromptRecord(prompt=p, index=i) for i, p in enumerate(v.validation_prompts)]
     return list(prompts[: min(4, len(prompts))])
-
-
-def ensure_tiny_model(cfg: Config, info: DistInfo) -> None:
-    """The tiny default model is built on first use (seconds); real weights are never fetched here."""
-    from sage_grpo.models.tiny_checkpoint import TINY_CHECKPOINT_DIR, write_tiny_checkpoint
-    from sage_grpo.parallel.dist import barrier
-
-    target = cfg.model.model_path
-    if (info.is_main and target and Path(target) == Path(TINY_CHECKPOINT_DIR)
-            and not (Path(target) / "model_index.json").exists()):
-        print0(info, f"building the tiny random model at {target}")
-        write_tiny_checkpoint(target)
-    barrier()
 
 
 def uses_fsdp(cfg: Config, info: DistInfo) -> bool:
@@ -398,8 +386,8 @@ class LiveNumbers:
     """What a run shows on rank 0: on a terminal, the step bar with the reward mean, L_KL, clip fraction and seconds
     per step; in a log file (no terminal), one compact line every log_interval steps instead of tqdm's redraws."""
 
-    KEYS = (("reward", "reward/total_mean", "{:.4f}"), ("kl", "kl/loss", "{:.2e}"), ("clip", "train/clipfrac", "{:.3f}"),
-            ("s/step", "perf/step_s", "{:.2f}"))
+    KEYS = (("reward", "reward/total_mean", "{:.4f}"), ("kl", "kl/loss", "{:.2e}"),
+            ("clip", "train/clipfrac", "{:.3f}"), ("s/step", "perf/step_s", "{:.2f}"))
 
     def __init__(self, main: bool, total: int, initial: int, every: int):
         self.main, self.total, self.every = main, total, every
@@ -869,7 +857,6 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     from sage_grpo.metrics import check_report_to
 
     validate(cfg, world_size=world_size)
-    check_supported(cfg, world_size)
     sp = cfg.parallel.sp_size
     if nproc_per_node is not None and nproc_per_node % sp:
         raise SageGRPOError(f"--sp_size {sp} must divide the processes per node ({nproc_per_node}): a "
@@ -905,16 +892,6 @@ def agreed_resume(cfg: Config, info: DistInfo) -> Path | None:
     if error is not None:
         raise SageGRPOError(error)
     return None if path is None else Path(path)
-
-
-def check_supported(cfg: Config, world_size: int) -> None:
-    """Flag combinations that would be silently ignored are refused."""
-    p = cfg.parallel
-    if p.dp_replicate > 1 and not (p.enable_fsdp and world_size > 1):
-        raise SageGRPOError(f"--dp_replicate {p.dp_replicate} (HSDP) needs --enable_fsdp under torchrun; without "
-                            "FSDP2 every rank holds the whole model anyway: use --dp_replicate 1")
-    if not cfg.data.train_video_csv:
-        raise SageGRPOError("--train_video_csv is required: a prompt file (.csv with a `prompt` column, .txt or .jsonl)")
 
 
 if __name__ == "__main__":

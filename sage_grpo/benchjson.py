@@ -51,7 +51,9 @@ def _clean(x):
     return x
 
 
-def write_report(path: str | Path, name: str, device, ratios: dict, results: dict, notes: list[str] | None = None) -> Path:
+def write_report(
+    path: str | Path, name: str, device, ratios: dict, results: dict, notes: list[str] | None = None
+) -> Path:
     report = {
         "benchmark": name,
         "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),

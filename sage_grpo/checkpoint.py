@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.parallel.dist import all_reduce_sum, barrier
 
-__all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save", "dcp_load",
-           "load_rng_state", "read_train_state", "exactness_diff"]
+__all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save",
+           "dcp_load", "load_rng_state", "read_train_state", "exactness_diff"]
 
 TRAIN_STATE = "train_state.json"
 
@@ -112,7 +112,8 @@ def dcp_load(state: dict, path: Path, what: str) -> None:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise SageGRPOError(f"{path} does not fit this run's {what} ({str(e).strip().splitlines()[-1][:300]}); "
-                            "resume with the settings of the saved run (model, --use_lora, --lora_r, --use_muon)") from None
+                            "resume with the settings of the saved run (model, --use_lora, --lora_r, "
+                            "--use_muon)") from None
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -215,9 +216,10 @@ _EXACT_KEYS = {
     "reward": ("reward_model", "reward_weights", "reward_checkpoint_mode", "reward_max_pixels", "reward_min_pixels",
                "reward_sample_fps"),
     "kl": None,
-    "optim": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "warmup_steps", "gradient_accumulation_steps", "max_grad_norm",
-              "use_muon", "seed", "clip_range", "adv_clip_max", "timestep_fraction", "enable_timestep_permutation",
-              "use_grad_balancing", "mini_batch_size_per_update", "updates_per_rollout"),
+    "optim": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "warmup_steps",
+              "gradient_accumulation_steps", "max_grad_norm", "use_muon", "seed", "clip_range", "adv_clip_max",
+              "timestep_fraction", "enable_timestep_permutation", "use_grad_balancing", "mini_batch_size_per_update",
+              "updates_per_rollout"),
 }
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from sage_grpo.errors import SageGRPOError
 
-__all__ = ["CLIParser", "finite_float", "check_writable_dir", "check_output_file", "quiet_libraries", "show_progress", "at_least"]
+__all__ = ["CLIParser", "finite_float", "check_writable_dir", "check_output_file", "quiet_libraries", "show_progress",
+           "at_least"]
 
 
 class CLIParser(argparse.ArgumentParser):
@@ -62,7 +63,8 @@ def check_writable_dir(directory: str | Path, flag: str) -> Path:
         with tempfile.TemporaryFile(dir=d, prefix=".write_probe_"):
             pass
     except OSError as err:
-        raise SageGRPOError(f"{flag} {directory} is not writable ({err.strerror or err}); choose another path") from None
+        raise SageGRPOError(f"{flag} {directory} is not writable ({err.strerror or err}); choose another "
+                            "path") from None
     return d
 
 

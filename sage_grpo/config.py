@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import sys
 import types
 import typing
@@ -49,6 +50,10 @@ __all__ = [
     "validate",
     "parse_bool",
     "parse_size",
+    "REWARD_MIN_PIXELS",
+    "REWARD_MAX_PIXELS",
+    "REWARD_SAMPLE_FPS",
+    "VIDEO_FPS",
     "dp_degree",
     "DTYPES",
     "torch_dtype",
@@ -56,6 +61,12 @@ __all__ = [
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPES = tuple(TORCH_DTYPES)
+# VideoAlign's frame preprocessing (qwen_vl_utils) and the frame rate of decoded videos: the defaults of the
+# reward flags, of the reward builders (sage_grpo.rewards) and of scripts/score_videos.py
+REWARD_MIN_PIXELS = 128 * 28 * 28  # 100352
+REWARD_MAX_PIXELS = 256 * 28 * 28  # 200704
+REWARD_SAMPLE_FPS = 2.0
+VIDEO_FPS = 24
 _TRUE = {"true", "1", "yes", "on", "y", "t"}
 _FALSE = {"false", "0", "no", "off", "n", "f"}
 
@@ -72,49 +83,78 @@ def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
 class ModelConfig:
     """The HunyuanVideo-1.5 policy: where its weights are and how it is trained."""
 
-    pretrained_model_root: str = opt("ckpts", "Root of the authors' checkpoint layout (`hf download tencent/HunyuanVideo-1.5`); also the default home of VideoReward and Qwen2-VL-2B-Instruct.")
-    model_path: str = opt("", "A diffusers-layout HunyuanVideo-1.5 directory (model_index.json, transformer/, vae/, ...). Empty: use pretrained_model_root in the authors' layout.")
-    pretrained_transformer_version: str = opt("480p_t2v", "Sub-folder of <pretrained_model_root>/transformer to load in the authors' layout.")
+    pretrained_model_root: str = opt("ckpts", "Root of the authors' checkpoint layout (`hf download "
+                                              "tencent/HunyuanVideo-1.5`); also the default home of VideoReward and "
+                                              "Qwen2-VL-2B-Instruct.")
+    model_path: str = opt("", "A diffusers-layout HunyuanVideo-1.5 directory (model_index.json, transformer/, vae/, "
+                              "...). Empty: use pretrained_model_root in the authors' layout.")
+    pretrained_transformer_version: str = opt("480p_t2v", "Sub-folder of <pretrained_model_root>/transformer to load "
+                                                          "in the authors' layout.")
     dtype: str = opt("bf16", "Compute dtype of the transformer forward (autocast) and of the frozen parts.", DTYPES)
     master_weight_type: str = opt("fp32", "Dtype of the trained (master) weights and optimizer state.", DTYPES)
-    enable_gradient_checkpointing: bool = opt(True, "Recompute transformer block activations in backward (saves memory, ~30% slower).")
+    enable_gradient_checkpointing: bool = opt(True, "Recompute transformer block activations in backward (saves "
+                                                    "memory, ~30% slower).")
     use_lora: bool = opt(False, "Train LoRA adapters (peft) instead of the full transformer.")
     lora_r: int = opt(8, "LoRA rank.")
     lora_alpha: int = opt(16, "LoRA alpha (scale = alpha / r).")
-    lora_dropout: float = opt(0.0, "LoRA dropout (the authors' flag). Must be 0: the rollout's log-probs come from the policy without dropout, so re-scoring with it would move the ratio off 1 and the clip would silently zero those pairs.")
-    lora_target_modules: list[str] = opt([], "Module names that get LoRA adapters; empty = every linear layer of the transformer blocks.")
-    pretrained_lora_path: str = opt("", "A LoRA adapter (safetensors file or peft directory) to load before training or generation.")
-    vae_tiling: bool = opt(True, "Decode rollouts and validation videos with the VAE in tiles (diffusers' enable_tiling): 9 GiB instead of 30 GiB peak for one 81x352x624 video on an H100, 1.5x the time; no effect below the tile size.")
-    offload_text_encoder: bool = opt(True, "Move the text encoders off the GPU once every prompt is encoded and cached (the authors keep the 7B encoder resident).")
-    text_embedding_cache_dir: str = opt("", "Directory of an on-disk text-embedding cache keyed by prompt and encoder. Empty: in memory for one process; under torchrun output_dir/text_embeddings, so each rank holds none of it (ranks read a batch's files when they need them) instead of every prompt.")
+    lora_dropout: float = opt(0.0, "LoRA dropout (the authors' flag). Must be 0: the rollout's log-probs come from "
+                                   "the policy without dropout, so re-scoring with it would move the ratio off 1 and "
+                                   "the clip would silently zero those pairs.")
+    lora_target_modules: list[str] = opt([], "Module names that get LoRA adapters; empty = every linear layer of the "
+                                             "transformer blocks.")
+    pretrained_lora_path: str = opt("", "A LoRA adapter (safetensors file or peft directory) to load before training "
+                                        "or generation.")
+    vae_tiling: bool = opt(True, "Decode rollouts and validation videos with the VAE in tiles (diffusers' "
+                                 "enable_tiling): 9 GiB instead of 30 GiB peak for one 81x352x624 video on an H100, "
+                                 "1.5x the time; no effect below the tile size.")
+    offload_text_encoder: bool = opt(True, "Move the text encoders off the GPU once every prompt is encoded and cached "
+                                           "(the authors keep the 7B encoder resident).")
+    text_embedding_cache_dir: str = opt("", "Directory of an on-disk text-embedding cache keyed by prompt and encoder. "
+                                            "Empty: in memory for one process; under torchrun "
+                                            "output_dir/text_embeddings, so each rank holds none of it (ranks read a "
+                                            "batch's files when they need them) instead of every prompt.")
 
 
 @dataclass
 class ParallelConfig:
     """Distributed layout: dp_degree = world_size / sp_size."""
 
-    enable_fsdp: bool = opt(True, "Shard the policy, its gradients, optimizer state and anchor with FSDP2 (per transformer block, then the root) over the dp_shard x sp ranks; one process (no torchrun) trains unsharded. False = every rank holds the whole model and gradients are all-reduced.")
-    sp_size: int = opt(1, "Ulysses sequence-parallel degree; must divide world_size and the head count (16). The authors' argparse default is 8 and their launch scripts use 2; ours is 1 so that one process runs out of the box (the paper configs set 2).")
+    enable_fsdp: bool = opt(True, "Shard the policy, its gradients, optimizer state and anchor with FSDP2 (per "
+                                  "transformer block, then the root) over the dp_shard x sp ranks; one process (no "
+                                  "torchrun) trains unsharded. False = every rank holds the whole model and gradients "
+                                  "are all-reduced.")
+    sp_size: int = opt(1, "Ulysses sequence-parallel degree; must divide world_size and the head count (16). The "
+                          "authors' argparse default is 8 and their launch scripts use 2; ours is 1 so that one "
+                          "process runs out of the box (the paper configs set 2).")
     dp_replicate: int = opt(1, "HSDP replication degree (FSDP shards within groups of dp_degree / dp_replicate ranks).")
-    dist_timeout_minutes: int = opt(60, "How long a collective waits for the slowest rank before the job fails (torch's NCCL default is 10). Sized for a checkpoint save of ~100 GB of FSDP2 shards and optimizer state to a shared filesystem and for the first step's prompt encoding and model loading on a busy node.")
+    dist_timeout_minutes: int = opt(60, "How long a collective waits for the slowest rank before the job fails "
+                                        "(torch's NCCL default is 10). Sized for a checkpoint save of ~100 GB of "
+                                        "FSDP2 shards and optimizer state to a shared filesystem and for the first "
+                                        "step's prompt encoding and model loading on a busy node.")
 
 
 @dataclass
 class DataConfig:
     """Prompts and GRPO grouping."""
 
-    train_video_csv: str = opt("", "Training prompts: CSV with column `prompt` (optional `index`, `seed`, `ref_image_path`), .txt one per line, or .jsonl.")
+    train_video_csv: str = opt("", "Training prompts: CSV with column `prompt` (optional `index`, `seed`, "
+                                   "`ref_image_path`), .txt one per line, or .jsonl.")
     batch_size: int = opt(2, "Videos per data-parallel rank per rollout.")
-    num_generations: int = opt(4, "Group size G: rollouts per prompt. A group may span consecutive data-parallel ranks.")
-    num_workers: int = opt(2, "Accepted for the authors' launch scripts; post_train.py reads the prompt list once at start and uses no loader workers, so every value behaves the same.")
+    num_generations: int = opt(4, "Group size G: rollouts per prompt. A group may span consecutive data-parallel "
+                                  "ranks.")
+    num_workers: int = opt(2, "Accepted for the authors' launch scripts; post_train.py reads the prompt list once at "
+                              "start and uses no loader workers, so every value behaves the same.")
 
 
 @dataclass
 class RolloutConfig:
     """The SDE rollout: sampler, schedule, guidance, sizes."""
 
-    sde_type: str = opt("sage_grpo", "Rollout sampler. Log-probs of different samplers are on different scales (cps drops the Gaussian constants by default), so clip ranges do not transfer between them.", SAMPLERS[1:])
-    eta: float = opt(0.5, "Noise level of the SDE (the variance scales with eta^2; for cps s_t = sigma_{t+1} sin(eta pi / 2)).")
+    sde_type: str = opt("sage_grpo", "Rollout sampler. Log-probs of different samplers are on different scales (cps "
+                                     "drops the Gaussian constants by default), so clip ranges do not transfer between "
+                                     "them.", SAMPLERS[1:])
+    eta: float = opt(0.5, "Noise level of the SDE (the variance scales with eta^2; for cps s_t = sigma_{t+1} sin(eta "
+                          "pi / 2)).")
     cfg_scale: float = opt(6.0, "Classifier-free guidance scale in rollout and training forwards; 1 turns CFG off.")
     neg_prompt: str = opt("", "Negative prompt for CFG.")
     flow_shift: float = opt(5.0, "Shift s of the rollout sigma schedule sigma = s u / (1 + (s - 1) u).")
@@ -122,50 +162,78 @@ class RolloutConfig:
     sample_n_frames: int = opt(81, "Frames per rollout video (4k + 1; 81 -> 21 latent frames).")
     height: int = opt(352, "Rollout video height in pixels (multiple of 16; 352x624 is the authors' '480' bucket).")
     width: int = opt(624, "Rollout video width in pixels (multiple of 16).")
-    use_same_noise: bool = opt(False, "One initial noise per group (the G rollouts of a prompt differ only by SDE noise).")
-    video_fps: int = opt(24, "Frame rate of decoded videos (rewards sample frames relative to it; mp4 files use it).")
-    cps_logprob: str = opt("peer", "cps log-prob: peer = -(x' - mean)^2 averaged (what every CPS implementation uses), normalized = Gaussian log-density.", CPS_LOGPROB_MODES)
-    sage_sigma_clamp: float = opt(SAGE_SIGMA_CLAMP, "sage_grpo clamps sigma_t to at most this value inside the log so that the first step stays finite (paper App. A.3).")
+    use_same_noise: bool = opt(False, "One initial noise per group (the G rollouts of a prompt differ only by SDE "
+                                      "noise).")
+    video_fps: int = opt(VIDEO_FPS, "Frame rate of decoded videos (rewards sample frames relative to it; mp4 files use "
+                                    "it).")
+    cps_logprob: str = opt("peer", "cps log-prob: peer = -(x' - mean)^2 averaged (what every CPS implementation uses), "
+                                   "normalized = Gaussian log-density.", CPS_LOGPROB_MODES)
+    sage_sigma_clamp: float = opt(SAGE_SIGMA_CLAMP, "sage_grpo clamps sigma_t to at most this value inside the log so "
+                                                    "that the first step stays finite (paper App. A.3).")
 
 
 @dataclass
 class RewardConfig:
     """The reward: VideoAlign (VideoReward) or a built-in reward, and the composite weights."""
 
-    reward_model: str = opt("videoalign_local", "Reward name (videoalign_local, or a built-in / metric reward; see README).")
+    reward_model: str = opt("videoalign_local", "Reward name (videoalign_local, or a built-in / metric reward; see "
+                                                "README).")
     reward_model_path: str = opt("", "VideoReward checkpoint directory; empty = <pretrained_model_root>/VideoReward.")
-    reward_base_model_path: str = opt("", "Local Qwen2-VL-2B-Instruct directory (config and processor); empty = <pretrained_model_root>/Qwen2-VL-2B-Instruct. Never fetched at run time.")
-    reward_weights: str = opt('{"VQ":0.5,"MQ":0.5,"TA":1.0}', "JSON weights of the composite reward (case-insensitive keys). Setting A: {\"VQ\":1,\"MQ\":1,\"TA\":1}; Setting B (default, best): VQ 0.5, MQ 0.5, TA 1.0. Empty = each reward's own default weights.")
-    reward_checkpoint_mode: str = opt("v3", "Key remapping of the VideoReward state dict: v1/v2 older layouts, v3 current transformers.", ("v1", "v2", "v3"))
-    reward_checkpoint_step: int = opt(-1, "Which checkpoint-<step>/ of the VideoReward directory to load; -1 = the newest.")
-    reward_max_pixels: int = opt(200704, "Max pixels per frame fed to VideoAlign (resized to multiples of 28 within it).")
-    reward_min_pixels: int = opt(100352, "Min pixels per frame fed to VideoAlign (VideoAlign's frame-loading default).")
-    reward_sample_fps: float = opt(2.0, "Frames per second sampled from the video for VideoAlign (81 frames at 24 fps -> 6 frames).")
+    reward_base_model_path: str = opt("", "Local Qwen2-VL-2B-Instruct directory (config and processor); empty = "
+                                          "<pretrained_model_root>/Qwen2-VL-2B-Instruct. Never fetched at run time.")
+    reward_weights: str = opt('{"VQ":0.5,"MQ":0.5,"TA":1.0}', "JSON weights of the composite reward (case-insensitive "
+                                                              "keys). Setting A: {\"VQ\":1,\"MQ\":1,\"TA\":1}; Setting "
+                                                              "B (default, best): VQ 0.5, MQ 0.5, TA 1.0. Empty = each "
+                                                              "reward's own default weights.")
+    reward_checkpoint_mode: str = opt("v3", "Key remapping of the VideoReward state dict: v1/v2 older layouts, v3 "
+                                            "current transformers.", ("v1", "v2", "v3"))
+    reward_checkpoint_step: int = opt(-1, "Which checkpoint-<step>/ of the VideoReward directory to load; -1 = the "
+                                          "newest.")
+    reward_max_pixels: int = opt(REWARD_MAX_PIXELS, "Max pixels per frame fed to VideoAlign (resized to multiples of "
+                                                    "28 within it).")
+    reward_min_pixels: int = opt(REWARD_MIN_PIXELS, "Min pixels per frame fed to VideoAlign (VideoAlign's "
+                                                    "frame-loading default).")
+    reward_sample_fps: float = opt(REWARD_SAMPLE_FPS, "Frames per second sampled from the video for VideoAlign (81 "
+                                                      "frames at 24 fps -> 6 frames).")
     reward_batch_size: int = opt(0, "Videos per reward forward; 0 = all videos of the rank at once.")
-    max_failed_reward_steps: int = opt(3, "Stop, after writing a checkpoint, when this many steps in a row had no finite reward on any rank (such steps train nothing and are counted in train/failed_reward_steps); 0 = never stop.")
+    max_failed_reward_steps: int = opt(3, "Stop, after writing a checkpoint, when this many steps in a row had no "
+                                          "finite reward on any rank (such steps train nothing and are counted in "
+                                          "train/failed_reward_steps); 0 = never stop.")
     reward_dtype: str = opt("bf16", "Dtype of the reward model.", DTYPES)
-    clip_model_path: str = opt("", "openai/clip-vit-large-patch14 directory for the clipscore reward/metric; empty = <pretrained_model_root>/clip-vit-large-patch14.")
-    pickscore_model_path: str = opt("", "yuvalkirstain/PickScore_v1 directory for the pickscore reward/metric; empty = <pretrained_model_root>/PickScore_v1.")
-    pickscore_processor_path: str = opt("", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K directory (PickScore's processor); empty = <pretrained_model_root>/CLIP-ViT-H-14-laion2B-s32B-b79K.")
+    clip_model_path: str = opt("", "openai/clip-vit-large-patch14 directory for the clipscore reward/metric; empty = "
+                                   "<pretrained_model_root>/clip-vit-large-patch14.")
+    pickscore_model_path: str = opt("", "yuvalkirstain/PickScore_v1 directory for the pickscore reward/metric; empty = "
+                                        "<pretrained_model_root>/PickScore_v1.")
+    pickscore_processor_path: str = opt("", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K directory (PickScore's processor); "
+                                            "empty = <pretrained_model_root>/CLIP-ViT-H-14-laion2B-s32B-b79K.")
 
 
 @dataclass
 class KLConfig:
     """Dual trust region and the adaptive KL coefficient (paper Sec. 3.2.2, App. A.6)."""
 
-    kl_weight: float = opt(1e-5, "Switches the KL term on when > 0; also lambda_max of the adaptive coefficient and, unless kl_target is set, its target.")
+    kl_weight: float = opt(1e-5, "Switches the KL term on when > 0; also lambda_max of the adaptive coefficient and, "
+                                 "unless kl_target is set, its target.")
     kl_coef: float = opt(1e-7, "Initial KL coefficient (start of the linear warm-up).")
     kl_min_coef: float = opt(1e-7, "Lower bound lambda_min of the adaptive KL coefficient.")
-    kl_target: float | None = opt(None, "Target KL D_target of the adaptive controller; unset = kl_weight (the authors' mapping).")
-    kl_warmup_updates: int = opt(100, "Optimizer updates of linear warm-up from kl_coef to kl_weight (K in paper Eq. 41).")
+    kl_target: float | None = opt(None, "Target KL D_target of the adaptive controller; unset = kl_weight (the "
+                                        "authors' mapping).")
+    kl_warmup_updates: int = opt(100, "Optimizer updates of linear warm-up from kl_coef to kl_weight (K in paper Eq. "
+                                      "41).")
     kl_history: int = opt(10, "Number H of recent KL values the controller averages.")
-    kl_adapt_direction: str = opt("paper", "paper: KL above 1.5x target multiplies the coefficient by 0.9 (as the paper states); classic: by 1.1 (PPO-style tightening).", ("paper", "classic"))
-    use_moving_KL: bool = opt(True, "Refresh the anchor from the policy every update_ref_model_step updates (False: fixed anchor = the initial model).")
+    kl_adapt_direction: str = opt("paper", "paper: KL above 1.5x target multiplies the coefficient by 0.9 (as the "
+                                           "paper states); classic: by 1.1 (PPO-style "
+                                           "tightening).", ("paper", "classic"))
+    use_moving_KL: bool = opt(True, "Refresh the anchor from the policy every update_ref_model_step updates (False: "
+                                    "fixed anchor = the initial model).")
     update_ref_model_step: int = opt(10, "Optimizer updates between anchor refreshes.")
-    use_dual_kl: bool = opt(True, "Add the step-wise term KL(pi_theta || pi_{k-1}) to the anchor term (dual trust region). Step-wise only: --use_dual_kl --dual_kl_moving_weight 0.")
+    use_dual_kl: bool = opt(True, "Add the step-wise term KL(pi_theta || pi_{k-1}) to the anchor term (dual trust "
+                                  "region). Step-wise only: --use_dual_kl --dual_kl_moving_weight 0.")
     dual_kl_moving_weight: float = opt(1.0, "beta_pos: weight of the anchor (position) term in the dual KL.")
     dual_kl_step_weight: float = opt(0.1, "beta_vel: weight of the step-wise (velocity) term in the dual KL.")
-    kl_compute_mode: str = opt("rollout_phase", "rollout_phase: anchor means computed right after the rollout and kept on CPU; training_phase: inside the update.", ("rollout_phase", "training_phase"))
+    kl_compute_mode: str = opt("rollout_phase", "rollout_phase: anchor means computed right after the rollout and kept "
+                                                "on CPU; training_phase: inside the "
+                                                "update.", ("rollout_phase", "training_phase"))
     reference_mode_offload: bool = opt(False, "Keep the anchor model on CPU when it is not in use.")
 
 
@@ -175,21 +243,35 @@ class OptimConfig:
 
     learning_rate: float = opt(1e-5, "Peak learning rate.")
     weight_decay: float = opt(0.01, "Decoupled weight decay.")
-    adam_beta1: float = opt(0.95, "AdamW beta1 (the AdamW beside Muon, or alone with --use_muon False); 0.95 as the authors' code (torch's default is 0.9).")
+    adam_beta1: float = opt(0.95, "AdamW beta1 (the AdamW beside Muon, or alone with --use_muon False); 0.95 as the "
+                                  "authors' code (torch's default is 0.9).")
     adam_beta2: float = opt(0.95, "AdamW beta2; 0.95 as the authors' code (torch's default is 0.999).")
     adam_eps: float = opt(1e-8, "AdamW epsilon (the authors' and torch's 1e-8).")
     max_steps: int = opt(10000, "Training steps (rollout + update rounds).")
     warmup_steps: int = opt(0, "Linear learning-rate warm-up in optimizer updates.")
-    gradient_accumulation_steps: int = opt(1, "Rollout rounds (steps) whose gradients are accumulated into one optimizer update: an update sees rounds x batch_size x dp videos (dp = world_size / sp_size): on 8 GPUs with batch_size 2, the paper's 64 videos take 4 rounds at sp 1 and 8 rounds at sp 2. The KL controller, the warm-up and the anchor refresh count optimizer updates.")
-    updates_per_rollout: int = opt(1, "Optimizer updates per rollout round, each on a disjoint share of the rank's samples (1 = the authors': the ratio of the update is then exactly 1 and clipping never acts; > 1 lets the ratio leave 1). Needs gradient_accumulation_steps 1.")
+    gradient_accumulation_steps: int = opt(1, "Rollout rounds (steps) whose gradients are accumulated into one "
+                                              "optimizer update: an update sees rounds x batch_size x dp videos (dp = "
+                                              "world_size / sp_size): on 8 GPUs with batch_size 2, the paper's 64 "
+                                              "videos take 4 rounds at sp 1 and 8 rounds at sp 2. The KL controller, "
+                                              "the warm-up and the anchor refresh count optimizer updates.")
+    updates_per_rollout: int = opt(1, "Optimizer updates per rollout round, each on a disjoint share of the rank's "
+                                      "samples (1 = the authors': the ratio of the update is then exactly 1 and "
+                                      "clipping never acts; > 1 lets the ratio leave 1). Needs "
+                                      "gradient_accumulation_steps 1.")
     max_grad_norm: float = opt(1.0, "Gradient-norm clip; <= 0 disables it.")
     use_muon: bool = opt(True, "Muon for >= 2-D weight matrices and AdamW for the rest; False = AdamW everywhere.")
-    seed: int = opt(42, "Base seed. Every draw is seeded by a hash of it with what names the draw: rollout noise with (step, prompt text and seed column, generation, diffusion step), timestep permutations with (step, video), the prompt shuffle with the epoch; results do not depend on the rank count.")
-    clip_range: float = opt(1e-4, "PPO clip range of the ratio (tiny because log-probs are averaged over latent elements).")
+    seed: int = opt(42, "Base seed. Every draw is seeded by a hash of it with what names the draw: rollout noise with "
+                        "(step, prompt text and seed column, generation, diffusion step), timestep permutations with "
+                        "(step, video), the prompt shuffle with the epoch; results do not depend on the rank count.")
+    clip_range: float = opt(1e-4, "PPO clip range of the ratio (tiny because log-probs are averaged over latent "
+                                  "elements).")
     adv_clip_max: float = opt(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max].")
-    timestep_fraction: float = opt(1.0, "Fraction of the T steps trained per sample: int(T * fraction), as the authors' code takes it (0.33 of 20 trains 6); at least one step.")
-    enable_timestep_permutation: bool = opt(True, "Train the selected steps of each sample in a random order (else in sampling order).")
-    use_grad_balancing: bool = opt(True, "Weight each step's policy loss by the gradient-norm equalizer S_t (paper Eq. 9).")
+    timestep_fraction: float = opt(1.0, "Fraction of the T steps trained per sample: int(T * fraction), as the "
+                                        "authors' code takes it (0.33 of 20 trains 6); at least one step.")
+    enable_timestep_permutation: bool = opt(True, "Train the selected steps of each sample in a random order (else in "
+                                                  "sampling order).")
+    use_grad_balancing: bool = opt(True, "Weight each step's policy loss by the gradient-norm equalizer S_t (paper Eq. "
+                                         "9).")
     mini_batch_size_per_update: int = opt(1, "Samples per forward/backward micro-step of the update.")
 
 
@@ -200,7 +282,8 @@ class ValidationConfig:
     validation_interval: int = opt(100, "Steps between validation runs; 0 disables validation.")
     validate_at_step0: bool = opt(False, "Run validation before the first step.")
     valid_video_csv: str = opt("", "Validation prompts file (same formats as train_video_csv).")
-    validation_prompts: list[str] = opt([], "Validation prompts given on the command line (used when valid_video_csv is empty).")
+    validation_prompts: list[str] = opt([], "Validation prompts given on the command line (used when valid_video_csv "
+                                            "is empty).")
     validate_video_length: int = opt(81, "Frames of validation videos (4k + 1; the authors' scripts use 121).")
     validation_timestep_shift: float = opt(5.0, "Schedule shift for validation sampling.")
     validation_fixed_size: str = opt("480x864", "Validation video size HxW (multiples of 16).")
@@ -213,11 +296,16 @@ class ValidationConfig:
 class CheckpointConfig:
     """Output directory and resumable checkpoints."""
 
-    output_dir: str = opt("./outputs", "Run directory: checkpoints, samples, logs and the resolved config (used as given).")
+    output_dir: str = opt("./outputs", "Run directory: checkpoints, samples, logs and the resolved config (used as "
+                                       "given).")
     save_interval: int = opt(100, "Steps between checkpoints (a final one is always written).")
-    resume_from_checkpoint: str = opt("", "Checkpoint directory to resume from, or 'latest' for the newest complete one in output_dir.")
+    resume_from_checkpoint: str = opt("", "Checkpoint directory to resume from, or 'latest' for the newest complete "
+                                          "one in output_dir.")
     checkpoints_total_limit: int = opt(0, "Keep at most this many checkpoints (oldest deleted first); 0 keeps all.")
-    overwrite_output_dir: bool = opt(False, "Start a new run in an --output_dir that already holds one: its checkpoints, metrics, curves, samples and TensorBoard logs are deleted first. Without it such a folder is refused (continue it with --resume_from_checkpoint latest).")
+    overwrite_output_dir: bool = opt(False, "Start a new run in an --output_dir that already holds one: its "
+                                            "checkpoints, metrics, curves, samples and TensorBoard logs are deleted "
+                                            "first. Without it such a folder is refused (continue it with "
+                                            "--resume_from_checkpoint latest).")
 
 
 @dataclass
@@ -228,8 +316,11 @@ class LoggingConfig:
     report_to: str = opt("tensorboard", "Metric sink besides metrics.jsonl.", ("tensorboard", "wandb", "none"))
     wandb_project: str = opt("sage-grpo", "Weights & Biases project (with --report_to wandb).")
     run_name: str = opt("", "Run name for the metric sinks; empty = the output_dir name.")
-    verbose: bool = opt(False, "Show the libraries' warnings and the per-denoising-step bars of rollouts and validation (hidden by default: the step bar with its live numbers, or one line per log_interval when not on a terminal, is what a run shows).")
-    threads: int = opt(0, "torch CPU threads per process (intra-op); 0 = torch's default (all cores). On a shared CPU machine 1-2 avoids oversubscription; also the environment variable OMP_NUM_THREADS.")
+    verbose: bool = opt(False, "Show the libraries' warnings and the per-denoising-step bars of rollouts and "
+                               "validation (hidden by default: the step bar with its live numbers, or one line per "
+                               "log_interval when not on a terminal, is what a run shows).")
+    threads: int = opt(0, "torch CPU threads per process (intra-op); 0 = torch's default (all cores). On a shared CPU "
+                          "machine 1-2 avoids oversubscription; also the environment variable OMP_NUM_THREADS.")
 
 
 GROUPS: dict[str, type] = {
@@ -289,12 +380,12 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def parse_size(value: str, name: str = "size") -> tuple[int, int]:
-    """'480x864' -> (480, 864)."""
-    try:
-        h, w = (int(x) for x in str(value).lower().split("x"))
-    except ValueError:
-        raise SageGRPOError(f"{name}: {value!r} is not a size; write HEIGHTxWIDTH, e.g. 480x864") from None
-    return h, w
+    """'480x864' (or 480X864) -> (480, 864): the one parser of every HxW size flag; `name` is the flag the error
+    names. Whether the sides fit the model (multiples of 16) is `check_values`' rule."""
+    match = re.fullmatch(r"(\d+)[xX](\d+)", str(value).strip())
+    if not match:
+        raise SageGRPOError(f"{name} must be HxW (HEIGHTxWIDTH in pixels, e.g. 480x864), got {value!r}")
+    return int(match.group(1)), int(match.group(2))
 
 
 def _field_types() -> dict[str, tuple[str, dataclasses.Field, Any]]:
@@ -570,7 +661,8 @@ def check_values(cfg: Config) -> None:
     if o.clip_range <= 0:
         raise SageGRPOError(f"--clip_range must be > 0, got {o.clip_range}")
     if o.adv_clip_max <= 0:
-        raise SageGRPOError(f"--adv_clip_max must be > 0 (advantages are clamped to +-adv_clip_max), got {o.adv_clip_max}")
+        raise SageGRPOError("--adv_clip_max must be > 0 (advantages are clamped to +-adv_clip_max), got "
+                            f"{o.adv_clip_max}")
     for name, value in (("video_fps", r.video_fps), ("log_interval", cfg.logging.log_interval)):
         if value < 1:
             raise SageGRPOError(f"--{name} must be >= 1, got {value}")
@@ -612,7 +704,8 @@ def check_values(cfg: Config) -> None:
                      ("validation_fixed_size width", vw)):
         if px < 16 or px % 16 != 0:
             near = max(16, 16 * round(px / 16))
-            raise SageGRPOError(f"--{name} must be a positive multiple of 16 (VAE 16x and patch size), got {px}; try {near}")
+            raise SageGRPOError(f"--{name} must be a positive multiple of 16 (VAE 16x and patch size), got {px}; try "
+                                f"{near}")
     try:
         weights = json.loads(cfg.reward.reward_weights or "{}")  # "" = each reward's own default weights
         if not isinstance(weights, dict) or not all(isinstance(x, int | float) for x in weights.values()):
@@ -641,8 +734,10 @@ def check_values(cfg: Config) -> None:
         raise SageGRPOError("--resume_from_checkpoint needs --output_dir")
 
 
-def validate(cfg: Config, world_size: int, num_heads: int = 16) -> None:
-    """All checks, including the distributed batch geometry for `world_size` processes and `num_heads` heads."""
+def validate(cfg: Config, world_size: int, num_heads: int = 16, *, training: bool = True) -> None:
+    """All checks, including the distributed batch geometry for `world_size` processes and `num_heads` heads, and
+    flag combinations that would be silently ignored. `training`: the config is about to train (post_train.py,
+    scripts/bench_step.py), so a prompt file is required; scripts/plan_memory.py plans a config without one."""
     check_values(cfg)
     sp, bs, g = cfg.parallel.sp_size, cfg.data.batch_size, cfg.data.num_generations
     if world_size % sp != 0:
@@ -669,3 +764,10 @@ def validate(cfg: Config, world_size: int, num_heads: int = 16) -> None:
         raise SageGRPOError(
             f"--dp_replicate {cfg.parallel.dp_replicate} must divide dp_degree = world_size / sp_size = {dp}"
         )
+    p = cfg.parallel
+    if p.dp_replicate > 1 and not (p.enable_fsdp and world_size > 1):
+        raise SageGRPOError(f"--dp_replicate {p.dp_replicate} (HSDP) needs --enable_fsdp under torchrun; without "
+                            "FSDP2 every rank holds the whole model anyway: use --dp_replicate 1")
+    if training and not cfg.data.train_video_csv:
+        raise SageGRPOError("--train_video_csv is required: a prompt file (.csv with a `prompt` column, .txt or "
+                            ".jsonl)")

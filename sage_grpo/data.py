@@ -57,7 +57,8 @@ def _rows(path: Path) -> list[dict]:
             if reader.fieldnames is None:
                 raise SageGRPOError(f"{path}: empty file; a prompt CSV needs a header with a `prompt` column")
             if "prompt" not in reader.fieldnames:
-                raise SageGRPOError(f"{path}: a prompt CSV needs a header with a `prompt` column, got {reader.fieldnames}")
+                raise SageGRPOError(f"{path}: a prompt CSV needs a header with a `prompt` column, got "
+                                    f"{reader.fieldnames}")
             rows = list(reader)
     elif suffix == ".jsonl":
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -71,7 +72,8 @@ def _rows(path: Path) -> list[dict]:
                 raise SageGRPOError(f"{path}:{n}: each line must be an object with a `prompt` field")
             rows.append(obj)
     else:
-        raise SageGRPOError(f"{path}: unsupported prompt file type {suffix!r}; use .csv (column `prompt`), .txt or .jsonl")
+        raise SageGRPOError(f"{path}: unsupported prompt file type {suffix!r}; use .csv (column `prompt`), .txt or "
+                            ".jsonl")
     return rows
 
 

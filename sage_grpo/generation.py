@@ -87,7 +87,9 @@ def sample_videos(
         transformer.train(was_training)
 
 
-def write_sample(path: str | Path, frames: Tensor, *, prompt: str, fps: int, meta: dict[str, Any] | None = None) -> Path:
+def write_sample(
+    path: str | Path, frames: Tensor, *, prompt: str, fps: int, meta: dict[str, Any] | None = None
+) -> Path:
     """Write `path` (.mp4, H.264), `<stem>.txt` with the exact prompt and, when `meta` is given,
     `<stem>_config.json` with it; folders are created. Returns the mp4 path."""
     path = Path(path)

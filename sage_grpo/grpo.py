@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .kl import kl_position, kl_velocity
+from .kl import dual_kl, kl_position, kl_velocity
 from .loss import clipped_policy_loss
 from .schedule import num_train_timesteps
 from .sde import SDEStepOutput
@@ -168,18 +168,17 @@ def grpo_backward(
     if count:
         stats.ratio_min, stats.ratio_max = pstats.ratio_min, pstats.ratio_max
     m = mask.float()
-    kl_total = torch.zeros((), device=dev)
+    kl_pos = kl_vel = None  # [P] per pair, 0 on masked pairs
     if beta_pos > 0:
         if anchor_is_policy:
             ref = out.mean.detach()
-        kl_pos = torch.where(mask, kl_position(out.mean, ref.to(dev), out.std**2), 0.0)  # [P]
-        kl_total = kl_total + beta_pos * kl_pos.sum()
+        kl_pos = torch.where(mask, kl_position(out.mean, ref.to(dev), out.std**2), 0.0)
         stats.add("kl/pos", float(kl_pos.detach().sum()) / max(count, 1), count)
     if beta_vel > 0:
-        kl_vel = torch.where(mask, kl_velocity(lp_old, out.log_prob), 0.0)  # [P]
-        kl_total = kl_total + beta_vel * kl_vel.sum()
+        kl_vel = torch.where(mask, kl_velocity(lp_old, out.log_prob), 0.0)
         stats.add("kl/vel", float(kl_vel.detach().sum()) / max(count, 1), count)
-    if beta_pos > 0 or beta_vel > 0:
+    if kl_pos is not None or kl_vel is not None:
+        kl_total = dual_kl(kl_pos, kl_vel, beta_pos=beta_pos, beta_vel=beta_vel, reduction="sum")  # sum over pairs
         stats.add("kl/loss", float(kl_total.detach()) / max(count, 1), count)
         loss = loss + kl_coef * kl_total
     (loss * m.new_tensor(1.0 / normalizer)).backward()

@@ -1,4 +1,4 @@
-"""Dual trust region (paper Eq. 11-15, 40-42; algorithm.md section 6).
+"""Dual trust region (paper Eq. 11-15, 40-42; README "The rest of the algorithm").
 
 Two references constrain the policy:
 - position: the anchor pi_ref_N, a frozen copy refreshed every N optimizer updates (never refreshed = fixed KL to
@@ -26,6 +26,10 @@ __all__ = [
     "AdaptiveKLController",
     "ADAPT_DIRECTIONS",
     "KL_VARIANTS",
+    "KL_REDUCTIONS",
+    "POSITION_VARIANTS",
+    "VELOCITY_VARIANTS",
+    "MOVING_ANCHOR_VARIANTS",
     "kl_variant",
     "kl_term_weights",
 ]
@@ -51,20 +55,38 @@ def kl_velocity(logp_old: Tensor, logp_new: Tensor) -> Tensor:
     return logp_old.detach() - logp_new
 
 
+KL_REDUCTIONS = ("mean", "sum")
+
+
 def dual_kl(
-    kl_pos: Tensor | None, kl_vel: Tensor | None, *, beta_pos: float = 1.0, beta_vel: float = 0.1
+    kl_pos: Tensor | None,
+    kl_vel: Tensor | None,
+    *,
+    beta_pos: float = 1.0,
+    beta_vel: float = 0.1,
+    reduction: str = "mean",
 ) -> Tensor:
-    """L_KL = beta_pos * mean(KL_pos) + beta_vel * mean(KL_vel); a missing term counts as 0."""
+    """L_KL = beta_pos * KL_pos + beta_vel * KL_vel, each term reduced over its pairs: "mean" (the paper's
+    expectation) or "sum" (what `sage_grpo.grpo.grpo_backward` accumulates: its loss is a sum over the valid pairs,
+    divided by the update's pair count afterwards). A missing term (None) counts as 0."""
     if kl_pos is None and kl_vel is None:
         raise ValueError("dual_kl needs at least one of kl_pos, kl_vel")
-    terms = []
+    if reduction not in KL_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {KL_REDUCTIONS}, got {reduction!r}")
+    total = None
     for beta, kl in ((beta_pos, kl_pos), (beta_vel, kl_vel)):
-        if kl is not None:  # an empty term (every reward of the micro-batch failed) counts 0, not mean([]) = NaN
-            terms.append(beta * kl.mean() if kl.numel() else kl.sum())
-    return torch.stack(terms).sum()
+        if kl is None:
+            continue
+        # an empty term (every reward of the micro-batch failed) counts 0, not mean([]) = NaN
+        term = beta * (kl.mean() if reduction == "mean" and kl.numel() else kl.sum())
+        total = term if total is None else total + term
+    return total
 
 
 KL_VARIANTS = ("none", "fixed", "moving", "stepwise", "dual", "dual_fixed")
+POSITION_VARIANTS = ("fixed", "moving", "dual", "dual_fixed")  # have KL_pos: need an anchor model
+VELOCITY_VARIANTS = ("stepwise", "dual", "dual_fixed")  # have KL_vel
+MOVING_ANCHOR_VARIANTS = ("moving", "dual")  # refresh the anchor from the policy
 
 
 def kl_variant(kl_cfg) -> str:
@@ -85,7 +107,7 @@ def kl_variant(kl_cfg) -> str:
 
 def uses_position_kl(kl_cfg) -> bool:
     """Whether the selected variant has the position term KL_pos, i.e. needs an anchor model."""
-    return kl_variant(kl_cfg) in ("fixed", "moving", "dual", "dual_fixed")
+    return kl_variant(kl_cfg) in POSITION_VARIANTS
 
 
 def kl_term_weights(kl_cfg) -> tuple[float, float]:

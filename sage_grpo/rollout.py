@@ -1,7 +1,7 @@
 """The GRPO rollout over the HunyuanVideo-1.5 policy, and the re-scoring the update calls.
 
 One rollout: N = prompts x G latents start from per-sample noise x_0 at sigma = 1 and take T steps of `sde_step`
-(algorithm.md section 2) down the shifted schedule. Each step runs the transformer once on 2N inputs when CFG is
+(README "The samplers") down the shifted schedule. Each step runs the transformer once on 2N inputs when CFG is
 on ([cond..., uncond...], v = v_u + s * (v_c - v_u), the diffusers guider's formula) and keeps x_{t+1} in the
 storage dtype with its log-prob. `policy_step` recomputes the step for stored samples through the *same* function
 (`predict_velocity`: same CFG layout, input dtype and autocast), so re-scoring the stored x_{t+1} with unchanged
@@ -138,7 +138,8 @@ def initial_noise(
         derive_seed(base_seed, int(ps), 0 if same_noise else int(g), INIT_NOISE_STEP)
         for ps, g in zip(prompt_seeds.tolist(), generation_ids.tolist())
     ]
-    noise = torch.stack([torch.randn(shape, generator=g, device=device, dtype=torch.float32) for g in _generators(seeds, device)])
+    noise = torch.stack([torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+                         for g in _generators(seeds, device)])
     return noise.to(dtype), seeds
 
 
@@ -171,7 +172,8 @@ def predict_velocity(
     # [B'] t = 1000 sigma in the input dtype, as the pipeline does; under autocast (fp32 master weights) it stays
     # fp32, since rounding 1000 sigma to bf16 would move t by up to 2.
     timestep = (sigma.to(x.device, torch.float64) * 1000.0).to(param_dtype if settings.autocast else dtype)
-    image_embeds = torch.zeros(model_in.shape[0], image_tokens, transformer.config.image_embed_dim, dtype=dtype, device=x.device)
+    image_embeds = torch.zeros(model_in.shape[0], image_tokens, transformer.config.image_embed_dim, dtype=dtype,
+                               device=x.device)
     ctx = torch.autocast(x.device.type, dtype=dtype) if settings.autocast else contextlib.nullcontext()
     with ctx:
         out = transformer(
@@ -237,7 +239,8 @@ def rollout(
         uncond = uncond.index([0] * b)
     sigmas = sigma_schedule(t_steps, settings.shift).to(device)  # [T+1] fp64
     if initial_latents is None:
-        x, _ = initial_noise(latent_shape, base_seed, prompt_seeds, generation_ids, same_noise=same_noise, device=device, dtype=storage_dtype)
+        x, _ = initial_noise(latent_shape, base_seed, prompt_seeds, generation_ids, same_noise=same_noise,
+                             device=device, dtype=storage_dtype)
     else:
         x = initial_latents.to(device, storage_dtype)
     latents = torch.empty((b, t_steps + 1, *x.shape[1:]), dtype=storage_dtype, device=device)  # [B, T+1, C, F, H, W]
@@ -250,7 +253,9 @@ def rollout(
                              uncond.index(c) if settings.use_cfg else None, settings, image_tokens)
             for c in torch.arange(b, device=device).split(chunk_size or b)
         ])  # [B, C, F, H, W]
-        gens = _generators([derive_seed(base_seed, int(ps), int(g), i) for ps, g in zip(prompt_seeds.tolist(), generation_ids.tolist())], device)
+        seeds = [derive_seed(base_seed, int(ps), int(g), i)
+                 for ps, g in zip(prompt_seeds.tolist(), generation_ids.tolist())]
+        gens = _generators(seeds, device)
         out = _step(settings, v, x, sigmas, steps, generator=gens)
         x = out.prev_sample  # storage dtype
         latents[:, i + 1] = x
@@ -270,7 +275,9 @@ def rollout(
     )
 
 
-def policy_step(transformer, traj: Trajectory, indices: Tensor | list[int], steps: Tensor | int, image_tokens: int) -> SDEStepOutput:
+def policy_step(
+    transformer, traj: Trajectory, indices: Tensor | list[int], steps: Tensor | int, image_tokens: int
+) -> SDEStepOutput:
     """Re-score stored transitions x_t -> x_{t+1} of samples `indices` [b] at diffusion steps `steps` (int or
     [b]) under `transformer` (the policy with grad, or the frozen anchor). Gradients flow when enabled by the
     caller. -> SDEStepOutput: log_prob [b] (compare with traj.log_probs[indices, steps]), mean [b, C, F, H, W]

@@ -37,7 +37,8 @@ def check_mp4_support() -> str:
         import imageio.v2  # noqa: F401
         import imageio_ffmpeg
     except ImportError as err:
-        raise SageGRPOError(f"mp4 files need ffmpeg support, which is missing ({err.name} is not installed): {_FFMPEG_HINT}") from None
+        raise SageGRPOError(f"mp4 files need ffmpeg support, which is missing ({err.name} is not installed): "
+                            f"{_FFMPEG_HINT}") from None
     try:
         return imageio_ffmpeg.get_ffmpeg_exe()
     except Exception as err:  # noqa: BLE001 - RuntimeError when no binary is found, OSError on broken installs

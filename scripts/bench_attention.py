@@ -90,10 +90,14 @@ def attend_varlen(query, key, value, lengths, backend):
     from torch.nn.attention.varlen import varlen_attn
 
     b, s = query.shape[:2]
-    pack = (lambda x: torch.cat([x[i, :n] for i, n in enumerate(lengths)])) if any(n < s for n in lengths) else (lambda x: x.flatten(0, 1))
+    if any(n < s for n in lengths):
+        pack = lambda x: torch.cat([x[i, :n] for i, n in enumerate(lengths)])  # noqa: E731
+    else:
+        pack = lambda x: x.flatten(0, 1)  # noqa: E731
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=query.device)
     o = varlen_attn(pack(query), pack(key), pack(value), cu, cu, max(lengths), max(lengths))
-    outs = [torch.cat([x, x.new_zeros(s - n, *x.shape[1:])]) if n < s else x for x, n in zip(torch.split(o, list(lengths)), lengths)]
+    outs = [torch.cat([x, x.new_zeros(s - n, *x.shape[1:])]) if n < s else x
+            for x, n in zip(torch.split(o, list(lengths)), lengths)]
     return torch.stack(outs)
 
 
@@ -172,7 +176,8 @@ def check_fp32(dev):
     gmax = max(float(g.abs().max()) for g in g_s.values())
     return {
         "fp32_out_max_rel_diff": float((o_o - o_s).abs().max() / o_s.abs().max()),
-        "fp32_grad_max_rel_diff": max(float((g_o.get(k, torch.zeros_like(v)) - v).abs().max()) for k, v in g_s.items()) / gmax,
+        "fp32_grad_max_rel_diff": max(float((g_o.get(k, torch.zeros_like(v)) - v).abs().max())
+                                      for k, v in g_s.items()) / gmax,
     }
 
 
@@ -220,14 +225,16 @@ def measure_batch(args, batch, block, freqs, n_video, d, dev, dtype, gen, res):
     cases = {"attn": (attn_fwd, attn_fb), "block": (block_fwd, block_fb), "block_ckpt": (None, lambda: block_fb(True))}
     use(block, "diffusers")
     ref_out = block_fwd()[0].float()
-    base = {name: (median_ms(f, dev, args.reps) if f else None, median_ms(fb, dev, max(3, args.reps // 2)), peak_gib(fb, dev))
+    base = {name: (median_ms(f, dev, args.reps) if f else None, median_ms(fb, dev, max(3, args.reps // 2)),
+                   peak_gib(fb, dev))
             for name, (f, fb) in cases.items()}
     use(block, "ours")
     out = block_fwd()[0].float()
     res[f"b{batch}_block_out_max_abs_diff"] = float((out - ref_out).abs().max())
     res[f"b{batch}_block_out_mean_abs"] = float(ref_out.abs().mean())
     cases["attn_cut"] = (lambda: attn_fwd(False), lambda: attn_fb(False))
-    variants = [("ours", None)] + ([("varlen", "varlen"), ("keymask", "keymask")] if dev.type == "cuda" and batch == 2 else [])
+    cuda_pair = dev.type == "cuda" and batch == 2
+    variants = [("ours", None)] + ([("varlen", "varlen"), ("keymask", "keymask")] if cuda_pair else [])
     for label, variant in variants:
         use(block, "ours", variant)
         for name, (f, fb) in cases.items():
@@ -262,14 +269,16 @@ def main(argv=None):
     block.attn.set_processor(stock_proc)
     res["rows"] = rows
     print({k: v for k, v in res.items() if k.endswith(("diff", "abs"))})
-    print(f"{'batch':>5} {'part':>10} {'impl':>8} {'fwd ms diffusers/ours':>22} {'ratio':>6} {'fwd+bwd ms':>18} {'ratio':>6}"
+    print(f"{'batch':>5} {'part':>10} {'impl':>8} {'fwd ms diffusers/ours':>22} {'ratio':>6} {'fwd+bwd ms':>18} "
+          f"{'ratio':>6}"
           f" {'peak GiB':>12}")
     for r in rows:
         fwd = f"{r['diffusers_fwd_ms']:.2f}/{r['ours_fwd_ms']:.2f}" if r["ours_fwd_ms"] else "-"
         ratio = f"{r['fwd_ratio']:.2f}" if r["fwd_ratio"] else "-"
         fb = f"{r['diffusers_fwdbwd_ms']:.2f}/{r['ours_fwdbwd_ms']:.2f}"
         mem = f"{r['diffusers_peak_gib']:.2f}/{r['ours_peak_gib']:.2f}"
-        print(f"{r['batch']:>5} {r['part']:>10} {r['impl']:>8} {fwd:>22} {ratio:>6} {fb:>18} {r['fwdbwd_ratio']:>6.2f} {mem:>12}")
+        print(f"{r['batch']:>5} {r['part']:>10} {r['impl']:>8} {fwd:>22} {ratio:>6} {fb:>18} {r['fwdbwd_ratio']:>6.2f} "
+              f"{mem:>12}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_attention.json").write_text(json.dumps(res, indent=1))

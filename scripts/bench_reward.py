@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from sage_grpo.cli import CLIParser, at_least, quiet_libraries
-    from sage_grpo.config import DTYPES, torch_dtype
+    from sage_grpo.config import DTYPES, REWARD_MIN_PIXELS, torch_dtype
     from sage_grpo.errors import SageGRPOError
     from sage_grpo.rewards.tiny import write_tiny_base, write_tiny_videoreward
     from sage_grpo.rewards.videoalign import VideoAlignReward
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=33)
     ap.add_argument("--height", type=int, default=64)
     ap.add_argument("--width", type=int, default=96)
-    ap.add_argument("--min_pixels", type=int, default=28 * 28 * 4, help="tiny default; the real one is 100352")
+    ap.add_argument("--min_pixels", type=int, default=28 * 28 * 4, help="tiny default; the real one is "
+                                                                        f"{REWARD_MIN_PIXELS}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default="", help="report path (default $OUT/bench_reward.json or outputs/bench/)")
     args = ap.parse_args(argv)
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         model = write_tiny_videoreward(tmp / "VideoReward", base)
     else:
         model, base = Path(args.reward_model_path), Path(args.reward_base_model_path)
-    reward = VideoAlignReward(model, base, device=args.device, dtype=torch_dtype(args.dtype), min_pixels=args.min_pixels)
+    reward = VideoAlignReward(model, base, device=args.device, dtype=torch_dtype(args.dtype),
+                              min_pixels=args.min_pixels)
     g = torch.Generator().manual_seed(0)
     videos = torch.rand(args.batch, args.frames, 3, args.height, args.width, generator=g).to(args.device)
     prompts = [f"prompt number {i}: a cat playing piano" for i in range(args.batch)]

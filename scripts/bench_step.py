@@ -255,7 +255,8 @@ class CaptureLogger:
 
     def log(self, step: int, metrics: dict) -> None:
         now = self.meter.now()
-        self.steps.append({"step": step, "metrics": dict(metrics), "iteration_s": now - self.last, **self.meter.snapshot()})
+        self.steps.append({"step": step, "metrics": dict(metrics), "iteration_s": now - self.last,
+                           **self.meter.snapshot()})
         self.meter.reset()
         self.last = self.meter.now()
 
@@ -333,7 +334,8 @@ def write_real_width_checkpoint(out: Path, blocks: int) -> Path:
     comps["vae"] = AutoencoderKLHunyuanVideo15().eval()
     out.mkdir(parents=True, exist_ok=True)
     HunyuanVideo15Pipeline(**comps).save_pretrained(out, safe_serialization=True)
-    lengths = TextLengths(prompt_template_encode_start_idx=tiny_crop_start(comps["tokenizer"], default_system_message()))
+    start = tiny_crop_start(comps["tokenizer"], default_system_message())
+    lengths = TextLengths(prompt_template_encode_start_idx=start)
     (out / TEXT_LENGTHS_FILE).write_text(json.dumps(lengths.to_dict(), indent=1) + "\n")
     return out
 
@@ -495,7 +497,8 @@ def summarise(cfg, c, meter: Meter, steps: list[dict], train_s: float, setup_s: 
     needed = text_prompts_needed(cfg, c)
     distinct = needed | {rec.prompt for rec in c.val_records} | {cfg.rollout.neg_prompt}
     rc = dict(meter.run_counts)
-    text = {"text_encoder_samples": rc.get("text_encoder_samples", 0), "text_encoder_calls": rc.get("text_encoder_calls", 0),
+    text = {"text_encoder_samples": rc.get("text_encoder_samples", 0),
+            "text_encoder_calls": rc.get("text_encoder_calls", 0),
             "text_encoder_2_samples": rc.get("text_encoder_2_samples", 0),
             "minimum": len(needed), "distinct_prompts": len(distinct),
             "at_minimum": rc.get("text_encoder_samples", 0) == len(needed)}  # prompts a run never uses are not encoded
@@ -516,7 +519,8 @@ def summarise(cfg, c, meter: Meter, steps: list[dict], train_s: float, setup_s: 
             "inside_s": {k: _median([s["inside_s"][k] for s in timed]) for k in timed[0]["inside_s"]},
             "remainder_s": {k: _median([s["remainder_s"][k] for s in timed]) for k in timed[0]["remainder_s"]},
         },
-        "aggregate_overhead_ratio": sum(s["step_s"] for s in timed) / max(sum(s["inside_total_s"] for s in timed), 1e-12),
+        "aggregate_overhead_ratio": (sum(s["step_s"] for s in timed)
+                                     / max(sum(s["inside_total_s"] for s in timed), 1e-12)),
         "train_wall_s": train_s, "setup_s": setup_s, "torch_threads": torch.get_num_threads(),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "peak_gpu_gib_by_phase": {k: max(s["peak_gpu_gib"].get(k, 0.0) for s in per_step)
@@ -621,8 +625,8 @@ def main(argv=None) -> int:
         notes.append("real-width figures: not yet measured on a GPU (run with --device cuda --presets "
                      "tiny,small,real --real_width)")
     notes.append("CPU timings on a shared machine are noisy: compare ratios within one run")
-    path = write_report(a.json or default_json_path("bench_step"), "bench_step", "cuda" if a.device == "cuda" else "cpu",
-                        ratios, results, notes)
+    path = write_report(a.json or default_json_path("bench_step"), "bench_step",
+                        "cuda" if a.device == "cuda" else "cpu", ratios, results, notes)
     print(f"[bench_step] wrote {path}")
     if not a.keep_tmp:
         import shutil
@@ -645,7 +649,8 @@ def report_preset(preset: str, res: dict) -> None:
               f"{s['step_s']:>6.3f}  {s['overhead_ratio']:>8.3f}")
     te = res["text_encoder"]
     print(f"   text encoder: {te['text_encoder_samples']} prompts encoded, minimum {te['minimum']} (distinct prompts)")
-    print(f"   median step {md['step_s']:.3f} s, inside {md['inside_total_s']:.3f} s -> overhead {md['overhead_ratio']:.3f} "
+    print(f"   median step {md['step_s']:.3f} s, inside {md['inside_total_s']:.3f} s -> overhead "
+          f"{md['overhead_ratio']:.3f} "
           f"(transformer only {md['overhead_ratio_transformer_only']:.3f}); phases "
           + ", ".join(f"{k} {v:.3f}" for k, v in md["phase_s"].items()))
     print("   remainder: " + ", ".join(f"{k} {v:.4f}" for k, v in md["remainder_s"].items()))

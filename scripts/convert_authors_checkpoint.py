@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Convert the authors' HunyuanVideo-1.5 checkpoint layout into a diffusers-layout directory (offline).
 
-    python scripts/convert_authors_checkpoint.py --pretrained_model_root ckpts --out ckpts/HunyuanVideo-1.5-Diffusers-480p_t2v
+    python scripts/convert_authors_checkpoint.py --pretrained_model_root ckpts \\
+        --out ckpts/HunyuanVideo-1.5-Diffusers-480p_t2v
 
 Loading the authors' layout directly also works (the same key mapping runs at load time, see
 sage_grpo/models/convert.py); converting once makes later loads faster and lets diffusers' own
@@ -17,16 +18,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sage_grpo.cli import CLIParser, check_writable_dir, quiet_libraries  # noqa: E402
-from sage_grpo.config import DTYPES  # noqa: E402
+from sage_grpo.config import DTYPES, Config  # noqa: E402
 from sage_grpo.errors import run_cli  # noqa: E402
 
 
 def main() -> None:
+    m = Config().model  # the training flags' defaults
     p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pretrained_model_root", default="ckpts", help="the authors' layout root")
-    p.add_argument("--pretrained_transformer_version", default="480p_t2v")
+    p.add_argument("--pretrained_model_root", default=m.pretrained_model_root,
+                   help="the authors' layout root (default: %(default)s)")
+    p.add_argument("--pretrained_transformer_version", default=m.pretrained_transformer_version,
+                   help="sub-folder of <root>/transformer to convert (default: %(default)s)")
     p.add_argument("--out", required=True, help="output directory (diffusers layout)")
-    p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--dtype", default=m.dtype, choices=DTYPES, help="dtype of the written weights (default: "
+                                                                    "%(default)s)")
     p.add_argument("--verbose", action="store_true", help="show the libraries' warnings and progress bars")
     a = p.parse_args()
 

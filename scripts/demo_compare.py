@@ -39,7 +39,8 @@ def learning_stats(metrics_path: Path, window: int = 10) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", required=True, help="output_dir of a post_train.py run (config.yaml, metrics.jsonl, checkpoint-N)")
+    p.add_argument("--run", required=True, help="output_dir of a post_train.py run (config.yaml, metrics.jsonl, "
+                                                "checkpoint-N)")
     p.add_argument("--out", required=True, help="folder for the before/after videos and strip.png")
     p.add_argument("--prompts", type=int, default=3, help="how many validation prompts to compare")
     args = p.parse_args(argv)
@@ -55,7 +56,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stats = learning_stats(run / "metrics.jsonl")
 
-    from sage_grpo.config import load_config, torch_dtype
+    from sage_grpo.config import load_config, parse_size, torch_dtype
     from sage_grpo.data import read_prompts
     from sage_grpo.generation import sample_stem, sample_videos, write_sample
     from sage_grpo.models.loading import load_pipeline
@@ -71,7 +72,7 @@ def main(argv=None) -> dict:
     pipe.transformer.requires_grad_(False).eval()
     cache = TextEmbeddingCache(pipe, "cpu", dtype)
     records = read_prompts(cfg.data.train_video_csv)[: args.prompts]
-    h, w = (int(x) for x in v.validation_fixed_size.lower().split("x"))
+    h, w = parse_size(v.validation_fixed_size, "--validation_fixed_size")
     shape = latent_shape(pipe.vae.config, v.validate_video_length, h, w)
     settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=v.validation_num_inference_steps,
                                shift=v.validation_timestep_shift, cfg_scale=v.validation_guidance_scale,

@@ -37,7 +37,8 @@ def main(argv=None) -> Path:
     ckpt, out = Path(args.checkpoint), Path(args.out)
     state_file = ckpt / "train_state.json"
     if not state_file.is_file():
-        raise SageGRPOError(f"--checkpoint {args.checkpoint!r} is not a complete post_train.py checkpoint (no train_state.json)")
+        raise SageGRPOError(f"--checkpoint {args.checkpoint!r} is not a complete post_train.py checkpoint (no "
+                            "train_state.json)")
     if out.exists() and any(out.iterdir()):
         raise SageGRPOError(f"--out {args.out!r} exists and is not empty; choose a new directory")
     check_writable_dir(out.parent, "--out")

@@ -7,8 +7,9 @@
 
 Grid: {dance_grpo, flow_grpo, sage_grpo, cps} x {equalizer off, on} x {KL: none, fixed, stepwise, moving, dual}.
 Writes to --out: summary.csv (one row per run), table.csv (mean and std per cell), table_d{D}.md (mean ± std over
-seeds), curves.csv (per iteration), steps.csv (per step: noise std, S_t, N_t, measured gradient norms), and PNG figures (with matplotlib installed,
-the "plot" extra). Pre-trained base models are cached per (dim, seed) under --out/base/.
+seeds), curves.csv (per iteration), steps.csv (per step: noise std, S_t, N_t, measured gradient norms), and PNG
+figures (with matplotlib installed, the "plot" extra). Pre-trained base models are cached per (dim, seed) under
+--out/base/.
 
 Each grid cell runs single-threaded (tiny MLPs gain nothing from intra-op threads and lose to their
 synchronisation) and --workers cells run side by side in spawned processes (--workers 1: in this process).
@@ -37,10 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="2-D only, 3 seeds, 30 iterations (under 5 min on 2 cores)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3 with --quick, else 5)")
     p.add_argument("--out", type=Path, default=Path("outputs/lab"), help="output directory (git-ignored outputs/)")
-    p.add_argument("--dims", type=int, nargs="+", default=None, help="data dimensions >= 2 (default: 2 quick, 2 16 full)")
+    p.add_argument("--dims", type=int, nargs="+", default=None, help="data dimensions >= 2 (default: 2 quick, 2 16 "
+                                                                     "full)")
     p.add_argument("--iterations", type=int, default=None, help="GRPO iterations per run (default: 30 quick, 60)")
     p.add_argument("--samplers", nargs="+", default=list(LAB_SAMPLERS), choices=LAB_SAMPLERS)
-    p.add_argument("--kls", nargs="+", default=list(KL_VARIANTS), choices=KL_VARIANTS)
+    p.add_argument("--kls", nargs="+", default=[k for k in KL_VARIANTS if k != "dual_fixed"], choices=KL_VARIANTS,
+                   help="KL variants (default: all but dual_fixed, which differs from dual only in never refreshing "
+                   "the anchor)")
     p.add_argument("--workers", type=int, default=2, help="cells run in parallel (one thread each)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     args = p.parse_args(argv)

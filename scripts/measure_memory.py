@@ -59,7 +59,8 @@ def make_inputs(cfg: dict, batch: int, latent: tuple[int, int, int], text: tuple
     pm[:, : valid[0]] = 1
     bm = torch.zeros(batch, text[1], device=device, dtype=dtype)
     bm[:, : valid[1]] = 1
-    return dict(hidden_states=r(batch, cfg["in_channels"], *latent), timestep=torch.full((batch,), 500.0, device=device, dtype=dtype),
+    return dict(hidden_states=r(batch, cfg["in_channels"], *latent),
+                timestep=torch.full((batch,), 500.0, device=device, dtype=dtype),
                 encoder_hidden_states=r(batch, text[0], cfg["text_embed_dim"]), encoder_attention_mask=pm,
                 encoder_hidden_states_2=r(batch, text[1], cfg["text_embed_2_dim"]), encoder_attention_mask_2=bm,
                 image_embeds=torch.zeros(batch, text[2], cfg["image_embed_dim"], device=device, dtype=dtype),

@@ -2,8 +2,8 @@
 
     python scripts/plan_memory.py --config configs/single_node_8gpu.yaml --world_size 8
     python scripts/plan_memory.py --config configs/multinode_64gpu.yaml --world_size 64 --json
-    python scripts/plan_memory.py --config configs/single_node_8gpu.yaml --world_size 8 --gradient_accumulation_steps 8 \
-        --save_interval 200        # the paper's 64-video update on one 8-GPU node
+    python scripts/plan_memory.py --config configs/single_node_8gpu.yaml --world_size 8 \\
+        --gradient_accumulation_steps 8 --save_interval 200   # the paper's 64-video update on one 8-GPU node
 
 It takes the same `--config` and flags as post_train.py (sage_grpo.config.load_config / validate: an impossible
 geometry ends with one message), plus `--world_size`, `--gpu_memory_gib` (80), `--text_tokens`, `--attention`,
@@ -264,7 +264,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     if not 0 <= opts.glyph_tokens <= TEXT_LEN_BYT5:
         raise SageGRPOError(f"--glyph_tokens must be in 0..{TEXT_LEN_BYT5}, got {opts.glyph_tokens}")
     heads, head_dim = tcfg["num_attention_heads"], tcfg["attention_head_dim"]
-    validate(cfg, opts.world_size, num_heads=heads)
+    validate(cfg, opts.world_size, num_heads=heads, training=False)  # a plan needs no prompt file
 
     m, p, d, r, o = cfg.model, cfg.parallel, cfg.data, cfg.rollout, cfg.optim
     if counts is None:
@@ -321,8 +321,9 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         anchor = total * mw / shard
     anchor_offloaded = uses_pos and not m.use_lora and cfg.kl.reference_mode_offload
     t["anchor (resident)"] = 0.0 if anchor_offloaded else anchor
-    # Offloaded under FSDP2 (models/parallelize.build_sharded_anchor, CPUOffloadPolicy): only the gathered blocks of its forward
-    # come to the GPU (counted in "unsharded blocks"); without FSDP post_train moves the whole anchor in for its phase.
+    # Offloaded under FSDP2 (models/parallelize.build_sharded_anchor, CPUOffloadPolicy): only the gathered blocks of
+    # its forward come to the GPU (counted in "unsharded blocks"); without FSDP post_train moves the whole anchor in
+    # for its phase.
     t["anchor (on GPU in its phase)"] = 0.0 if (anchor_offloaded and p.enable_fsdp) else anchor
     t["vae weights"] = frozen["vae"] * e
     te_bytes = (frozen["text_encoder"] + frozen["byt5"]) * e
@@ -442,12 +443,15 @@ def render(pl: dict) -> str:
     s, pr, tg, ph = pl["setting"], pl["params"], pl["terms_gib"], pl["phases_gib"]
     lines = [
         f"HunyuanVideo-1.5 {s['version']}: {pr['transformer']:,} parameters ({pr['num_blocks']} blocks x "
-        f"{pr['per_block']:,}); trainable {pr['trainable']:,} ({'LoRA r=' + str(s['lora_r']) if s['use_lora'] else 'full'})"
+        f"{pr['per_block']:,}); trainable {pr['trainable']:,} "
+        f"({'LoRA r=' + str(s['lora_r']) if s['use_lora'] else 'full'})"
         f", Muon share {pr['muon']:,}",
         f"world {s['world_size']} = dp {s['dp_degree']} (replicate {s['dp_replicate']} x shard {s['dp_shard']}) x sp "
         f"{s['sp_size']}; FSDP {'on: sharded over ' + str(s['shard_ranks']) + ' ranks' if s['fsdp'] else 'off'}; "
-        f"{s['videos_per_round']} videos per round x {s['gradient_accumulation_steps']} = {s['videos_per_update']} per update",
-        f"video {s['video']} -> latent {s['latent']}, {s['video_tokens']:,} video tokens ({s['video_tokens_per_rank']:,} "
+        f"{s['videos_per_round']} videos per round x {s['gradient_accumulation_steps']} = {s['videos_per_update']} per "
+        "update",
+        f"video {s['video']} -> latent {s['latent']}, {s['video_tokens']:,} video tokens "
+        f"({s['video_tokens_per_rank']:,} "
         f"per rank) + {s['text_tokens']} text tokens ({s['attention']} attention); forward batch {s['forward_batch']}"
         f" (micro-batch x CFG); {s['dtype']} compute, {s['master_weight_type']} master, {s['optimizer']}, "
         f"checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, anchor {s['anchor']}",
@@ -474,17 +478,23 @@ def render(pl: dict) -> str:
 
 
 def parse_args(argv: list[str] | None):
+    d = PlanOptions()
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    own.add_argument("--world_size", type=int, default=int(os.environ.get("WORLD_SIZE", "8")),
-                     help="GPUs of the run (default 8, or $WORLD_SIZE).")
-    own.add_argument("--gpu_memory_gib", type=float, default=80.0, help="Memory per GPU in GiB (default 80).")
-    own.add_argument("--text_tokens", type=int, default=256,
-                     help="Valid text tokens (MLLM + ByT5) of the longest prompt in a forward (default 256).")
-    own.add_argument("--attention", default="valid", choices=("valid", "diffusers"),
-                     help="valid: the project's valid-token processor; diffusers: the dense-mask processor.")
-    own.add_argument("--fsdp_param_dtype", default="", help="Dtype of FSDP2's unsharded parameters (default --dtype).")
-    own.add_argument("--overhead_gib", type=float, default=2.0,
-                     help="CUDA context, NCCL buffers, allocator fragmentation (default 2, an estimate).")
+    own.add_argument("--world_size", type=int, default=int(os.environ.get("WORLD_SIZE", d.world_size)),
+                     help=f"GPUs of the run (default {d.world_size}, or $WORLD_SIZE).")
+    own.add_argument("--gpu_memory_gib", type=float, default=d.gpu_memory_gib,
+                     help=f"Memory per GPU in GiB (default {d.gpu_memory_gib:g}).")
+    own.add_argument("--text_tokens", type=int, default=d.text_tokens,
+                     help="Valid text tokens (MLLM + ByT5) of the longest prompt in a forward (default "
+                          f"{d.text_tokens}).")
+    own.add_argument("--attention", default=d.attention, choices=("valid", "diffusers"),
+                     help="valid: the project's valid-token processor; diffusers: the dense-mask processor "
+                     f"(default {d.attention}).")
+    own.add_argument("--fsdp_param_dtype", default=d.fsdp_param_dtype,
+                     help="Dtype of FSDP2's unsharded parameters (default --dtype).")
+    own.add_argument("--overhead_gib", type=float, default=d.overhead_gib,
+                     help=f"CUDA context, NCCL buffers, allocator fragmentation (default {d.overhead_gib:g}, an "
+                          "estimate).")
     own.add_argument("--num_prompts", type=int, default=10_000,
                      help="Distinct prompts of the run, for the text cache's host memory (default 10000).")
     own.add_argument("--prompt_tokens", type=int, default=TYPICAL_PROMPT_TOKENS,

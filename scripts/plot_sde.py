@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from sage_grpo.cli import CLIParser, at_least, check_writable_dir
+from sage_grpo.config import Config
 from sage_grpo.equalizer import equalizer_weights, gradient_scale
 from sage_grpo.errors import SageGRPOError, run_cli
 from sage_grpo.schedule import sigma_schedule
@@ -23,7 +24,9 @@ from sage_grpo.sde import SAGE_SIGMA_CLAMP, check_sage_schedule, step_variance
 SDES = ("sage_grpo", "flow_grpo", "dance_grpo", "cps")
 
 
-def tables(steps: int, shift: float, eta: float, sage_clamp: float = SAGE_SIGMA_CLAMP) -> dict[str, dict[str, list[float]]]:
+def tables(
+    steps: int, shift: float, eta: float, sage_clamp: float = SAGE_SIGMA_CLAMP
+) -> dict[str, dict[str, list[float]]]:
     """{sampler: {"std": [T], "N": [T], "S": [T]}} and the schedule under key "sigma"."""
     sig = sigma_schedule(steps, shift)
     out: dict[str, dict[str, list[float]]] = {"sigma": {"sigma": sig.tolist()}}
@@ -71,9 +74,12 @@ def plot(t: dict, steps: int, shift: float, eta: float, out: Path) -> list[Path]
     x = list(range(steps))
     paths = []
     specs = [
-        ("sde_std.png", "std", "step", "noise std per step", f"Injected noise per step (T={steps}, shift={shift}, eta={eta})", x, "linear"),
+        ("sde_std.png", "std", "step", "noise std per "
+                                       "step", f"Injected noise per step (T={steps}, shift={shift}, "
+                                               f"eta={eta})", x, "linear"),
         ("equalizer_weights.png", "S", "step", "S_t", "Gradient-norm equalizer weights S_t", x, "log"),
-        ("gradient_scale.png", "N", "sigma_t", "N_t (|d mean/d v| / sqrt(V_t); cps: x sqrt(V_t))", "Gradient-scale proxy against sigma", sig, "log"),
+        ("gradient_scale.png", "N", "sigma_t", "N_t (|d mean/d v| / sqrt(V_t); cps: x "
+                                               "sqrt(V_t))", "Gradient-scale proxy against sigma", sig, "log"),
     ]
     for name, key, xlabel, ylabel, title, xs, yscale in specs:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -95,13 +101,16 @@ def plot(t: dict, steps: int, shift: float, eta: float, out: Path) -> list[Path]
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point."""
+    r = Config().rollout  # the rollout's defaults
     p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="rollout steps T >= 1 (default 20)")
-    p.add_argument("--shift", type=float, default=5.0, help="schedule shift > 0 (default 5)")
-    p.add_argument("--eta", type=float, default=0.5, help="noise level eta in (0, 1] (default 0.5; cps needs <= 1)")
-    p.add_argument("--sage_sigma_clamp", type=float, default=SAGE_SIGMA_CLAMP,
-                   help=f"sage_grpo's sigma clamp inside the log, in (0, 1) (default {SAGE_SIGMA_CLAMP})")
-    p.add_argument("--out", default="outputs/sde_plots", help="folder for the PNGs (default outputs/sde_plots)")
+    p.add_argument("--steps", type=int, default=r.grpo_sampling_steps, help="rollout steps T >= 1 (default "
+                                                                            "%(default)s)")
+    p.add_argument("--shift", type=float, default=r.flow_shift, help="schedule shift > 0 (default %(default)g)")
+    p.add_argument("--eta", type=float, default=r.eta,
+                   help="noise level eta in (0, 1] (default %(default)g; cps needs <= 1)")
+    p.add_argument("--sage_sigma_clamp", type=float, default=r.sage_sigma_clamp,
+                   help="sage_grpo's sigma clamp inside the log, in (0, 1) (default %(default)g)")
+    p.add_argument("--out", default="outputs/sde_plots", help="folder for the PNGs (default %(default)s)")
     p.add_argument("--no-plots", action="store_true", help="print the tables only")
     args = p.parse_args(argv)
     at_least("--steps", args.steps, 1)

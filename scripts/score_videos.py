@@ -27,7 +27,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sage_grpo.cli import CLIParser, at_least, check_output_file, quiet_libraries  # noqa: E402
-from sage_grpo.config import DTYPES, Config, check_values  # noqa: E402
+from sage_grpo.config import (  # noqa: E402
+    DTYPES,
+    REWARD_MAX_PIXELS,
+    REWARD_MIN_PIXELS,
+    REWARD_SAMPLE_FPS,
+    VIDEO_FPS,
+    Config,
+    check_values,
+)
 from sage_grpo.errors import SageGRPOError  # noqa: E402
 
 VIDEO_COLUMNS = ("video_path", "video", "path")
@@ -182,23 +190,32 @@ def write_tables(rows: list[dict], out: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags (reward flags share the training flags' names)."""
     ap = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--videos", required=True, help="folder of .mp4 files, one .mp4, or CSV with prompt + video_path columns")
+    ap.add_argument("--videos", required=True, help="folder of .mp4 files, one .mp4, or CSV with prompt + video_path "
+                                                    "columns")
     ap.add_argument("--out", required=True, help="output prefix: writes <out>.csv and <out>.json")
     ap.add_argument("--metrics", default="videoalign_local,clipscore,pickscore", help="comma-separated reward names")
-    ap.add_argument("--pretrained_model_root", default="ckpts")
+    r = Config().reward  # the training flags' defaults
+    ap.add_argument("--pretrained_model_root", default=Config().model.pretrained_model_root,
+                    help="root of the reward weights (default: %(default)s)")
     ap.add_argument("--reward_model_path", default="", help="default <root>/VideoReward")
     ap.add_argument("--reward_base_model_path", default="", help="default <root>/Qwen2-VL-2B-Instruct")
-    ap.add_argument("--reward_checkpoint_mode", default="v3", choices=("v1", "v2", "v3"))
-    ap.add_argument("--clip_model_path", default="", help="default <root>/clip-vit-large-patch14 (openai/clip-vit-large-patch14)")
-    ap.add_argument("--pickscore_model_path", default="", help="default <root>/PickScore_v1 (yuvalkirstain/PickScore_v1)")
+    ap.add_argument("--reward_checkpoint_mode", default=r.reward_checkpoint_mode, choices=("v1", "v2", "v3"),
+                    help="key remapping of the VideoReward checkpoint (default: %(default)s)")
+    ap.add_argument("--clip_model_path", default="",
+                    help="default <root>/clip-vit-large-patch14 (openai/clip-vit-large-patch14)")
+    ap.add_argument("--pickscore_model_path", default="",
+                    help="default <root>/PickScore_v1 (yuvalkirstain/PickScore_v1)")
     ap.add_argument("--pickscore_processor_path", default="", help="default <root>/CLIP-ViT-H-14-laion2B-s32B-b79K "
                     "(laion/CLIP-ViT-H-14-laion2B-s32B-b79K, tokenizer and processor files only)")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    ap.add_argument("--dtype", default="bf16", choices=DTYPES)
-    ap.add_argument("--max_pixels", type=int, default=200704)
-    ap.add_argument("--min_pixels", type=int, default=0, help="0 = VideoAlign's default (100352)")
-    ap.add_argument("--sample_fps", type=float, default=2.0)
-    ap.add_argument("--video_fps", type=float, default=24.0)
+    ap.add_argument("--dtype", default=r.reward_dtype, choices=DTYPES, help="reward model dtype (default: %(default)s)")
+    ap.add_argument("--max_pixels", type=int, default=REWARD_MAX_PIXELS,
+                    help="max pixels per frame fed to VideoAlign (default: %(default)s)")
+    ap.add_argument("--min_pixels", type=int, default=0, help=f"0 = VideoAlign's default ({REWARD_MIN_PIXELS})")
+    ap.add_argument("--sample_fps", type=float, default=REWARD_SAMPLE_FPS,
+                    help="frames per second sampled from each video (default: %(default)s)")
+    ap.add_argument("--video_fps", type=float, default=float(VIDEO_FPS),
+                    help="frame rate of the videos (default: %(default)s)")
     ap.add_argument("--verbose", action="store_true", help="show the libraries' warnings and progress bars")
     return ap.parse_args(argv)
 
@@ -257,7 +274,8 @@ def run(argv: list[str] | None) -> int:
     tables = f"{out.with_suffix('.csv')}, {out.with_suffix('.json')}"
     dead = [k for k, n in failed.items() if n == len(rows)]
     if dead:
-        what = "every video failed to score" if len(dead) == len(means) else f"no video could be scored for {', '.join(dead)}"
+        what = ("every video failed to score" if len(dead) == len(means)
+                else f"no video could be scored for {', '.join(dead)}")
         raise SageGRPOError(f"{what} ({len(rows)} videos; see the warnings above); the tables are in {tables}")
     print(f"scored {len(rows)} videos -> {tables}")
     for k, v in means.items():

@@ -35,13 +35,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "hv")
-
-
 def _measure(tiny_model, tmp_path, steps, *extra):
     argv = bs.config_argv("tiny", tiny_model, tmp_path / "run", steps,
                           ["--grpo_sampling_steps", "4", "--sample_n_frames", "5", *extra])

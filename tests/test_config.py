@@ -17,6 +17,7 @@ from sage_grpo.config import (
     dump_yaml,
     load_config,
     parse_bool,
+    parse_size,
     validate,
 )
 from sage_grpo.errors import SageGRPOError
@@ -79,6 +80,17 @@ def test_boolean_forms(text, expected):
     assert load_config(["--use_lora", text]).model.use_lora is expected
 
 
+@pytest.mark.parametrize("text,expected", [("480x864", (480, 864)), ("16X32", (16, 32)), (" 352x624 ", (352, 624))])
+def test_sizes_parse(text, expected):
+    assert parse_size(text, "--fixed_size") == expected
+
+
+@pytest.mark.parametrize("text", ["480", "480x", "x864", "480x864x2", "-16x32", "4.5x8", "480*864", ""])
+def test_malformed_sizes_are_one_error_naming_the_flag(text):
+    with pytest.raises(SageGRPOError, match=r"^--fixed_size must be HxW .*got "):
+        parse_size(text, "--fixed_size")
+
+
 def test_bare_boolean_and_lists_and_optional():
     cfg = load_config(["--use_lora", "--validation_prompts", "a cat", "a dog", "--lora_target_modules", "to_q",
                        "to_k", "--kl_target", "2e-5"])
@@ -109,7 +121,7 @@ def test_dump_and_load_back_identically(tmp_path):
     (["--validate_video_length", "120"], "--validate_video_length must be 4k \\+ 1 .* use 117 or 121"),
     (["--height", "100"], "--height must be a positive multiple of 16.*try 96"),
     (["--validation_fixed_size", "480x860"], "validation_fixed_size width must be a positive multiple of 16"),
-    (["--validation_fixed_size", "big"], "write HEIGHTxWIDTH"),
+    (["--validation_fixed_size", "big"], "--validation_fixed_size must be HxW"),
     (["--num_generations", "1"], "--num_generations must be >= 2"),
     (["--timestep_fraction", "1.5"], "--timestep_fraction must be in \\(0, 1\\]"),
     (["--timestep_fraction", "0.04"], "--timestep_fraction 0.04 trains int\\(20 x 0.04\\) = 0 of the 20 noisy steps; "
@@ -164,7 +176,8 @@ def test_yaml_errors_name_the_key(tmp_path):
 @pytest.mark.parametrize("argv,world,message", [
     (["--sp_size", "3"], 8, "--sp_size 3 must divide the world size 8; use one of \\[1, 2, 4, 8\\]"),
     (["--sp_size", "32"], 64, "--sp_size 32 must divide the attention head count 16"),
-    (["--batch_size", "1", "--sp_size", "2"], 4, "1 \\* 2 = 2 videos per step is not a multiple of --num_generations 4"),
+    (["--batch_size", "1", "--sp_size", "2"], 4, "1 \\* 2 = 2 videos per step is not a multiple of --num_generations "
+                                                 "4"),
     (["--dp_replicate", "3"], 4, "--dp_replicate 3 must divide dp_degree"),
     (["--sp_size", "2", "--use_lora", "--lora_dropout", "0.1"], 8, "--lora_dropout 0.1: .*use --lora_dropout 0"),
     (["--use_lora", "--lora_dropout", "0.05"], 1, "--lora_dropout 0.05: the rollout samples with the deterministic "
@@ -178,8 +191,23 @@ def test_geometry_validation(argv, world, message):
 
 def test_authors_64_gpu_geometry_is_valid():
     cfg = load_config(["--sp_size", "2", "--batch_size", "2", "--num_generations", "4"])
-    validate(cfg, 64)  # dp 32, 64 videos, 16 groups
-    validate(load_config(["--batch_size", "4"]), 1)  # single process: one whole group per step
+    validate(cfg, 64, training=False)  # dp 32, 64 videos, 16 groups
+    validate(load_config(["--batch_size", "4"]), 1, training=False)  # single process: one whole group per step
+
+
+def test_hsdp_needs_fsdp_under_torchrun():
+    argv = ["--dp_replicate", "2", "--train_video_csv", "prompts.csv"]
+    validate(load_config(argv), 4)
+    with pytest.raises(SageGRPOError, match=r"--dp_replicate 2 \(HSDP\) needs --enable_fsdp under torchrun"):
+        validate(load_config([*argv, "--enable_fsdp", "False"]), 4)
+
+
+def test_a_prompt_file_is_required_for_training_only():
+    cfg = load_config(["--batch_size", "4"])
+    with pytest.raises(SageGRPOError, match="--train_video_csv is required"):
+        validate(cfg, 1)
+    validate(cfg, 1, training=False)  # a memory plan of the same config
+    validate(load_config(["--batch_size", "4", "--train_video_csv", "prompts.csv"]), 1)
 
 
 @pytest.mark.parametrize("name,world", [("paper_setting_a", 64), ("paper_setting_b", 64), ("single_node_8gpu", 8),
@@ -187,7 +215,7 @@ def test_authors_64_gpu_geometry_is_valid():
 def test_shipped_configs_load_and_validate(name, world):
     path = ROOT / "configs" / f"{name}.yaml"
     assert path.read_text().startswith("#") and "Launch" in path.read_text().split("\n\n")[0]
-    cfg = load_config(["--config", str(path)])
+    cfg = load_config(["--config", str(path), "--train_video_csv", "prompts.csv"])  # as their launch lines pass it
     validate(cfg, world)
 
 
@@ -204,7 +232,8 @@ def test_groups_are_dataclasses_with_unique_flags():
 
 
 def test_cli_error_is_one_line_and_exit_code_2():
-    code = "from sage_grpo.config import load_config; from sage_grpo.errors import run_cli; run_cli(load_config, ['--eta', 'x'])"
+    code = ("from sage_grpo.config import load_config; from sage_grpo.errors import run_cli; "
+            "run_cli(load_config, ['--eta', 'x'])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --eta: 'x' is not a valid float"

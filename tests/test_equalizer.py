@@ -6,7 +6,7 @@ from sage_grpo.schedule import sigma_schedule
 from sage_grpo.sde import sde_step
 
 SIG = sigma_schedule(20, 5.0)
-# algorithm.md section 5, T = 20, shift 5, eta = 0.5, sage_grpo
+# README "The rest of the algorithm", T = 20, shift 5, eta = 0.5, sage_grpo
 SAGE_S = [8.15, 5.30, 3.73, 2.90, 2.35, 1.95, 1.64, 1.39, 1.18, 1.00, .846, .712, .594, .490, .397, .315, .241,
           .175, .115, .055]
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hv_fixtures import *  # noqa: F401,F403
 
 from sage_grpo.video import read_video, write_video
 
@@ -28,8 +27,8 @@ def test_video_roundtrip(tmp_path):
 def test_generate_one_prompt_and_a_prompt_file(tiny_diffusers_dir, tmp_path):
     import generate
 
-    common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size", "16x32",
-              "--num_inference_steps", "3"]
+    common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size",
+              "16x32", "--num_inference_steps", "3"]
     [path] = generate.main([*common, "--prompt", "a red ball rolls", "--output_path", str(tmp_path / "one.mp4")])
     frames, fps = read_video(path)
     assert path == tmp_path / "one.mp4" and frames.shape == (5, 3, 16, 32) and fps == 24.0
@@ -68,7 +67,8 @@ def test_user_errors_raise_sage_error(extra, match):
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, match", ERRORS)
 def test_user_errors_are_one_line(extra, match):
-    r = subprocess.run([sys.executable, str(REPO / "generate.py"), *extra], capture_output=True, text=True, cwd=REPO, timeout=120)
+    r = subprocess.run([sys.executable, str(REPO / "generate.py"), *extra], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
     assert r.returncode != 0 and match in r.stderr and "Traceback" not in r.stderr
 
 
@@ -111,7 +111,7 @@ def test_text_encoders_are_offloaded_once_prompts_are_cached(tiny_diffusers_dir,
     assert calls == [3]
 
 
-# ------------------------------------------------------------------------------------------------ issue 11
+# ------------------------------------------------------------------------------------------------ flag checks
 # Every flag is checked (with the config's rules) before any model loads: each case also names a model path that
 # does not exist, so reaching the loader would give the "download_weights.sh" error instead of the flag's own.
 FLAG_ERRORS = [

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hv_fixtures import *  # noqa: F401,F403
 
 from sage_grpo.video import read_video
 

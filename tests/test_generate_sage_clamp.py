@@ -1,7 +1,6 @@
 """generate.py runs sage_grpo with the config's clamp and refuses a silent schedule with the shared message."""
 
 import pytest
-from hv_fixtures import *  # noqa: F401,F403
 
 from sage_grpo.errors import SageGRPOError
 

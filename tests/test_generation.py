@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from hv_fixtures import *  # noqa: F401,F403
 
 from sage_grpo.data import PromptRecord
 from sage_grpo.generation import sample_stem, sample_videos, write_sample
@@ -41,7 +40,8 @@ def test_sample_videos_without_decode_runs_the_transformer_but_not_the_vae(tiny_
     hook = tiny_pipe.transformer.register_forward_pre_hook(
         lambda *a: calls.__setitem__("transformer", calls["transformer"] + 1))
     real = tiny_pipe.vae.decode
-    monkeypatch.setattr(tiny_pipe.vae, "decode", lambda *a, **k: (calls.__setitem__("vae", calls["vae"] + 1), real(*a, **k))[1])
+    monkeypatch.setattr(tiny_pipe.vae, "decode",
+                        lambda *a, **k: (calls.__setitem__("vae", calls["vae"] + 1), real(*a, **k))[1])
     try:
         out = _sample(tiny_pipe, text_cache, [PromptRecord("a cat", 0)], decode=False)
         assert [f for _, f in out] == [None] and calls == {"transformer": 2, "vae": 0}

@@ -166,12 +166,17 @@ def test_precomputed_anchor_means_equal_anchor_callback():
     var = step_variance(SAMPLER, sigmas[:-1], sigmas[1:], ETA, sigma_max=sigmas[1])
     mb = micro_batches(plan_steps(B, var, 0.5, permute=False))[0]
     grads = []
+
+    def anchor_mean(b):
+        return _step(anchor, sigmas, latents, b.samples, b.steps).mean
+
     for pre in (False, True):
         policy.zero_grad()
-        b = PairBatch(mb.samples, mb.steps, ref_mean=_step(anchor, sigmas, latents, mb.samples, mb.steps).mean.detach() if pre else None)
+        ref = anchor_mean(mb).detach() if pre else None
+        b = PairBatch(mb.samples, mb.steps, ref_mean=ref)
         st = grpo_backward(b, lambda i, t: _step(policy, sigmas, latents, i, t), logp_old=lps, advantages=adv,
                            valid=valid, step_weights=torch.ones(T), clip_range=0.1, normalizer=3.0, kl_coef=2.0,
-                           beta_pos=1.0, anchor_fn=None if pre else (lambda b: _step(anchor, sigmas, latents, b.samples, b.steps).mean))
+                           beta_pos=1.0, anchor_fn=None if pre else anchor_mean)
         assert st.summary()["kl/pos"] > 0
         grads.append([p.grad.clone() for p in policy.parameters()])
     for a, b in zip(*grads):

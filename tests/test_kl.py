@@ -36,6 +36,17 @@ def test_kl_velocity_and_dual_combination():
         dual_kl(None, None)
 
 
+def test_dual_kl_sum_reduction_and_empty_terms():
+    pos, vel = torch.tensor([2.0, 4.0, 0.0]), torch.tensor([0.05, -0.1, 0.0])
+    assert dual_kl(pos, vel, beta_pos=1.0, beta_vel=0.1, reduction="sum").item() == pytest.approx(6.0 - 0.005)
+    assert dual_kl(pos, vel, beta_pos=1.0, beta_vel=0.1).item() == pytest.approx(2.0 - 0.005 / 3)
+    empty = torch.zeros(0)  # every reward of the micro-batch failed: the term counts 0, not NaN
+    assert dual_kl(empty, vel, beta_vel=0.1, reduction="mean").item() == pytest.approx(-0.005 / 3)
+    assert dual_kl(empty, None, reduction="sum").item() == 0.0
+    with pytest.raises(ValueError, match="reduction"):
+        dual_kl(pos, vel, reduction="max")
+
+
 def test_controller_warmup_is_linear_in_updates():
     c = AdaptiveKLController(init=1e-7, lambda_min=1e-7, lambda_max=1e-5, target=1e-5, warmup_updates=100)
     assert c.value == pytest.approx(1e-7)

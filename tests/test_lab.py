@@ -123,7 +123,8 @@ def test_pretrained_flow_reproduces_data_16d():
 
 
 def test_rollout_log_probs_rescore_exactly(ring, base_flow):
-    """Re-scoring the stored x_{t+1} with the same parameters must give ratio == 1 (algorithm.md section 3)."""
+    """Re-scoring the stored x_{t+1} with the same parameters must give ratio == 1 (README "The samplers",
+    log-probabilities)."""
     cfg = LabConfig(sampler="flow_grpo", num_steps=8)
     sigmas = sigma_schedule(cfg.num_steps, cfg.shift)
     noise = torch.randn(16, 2, generator=torch.Generator().manual_seed(0))
@@ -157,17 +158,20 @@ def test_runs_are_deterministic_for_a_seed(ring, base_flow):
     assert c.history != a.history
 
 
-@pytest.mark.parametrize("kl", ["none", "fixed", "moving", "stepwise", "dual"])
+@pytest.mark.parametrize("kl", ["none", "fixed", "moving", "stepwise", "dual", "dual_fixed"])
 def test_kl_variants_log_their_terms(ring, base_flow, kl):
+    from sage_grpo.kl import KL_VARIANTS
+
+    assert kl in KL_VARIANTS  # the lab runs the video loop's variants
     res = train_grpo(LabConfig(sampler="dance_grpo", kl=kl, iterations=2, kl_refresh_every=1), ring, base_flow)
     row = res.history[1]
-    assert ("kl/pos" in row) == (kl in ("fixed", "moving", "dual"))
-    assert ("kl/vel" in row) == (kl in ("stepwise", "dual"))
+    assert ("kl/pos" in row) == (kl in ("fixed", "moving", "dual", "dual_fixed"))
+    assert ("kl/vel" in row) == (kl in ("stepwise", "dual", "dual_fixed"))
     assert ("kl/coef" in row) == (kl != "none")
     assert all(math.isfinite(v) for v in row.values())
     if kl == "moving":  # refreshed after every update, so every update sees anchor == policy: KL_pos = 0
         assert row["kl/pos"] < 1e-10
-    if kl == "fixed":  # the never-refreshed anchor differs from the policy after the first iteration's updates
+    if kl in ("fixed", "dual_fixed"):  # the never-refreshed anchor differs from the policy after the first updates
         assert row["kl/pos"] > 0
 
 

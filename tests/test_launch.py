@@ -48,7 +48,8 @@ def test_launcher_refuses_before_torchrun_with_one_line(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "run_post_train.sh"), "--sp_size", "3", "--output_dir", str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=120)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "warning:" not in ln]
-    assert r.returncode == 2 and lines == ["error: --sp_size 3 must divide the world size 2; use one of [1, 2]"], r.stderr
+    expected = ["error: --sp_size 3 must divide the world size 2; use one of [1, 2]"]
+    assert r.returncode == 2 and lines == expected, r.stderr
     assert "Traceback" not in r.stdout + r.stderr and not any(tmp_path.iterdir())
 
 

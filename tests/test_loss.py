@@ -63,7 +63,8 @@ def test_masked_entries_cannot_poison_the_loss_or_its_gradient():
     new = torch.tensor([0.0, 0.0, 200.0, 0.0], requires_grad=True)  # exp(200) overflows to inf in fp32
     adv = torch.tensor([1.0, -1.0, float("nan"), 0.5])
     mask = torch.tensor([True, True, False, True])
-    loss, stats = clipped_policy_loss(new, old, adv, 0.1, mask=mask, weights=torch.tensor([1.0, 1.0, float("inf"), 2.0]))
+    weights = torch.tensor([1.0, 1.0, float("inf"), 2.0])
+    loss, stats = clipped_policy_loss(new, old, adv, 0.1, mask=mask, weights=weights)
     loss.backward()
     assert loss.item() == pytest.approx((-1.0 + 1.0 - 1.0) / 3)
     assert torch.isfinite(new.grad).all() and new.grad[2] == 0

@@ -4,7 +4,6 @@ import shutil
 
 import pytest
 import torch
-from hv_fixtures import *  # noqa: F401,F403
 
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.models.convert import (
@@ -18,7 +17,8 @@ from sage_grpo.models.loading import load_pipeline, locate_model
 def test_both_layouts_load_the_same_model(tiny_pipe, tiny_authors_dir):
     pa = load_pipeline(model_path=str(tiny_authors_dir), dtype="fp32")
     assert pa.sage_grpo_location.layout == "authors" and tiny_pipe.sage_grpo_location.layout == "diffusers"
-    for a, b in ((tiny_pipe.transformer, pa.transformer), (tiny_pipe.vae, pa.vae), (tiny_pipe.text_encoder, pa.text_encoder)):
+    for a, b in ((tiny_pipe.transformer, pa.transformer), (tiny_pipe.vae, pa.vae),
+                 (tiny_pipe.text_encoder, pa.text_encoder)):
         sa, sb = a.state_dict(), b.state_dict()
         assert set(sa) == set(sb)
         for k in sa:
@@ -185,7 +185,8 @@ def test_prebuilt_transformer_and_row_reader(tiny_diffusers_dir, tiny_authors_di
         raise AssertionError("the transformer must not be loaded")
 
     monkeypatch.setattr(diffusers.HunyuanVideo15Transformer3DModel, "from_pretrained", refuse)
-    built = diffusers.HunyuanVideo15Transformer3DModel.from_config(read_transformer_config(tiny_diffusers_dir / "transformer"))
+    config = read_transformer_config(tiny_diffusers_dir / "transformer")
+    built = diffusers.HunyuanVideo15Transformer3DModel.from_config(config)
     pipe = load_pipeline(model_path=str(tiny_diffusers_dir), dtype="fp32", transformer=built)
     assert pipe.transformer is built and pipe.vae is not None
     with pytest.raises(SageGRPOError, match="diffusers layout"):

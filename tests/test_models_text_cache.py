@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hv_fixtures import *  # noqa: F401,F403
-from hv_fixtures import TINY_FRAMES, TINY_H, TINY_W
+from helpers import TINY_FRAMES, TINY_H, TINY_W
 
 from sage_grpo.models.text_cache import TextConditioning, TextEmbeddingCache
 

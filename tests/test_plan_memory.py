@@ -16,7 +16,6 @@ sys.path.insert(0, str(SCRIPTS))
 
 import measure_memory as mm  # noqa: E402
 import plan_memory as pm  # noqa: E402
-from hv_fixtures import *  # noqa: E402,F401,F403
 
 from sage_grpo.config import Config, config_from_dict, read_yaml  # noqa: E402
 from sage_grpo.models.tiny import tiny_transformer_config  # noqa: E402
@@ -36,7 +35,8 @@ def test_meta_count_equals_real_tiny_model():
     real = pm.build_transformer(cfg, "cpu")
     assert next(real.parameters()).device.type == "cpu"
     assert meta["total"] == sum(t.numel() for t in real.state_dict().values())
-    assert meta["per_block"] == sum(t.numel() for k, t in real.state_dict().items() if k.startswith("transformer_blocks.0."))
+    block0 = [t for k, t in real.state_dict().items() if k.startswith("transformer_blocks.0.")]
+    assert meta["per_block"] == sum(t.numel() for t in block0)
     # LoRA through the project's setup_trainable: the meta count equals the real adapter tensors
     lora_meta = pm.count_transformer(pm.build_transformer(cfg, "meta"), use_lora=True, lora_r=4)
     real_lora = pm.build_transformer(cfg, "cpu")
@@ -99,7 +99,8 @@ def test_sharding_arithmetic(counts):
     c, frozen = counts
     run = lambda cfg, world: pm.plan(cfg, pm.PlanOptions(world_size=world), c, frozen)["terms_gib"]  # noqa: E731
     a, b = run(_cfg(reference_mode_offload=False), 8), run(_cfg(reference_mode_offload=False), 16)  # dp_shard 4 -> 8
-    for k in ("policy weights", "gradients", "optimizer state", "anchor (resident)", "muon gather + Newton-Schulz (est)"):
+    for k in ("policy "
+              "weights", "gradients", "optimizer state", "anchor (resident)", "muon gather + Newton-Schulz (est)"):
         assert b[k] == pytest.approx(a[k] / 2), k
     for k in ("vae weights", "reward model", "trajectory", "activations (update)"):
         assert b[k] == pytest.approx(a[k]), k

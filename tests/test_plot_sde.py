@@ -14,10 +14,11 @@ def test_plot_script_prints_tables_and_writes_pngs(tmp_path):
                           capture_output=True, text=True, check=True)
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("0 ", "19 "))]
     std0, std19 = [float(x) for x in rows[0][2:]], [float(x) for x in rows[1][2:]]  # first table: std
-    assert std0 == pytest.approx([.556, .500, .051, .700], abs=6e-4)  # algorithm.md, step 0
+    assert std0 == pytest.approx([.556, .500, .051, .700], abs=6e-4)  # README "The samplers", step 0
     assert std19 == pytest.approx([.080, .117, .228, 0.0], abs=6e-4)
     s0, s19 = [float(x) for x in rows[2][2:]], [float(x) for x in rows[3][2:]]  # second table: S_t
-    assert (s0[0], s19[0]) == (pytest.approx(8.15, abs=6e-3), pytest.approx(.055, abs=6e-4))  # sage, algorithm.md
+    # sage_grpo, the equalizer weights of README "The rest of the algorithm"
+    assert (s0[0], s19[0]) == (pytest.approx(8.15, abs=6e-3), pytest.approx(.055, abs=6e-4))
     for name in ("sde_std.png", "equalizer_weights.png", "gradient_scale.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -1,4 +1,5 @@
-"""Reward protocol pieces without models: registry, weights parsing, composite arithmetic, NaN handling, demo rewards."""
+"""Reward protocol pieces without models: registry, weights parsing, composite arithmetic, NaN handling, demo
+rewards."""
 
 from __future__ import annotations
 
@@ -174,7 +175,8 @@ def test_build_reward_with_demo_rewards():
 def test_negative_weight_applies_a_penalty():
     """A negative weight subtracts its component: total = 1 * VQ - 0.5 * TA."""
     r = Table({"VQ": [1.0, 2.0, 0.5], "TA": [3.0, 4.0, -1.0]})
-    out = CompositeReward({"a": r}, parse_reward_weights('{"VQ": 1, "TA": -0.5}', ("VQ", "TA")))(vids(3), ["p 0", "p 1", "p 2"])
+    out = CompositeReward({"a": r}, parse_reward_weights('{"VQ": 1, "TA": '
+                                                         '-0.5}', ("VQ", "TA")))(vids(3), ["p 0", "p 1", "p 2"])
     assert out["total"].tolist() == [1.0 - 1.5, 2.0 - 2.0, 0.5 + 0.5]
 
 

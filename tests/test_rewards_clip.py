@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rewards_fixtures import tiny_clip_dirs  # noqa: F401 - fixture
 
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards import build_reward

@@ -1,7 +1,7 @@
 """The training loop builds its reward from the resolved config: check that every reward flag reaches it."""
 
 import torch
-from rewards_fixtures import TINY_MIN_PIXELS, smooth_videos, tiny_dirs  # noqa: F401 - fixture
+from helpers import TINY_MIN_PIXELS, smooth_videos
 
 from sage_grpo.config import load_config
 from sage_grpo.rewards import build_reward, build_reward_from_config

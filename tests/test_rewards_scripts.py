@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rewards_fixtures import TINY_MIN_PIXELS, smooth_videos, tiny_clip_dirs, tiny_dirs  # noqa: F401 - fixtures
+from helpers import TINY_MIN_PIXELS, smooth_videos
 
 from sage_grpo.rewards.base import score_safely
 from sage_grpo.rewards.builtin import BrightnessReward
@@ -145,7 +145,7 @@ def test_bench_reward_runs(capsys, tmp_path):
     assert set(rep["results"]["seconds_median"]) == {"in_memory", "mp4_round_trip"}
 
 
-# ------------------------------------------------------------------------------------------------ issue 11
+# ------------------------------------------------------------------------------- score_videos.py inputs and flags
 
 
 def _run(sv, argv, capsys):

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from rewards_fixtures import TINY_MIN_PIXELS, smooth_videos, tiny_dirs  # noqa: F401 - fixture
+from helpers import TINY_MIN_PIXELS, smooth_videos
 
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards.videoalign import (

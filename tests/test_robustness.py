@@ -15,15 +15,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import test_post_train
 import torch
-from test_post_train import ROOT, _args, _stable, _weights, pt
+from post_train_helpers import ROOT, _args, _stable, _weights, pt
 
 from sage_grpo.checkpoint import list_checkpoints, read_train_state
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.metrics import read_metrics
-
-tiny_model = test_post_train.tiny_model  # the module-scoped fixture
 
 
 def _base_weights(model) -> dict[str, torch.Tensor]:
@@ -116,7 +113,8 @@ def test_a_full_disk_at_checkpoint_time_keeps_the_previous_checkpoint(tiny_model
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
     assert not (tmp_path / "checkpoint-2.tmp").exists()
     monkeypatch.setattr(ck, "save_file", real)  # space freed: the run resumes from checkpoint-1
-    pt.main(_args(tiny_model, tmp_path, "--max_steps", "3", "--save_interval", "1", "--resume_from_checkpoint", "latest"))
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "3", "--save_interval", "1",
+                  "--resume_from_checkpoint", "latest"))
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2, 3]
 
 
@@ -211,9 +209,10 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank(tiny_model, tmp_path):
     checkpoint and exit; the run resumes from it."""
     out = tmp_path / "run"
     args = _args(tiny_model, out, "--max_steps", "200", "--batch_size", "2", "--log_interval", "1")
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(ROOT / "post_train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"})
+                            stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.time() + 300
         while not (out / "metrics.jsonl").exists() or len(read_metrics(out / "metrics.jsonl")) < 2:
@@ -227,9 +226,10 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank(tiny_model, tmp_path):
     [(step, _)] = list_checkpoints(out)
     assert 2 <= step < 200 and f"stopped by SIGTERM after step {step}; checkpoint-{step} is saved" in log
     assert log.count("SIGTERM: finishing this step") == 2  # both workers got it from torchrun
+    resume = _args(tiny_model, out, "--max_steps", str(step + 1), "--batch_size", "2",
+                   "--resume_from_checkpoint", "latest")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(ROOT / "post_train.py"), *_args(tiny_model, out, "--max_steps", str(step + 1),
-                                                             "--batch_size", "2", "--resume_from_checkpoint", "latest")],
+                        str(ROOT / "post_train.py"), *resume],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert [s for s, _ in list_checkpoints(out)] == [step, step + 1]

@@ -3,8 +3,7 @@ CFG layout, decoding."""
 
 import pytest
 import torch
-from hv_fixtures import *  # noqa: F401,F403
-from hv_fixtures import TINY_FRAMES, TINY_H, TINY_W
+from helpers import TINY_FRAMES, TINY_H, TINY_W
 
 from sage_grpo.rollout import (
     INIT_NOISE_STEP,
@@ -34,7 +33,8 @@ def _run(pipe, cache, settings, prompts=PROMPTS, gens=None, seeds=None, size=(TI
 
 def test_ode_rollout_matches_diffusers_pipeline(tiny_pipe, text_cache):
     steps, (f, h, w) = 4, (5, 16, 24)  # small: the pipeline and its decode run twice more below
-    traj = _run(tiny_pipe, text_cache, SamplerSettings(sde_type="ode", eta=0.0, num_steps=steps, shift=5.0, cfg_scale=6.0), size=(f, h, w))
+    settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=steps, shift=5.0, cfg_scale=6.0)
+    traj = _run(tiny_pipe, text_cache, settings, size=(f, h, w))
     seeds = [derive_seed(3, 7 + i, 0, INIT_NOISE_STEP) for i in range(2)]
     assert tiny_pipe.scheduler.config.shift == 5.0 and tiny_pipe.guider.guidance_scale == 6.0
     kw = dict(prompt=PROMPTS, negative_prompt=["", ""], height=h, width=w, num_frames=f,
@@ -47,7 +47,8 @@ def test_ode_rollout_matches_diffusers_pipeline(tiny_pipe, text_cache):
     assert torch.equal(traj.latents[:, 0], x0)
     tiny_pipe.vae.enable_slicing()  # the pipeline decodes the batch at once: diffusers' VAE batch bug
     try:
-        ref_frames = tiny_pipe(generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="pt", **kw).frames
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        ref_frames = tiny_pipe(generator=generators, output_type="pt", **kw).frames
     finally:
         tiny_pipe.vae.disable_slicing()
     frames = decode_latents(tiny_pipe.vae, traj.final_latents)
@@ -149,7 +150,8 @@ def test_cfg_layout_and_cfg_off(tiny_pipe, text_cache):
     assert (v - (v_u + 4.0 * (v_c - v_u))).abs().max() < 1e-4
     # The conditional half is the same forward as the transformer called directly.
     direct = tiny_pipe.transformer(
-        hidden_states=torch.cat([x, torch.zeros_like(x), torch.zeros_like(x[:, :1])], 1), timestep=(sigma * 1000).float(),
+        hidden_states=torch.cat([x, torch.zeros_like(x), torch.zeros_like(x[:, :1])], 1),
+        timestep=(sigma * 1000).float(),
         encoder_hidden_states=cond.prompt_embeds, encoder_attention_mask=cond.prompt_mask,
         encoder_hidden_states_2=cond.byt5_embeds, encoder_attention_mask_2=cond.byt5_mask,
         image_embeds=torch.zeros(2, n, tiny_pipe.transformer.config.image_embed_dim), return_dict=False)[0]

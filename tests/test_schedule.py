@@ -5,7 +5,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from sage_grpo.schedule import num_train_timesteps, select_timesteps, sigma_schedule, timesteps_from_sigmas
 
-# algorithm.md section 1, T = 20, shift 5
+# sigma_i = s u_i / (1 + (s - 1) u_i), u_i = 1 - i/T (README "The samplers"), T = 20, shift 5, to 4 decimals
 PAPER_SIGMAS = [1.0, .9896, .9783, .9659, .9524, .9375, .9211, .9028, .8824, .8594, .8333, .8036, .7692,
                 .7292, .6818, .625, .5556, .4688, .3571, .2083, 0.0]
 

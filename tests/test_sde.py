@@ -13,7 +13,7 @@ from sage_grpo.sde import SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule, check
 SDES = ["dance_grpo", "flow_grpo", "sage_grpo", "cps"]
 SIG = sigma_schedule(20, 5.0)
 
-# algorithm.md section 2: std per step, T = 20, shift 5, eta = 0.5
+# README "The samplers": std per step, T = 20, shift 5, eta = 0.5
 STD_TABLE_STEPS = [0, 1, 2, 5, 9, 14, 18, 19]
 STD_TABLE = {
     "sage_grpo": [.556, .426, .331, .233, .190, .164, .122, .080],
@@ -41,7 +41,8 @@ def test_std_table(sde):
 def test_std_independent_formulas():
     # Direct transcription of the paper's Table 1 / Eq. 6 at step 3, independent of step_variance.
     eta, s, sn = 0.5, SIG[3].item(), SIG[4].item()
-    assert _std_row("sage_grpo")[3] == pytest.approx(eta * math.sqrt(-(s - sn) + math.log((1 - sn) / (1 - s))), rel=1e-5)
+    want = eta * math.sqrt(-(s - sn) + math.log((1 - sn) / (1 - s)))
+    assert _std_row("sage_grpo")[3] == pytest.approx(want, rel=1e-5)
     assert _std_row("flow_grpo")[3] == pytest.approx(eta * math.sqrt(s / (1 - s)) * math.sqrt(s - sn), rel=1e-5)
     assert _std_row("dance_grpo")[3] == pytest.approx(eta * math.sqrt(s - sn), rel=1e-5)
     assert _std_row("cps")[3] == pytest.approx(sn * math.sin(eta * math.pi / 2), rel=1e-5)
@@ -116,7 +117,8 @@ def test_sage_refusal_names_the_step_and_the_fixes_and_they_work():
                   ["--grpo_sampling_steps", "84", "--flow_shift", "4", "--sage_sigma_clamp", str(clamp)]):
         load_config(fixed)
     assert steps == 83  # 1 - sigma_1 = 1 / (4 * 82 + 1) leaves a positive integral, 1 / (4 * 83 + 1) does not
-    assert _sage_v(1.0, 1 - 1 / (4 * 82 + 1), SAGE_SIGMA_CLAMP) > 0 > _sage_v(1.0, 1 - 1 / (4 * 83 + 1), SAGE_SIGMA_CLAMP)
+    assert _sage_v(1.0, 1 - 1 / (4 * 82 + 1), SAGE_SIGMA_CLAMP) > 0
+    assert _sage_v(1.0, 1 - 1 / (4 * 83 + 1), SAGE_SIGMA_CLAMP) < 0
 
 
 def test_sage_variance_stays_positive_at_the_end_of_long_low_shift_schedules():

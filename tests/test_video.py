@@ -19,7 +19,8 @@ def test_unreadable_video_is_one_line_without_the_ffmpeg_banner(tmp_path):
     with pytest.raises(SageGRPOError) as info:
         read_video(tmp_path / "bad.mp4")
     msg = str(info.value)
-    assert msg.startswith(f"cannot decode video {tmp_path / 'bad.mp4'}") and "\n" not in msg and "ffmpeg version" not in msg
+    assert msg.startswith("cannot decode video "
+                          f"{tmp_path / 'bad.mp4'}") and "\n" not in msg and "ffmpeg version" not in msg
 
 
 def test_ffmpeg_is_found():
@@ -67,4 +68,5 @@ def test_an_interrupted_write_leaves_the_old_file_and_no_partial_one(tmp_path, m
     (tmp_path / "p.txt").write_bytes(b"old\n")
     with pytest.raises(OSError):
         write_text_atomic(tmp_path / "p.txt", "new\n")
-    assert (tmp_path / "p.txt").read_bytes() == b"old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "v.mp4"]
+    assert (tmp_path / "p.txt").read_bytes() == b"old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "v.mp4"]

@@ -88,6 +88,7 @@ def test_attributes_reject_what_the_world_cannot_draw():
     with pytest.raises(SageGRPOError, match="unknown motion 'spins'"):
         Attributes((obj,), "spins", "blue")
     with pytest.raises(SageGRPOError, match="1 or 2 objects"):
-        Attributes((obj, ObjectAttrs("small", "blue", "circle"), ObjectAttrs("small", "green", "circle")), "up", "white")
+        three = (obj, ObjectAttrs("small", "blue", "circle"), ObjectAttrs("small", "green", "circle"))
+        Attributes(three, "up", "white")
     with pytest.raises(SageGRPOError, match="must all differ"):
         Attributes((obj, ObjectAttrs("large", "red", "square")), "up", "white")

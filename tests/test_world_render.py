@@ -74,7 +74,8 @@ def test_two_objects_never_overlap():
 
 
 def test_shape_areas_match_geometry():
-    """Anti-aliased coverage integrates to the analytic area of each shape (circle pi r^2, square 4r^2, triangle 2r^2)."""
+    """Anti-aliased coverage integrates to the analytic area of each shape (circle pi r^2, square 4r^2, triangle
+    2r^2)."""
     centres = torch.tensor([[15.3, 16.7]], dtype=torch.float64)
     radii = torch.tensor([[6.4, 6.4]], dtype=torch.float64)
     exact = {"circle": math.pi * 6.4**2, "square": 4 * 6.4**2, "triangle": 2 * 6.4**2}

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """32 px clips are tiny: extra threads only add synchronisation, which on a busy 2-core machine is most of the time."""
+    """32 px clips are tiny: extra threads only add synchronisation, which on a busy 2-core machine is most of the
+    time."""
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,4 +1,4 @@
-"""A seconds-scale CPU lab for the algorithm (issue 5): GRPO on a small flow model with a known data manifold.
+"""A seconds-scale CPU lab for the algorithm (README "Lab"): GRPO on a small flow model with a known data manifold.
 
 - `data`: a ring of angular modes, in 2-D or embedded in D dimensions, with an exact distance to the support
   and a reward that prefers one mode (and can be exploited off-manifold).

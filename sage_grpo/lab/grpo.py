@@ -9,12 +9,13 @@ One iteration = one rollout batch:
    `grpo_backward` re-scores the stored x_{t+1}, weights the clipped surrogate by the equalizer S_t and adds
    lambda_KL * L_KL), so every lab result speaks for the video loop.
 
-KL variants (algorithm.md section 6):
-    none      no KL term
-    fixed     KL_pos to the initial model (anchor never refreshed)
-    moving    KL_pos to an anchor copied from the policy every `kl_refresh_every` optimizer updates
-    stepwise  KL_vel only (k1 estimate against the rollout policy), with weight `kl_stepwise_beta_vel`
-    dual      moving KL_pos + kl_beta_vel * KL_vel (the paper's dual trust region)
+KL variants (README "The rest of the algorithm"; `sage_grpo.kl.KL_VARIANTS`):
+    none        no KL term
+    fixed       KL_pos to the initial model (anchor never refreshed)
+    moving      KL_pos to an anchor copied from the policy every `kl_refresh_every` optimizer updates
+    stepwise    KL_vel only (k1 estimate against the rollout policy), with weight `kl_stepwise_beta_vel`
+    dual        moving KL_pos + kl_beta_vel * KL_vel (the paper's dual trust region)
+    dual_fixed  fixed KL_pos + kl_beta_vel * KL_vel
 
 Steps whose injected variance is 0 (the last cps step) carry no policy gradient and would make KL_pos blow up
 through the 1e-6 variance guard, so the lab never trains them.
@@ -38,7 +39,13 @@ from torch import Tensor, nn
 from ..advantage import group_advantages
 from ..equalizer import equalizer_weights, gradient_scale
 from ..grpo import PairBatch, grpo_backward, plan_steps
-from ..kl import AdaptiveKLController
+from ..kl import (
+    KL_VARIANTS,
+    MOVING_ANCHOR_VARIANTS,
+    POSITION_VARIANTS,
+    VELOCITY_VARIANTS,
+    AdaptiveKLController,
+)
 from ..schedule import sigma_schedule
 from ..sde import check_sampler, sde_step
 from .data import RingManifold
@@ -47,7 +54,6 @@ from .model import ode_sample
 
 __all__ = ["KL_VARIANTS", "LAB_SAMPLERS", "LabConfig", "Trajectory", "RunResult", "rollout", "train_grpo", "summarize"]
 
-KL_VARIANTS = ("none", "fixed", "moving", "stepwise", "dual")
 LAB_SAMPLERS = ("dance_grpo", "flow_grpo", "sage_grpo", "cps")  # the SDE samplers (ode has no exploration)
 
 
@@ -101,15 +107,15 @@ class LabConfig:
 
     @property
     def uses_kl_pos(self) -> bool:
-        return self.kl in ("fixed", "moving", "dual")
+        return self.kl in POSITION_VARIANTS
 
     @property
     def uses_kl_vel(self) -> bool:
-        return self.kl in ("stepwise", "dual")
+        return self.kl in VELOCITY_VARIANTS
 
     @property
     def refreshes_anchor(self) -> bool:
-        return self.kl in ("moving", "dual")
+        return self.kl in MOVING_ANCHOR_VARIANTS
 
 
 @dataclass
@@ -192,10 +198,11 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
     batch = cfg.num_groups * cfg.group_size
     group_ids = torch.arange(cfg.num_groups).repeat_interleave(cfg.group_size)  # [B]
     beta_pos = cfg.kl_beta_pos if cfg.uses_kl_pos else 0.0
-    beta_vel = (cfg.kl_beta_vel if cfg.kl == "dual" else cfg.kl_stepwise_beta_vel) if cfg.uses_kl_vel else 0.0
+    beta_vel = (cfg.kl_stepwise_beta_vel if cfg.kl == "stepwise" else cfg.kl_beta_vel) if cfg.uses_kl_vel else 0.0
     anchor_synced = True  # the anchor equals the policy (initial copy or just refreshed) until the next update
 
-    result = RunResult(config=asdict(cfg), equalizer=s_eq, predicted_scale=gradient_scale(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob))
+    predicted = gradient_scale(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob)  # [T]
+    result = RunResult(config=asdict(cfg), equalizer=s_eq, predicted_scale=predicted)
     result.base = _evaluate(policy, data, eval_noise, cfg)
     num_updates = 0
     for it in range(cfg.iterations):

@@ -100,7 +100,8 @@ def _load_glyph_byt5(root: Path, dtype: torch.dtype):
 
     byt5_dir = root / "text_encoder/byt5-small"
     glyph = root / "text_encoder/Glyph-SDXL-v2"
-    tokenizer = ByT5Tokenizer.from_pretrained(os.fspath(byt5_dir)) if (byt5_dir / "tokenizer_config.json").exists() else ByT5Tokenizer()
+    has_tokenizer = (byt5_dir / "tokenizer_config.json").exists()
+    tokenizer = ByT5Tokenizer.from_pretrained(os.fspath(byt5_dir)) if has_tokenizer else ByT5Tokenizer()
     tokenizer.add_tokens(glyph_special_tokens(glyph), special_tokens=True)
     config = T5Config.from_pretrained(os.fspath(byt5_dir))
     encoder = T5EncoderModel(config)
@@ -112,7 +113,8 @@ def _load_glyph_byt5(root: Path, dtype: torch.dtype):
     missing, unexpected = encoder.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "shared.weight"]  # tied to encoder.embed_tokens
     if missing or unexpected:
-        raise SageGRPOError(f"Glyph-SDXL-v2 byt5_model.pt does not fit byt5-small: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise SageGRPOError(f"Glyph-SDXL-v2 byt5_model.pt does not fit byt5-small: missing {missing[:5]}, unexpected "
+                            f"{unexpected[:5]}")
     return encoder.to(dtype), tokenizer
 
 
@@ -144,13 +146,16 @@ def save_authors_layout(components: dict, root: Path, version: str = "480p_t2v")
     tdir = root / "transformer" / version
     tdir.mkdir(parents=True, exist_ok=True)
     tr = components["transformer"]
-    save_file({k: v.contiguous() for k, v in diffusers_to_authors_transformer(tr.state_dict()).items()}, tdir / "diffusion_pytorch_model.safetensors")
-    (tdir / "config.json").write_text(json.dumps({"rope_dim_list": list(tr.config.rope_axes_dim), "target_size": tr.config.target_size}))
+    save_file({k: v.contiguous() for k, v in diffusers_to_authors_transformer(tr.state_dict()).items()},
+              tdir / "diffusion_pytorch_model.safetensors")
+    (tdir / "config.json").write_text(json.dumps({"rope_dim_list": list(tr.config.rope_axes_dim),
+                                                  "target_size": tr.config.target_size}))
 
     vdir = root / "vae"
     vdir.mkdir(parents=True, exist_ok=True)
     vae = components["vae"]
-    save_file({k: v.contiguous() for k, v in diffusers_to_authors_vae(vae.state_dict()).items()}, vdir / "diffusion_pytorch_model.safetensors")
+    save_file({k: v.contiguous() for k, v in diffusers_to_authors_vae(vae.state_dict()).items()},
+              vdir / "diffusion_pytorch_model.safetensors")
     vcfg = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
     vcfg["ffactor_spatial"] = vcfg.pop("spatial_compression_ratio")  # the authors' names
     vcfg["ffactor_temporal"] = vcfg.pop("temporal_compression_ratio")
@@ -161,7 +166,8 @@ def save_authors_layout(components: dict, root: Path, version: str = "480p_t2v")
     tcfg = te.config.to_dict()
     vl_cfg = Qwen2_5_VLConfig(
         text_config=tcfg,
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=tcfg["hidden_size"], fullatt_block_indexes=[0]),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=tcfg["hidden_size"], fullatt_block_indexes=[0]),
     )
     vl = Qwen2_5_VLForConditionalGeneration(vl_cfg)
     vl.model.language_model.load_state_dict(te.state_dict())
@@ -182,5 +188,6 @@ def save_authors_layout(components: dict, root: Path, version: str = "480p_t2v")
     enc = copy.deepcopy(components["text_encoder_2"])
     n_added = len(glyph_special_tokens(glyph))
     enc.resize_token_embeddings(len(components["tokenizer_2"]) + n_added, mean_resizing=False)
-    state = {"module.text_tower.encoder." + k[len("encoder."):]: v.clone() for k, v in enc.state_dict().items() if k.startswith("encoder.")}
+    state = {"module.text_tower.encoder." + k[len("encoder."):]: v.clone()
+             for k, v in enc.state_dict().items() if k.startswith("encoder.")}
     torch.save(state, glyph / "checkpoints/byt5_model.pt")

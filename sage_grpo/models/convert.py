@@ -39,11 +39,16 @@ TRANSFORMER_RULES: list[tuple[str, str, str]] = [
     ("txt_in.input_embedder", "context_embedder.proj_in", ""),
     ("txt_in.individual_token_refiner.blocks.{i}.norm1", "context_embedder.token_refiner.refiner_blocks.{i}.norm1", ""),
     ("txt_in.individual_token_refiner.blocks.{i}.norm2", "context_embedder.token_refiner.refiner_blocks.{i}.norm2", ""),
-    ("txt_in.individual_token_refiner.blocks.{i}.self_attn_qkv", "context_embedder.token_refiner.refiner_blocks.{i}.attn.to_{qkv}", "qkv"),
-    ("txt_in.individual_token_refiner.blocks.{i}.self_attn_proj", "context_embedder.token_refiner.refiner_blocks.{i}.attn.to_out.0", ""),
-    ("txt_in.individual_token_refiner.blocks.{i}.mlp.fc1", "context_embedder.token_refiner.refiner_blocks.{i}.ff.net.0.proj", ""),
-    ("txt_in.individual_token_refiner.blocks.{i}.mlp.fc2", "context_embedder.token_refiner.refiner_blocks.{i}.ff.net.2", ""),
-    ("txt_in.individual_token_refiner.blocks.{i}.adaLN_modulation.1", "context_embedder.token_refiner.refiner_blocks.{i}.norm_out.linear", ""),
+    ("txt_in.individual_token_refiner.blocks.{i}.self_attn_qkv",
+     "context_embedder.token_refiner.refiner_blocks.{i}.attn.to_{qkv}", "qkv"),
+    ("txt_in.individual_token_refiner.blocks.{i}.self_attn_proj",
+     "context_embedder.token_refiner.refiner_blocks.{i}.attn.to_out.0", ""),
+    ("txt_in.individual_token_refiner.blocks.{i}.mlp.fc1",
+     "context_embedder.token_refiner.refiner_blocks.{i}.ff.net.0.proj", ""),
+    ("txt_in.individual_token_refiner.blocks.{i}.mlp.fc2",
+     "context_embedder.token_refiner.refiner_blocks.{i}.ff.net.2", ""),
+    ("txt_in.individual_token_refiner.blocks.{i}.adaLN_modulation.1",
+     "context_embedder.token_refiner.refiner_blocks.{i}.norm_out.linear", ""),
     ("byt5_in.layernorm", "context_embedder_2.norm", ""),
     ("byt5_in.fc1", "context_embedder_2.linear_1", ""),
     ("byt5_in.fc2", "context_embedder_2.linear_2", ""),
@@ -152,7 +157,8 @@ def _convert(state: dict[str, Tensor], rules: Iterable[tuple[str, str, str]], fo
         out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
     if unmatched:
         shown = ", ".join(unmatched[:8]) + (" ..." if len(unmatched) > 8 else "")
-        raise SageGRPOError(f"{what}: {len(unmatched)} keys have no mapping (not a HunyuanVideo-1.5 checkpoint?): {shown}")
+        raise SageGRPOError(f"{what}: {len(unmatched)} keys have no mapping (not a HunyuanVideo-1.5 checkpoint?): "
+                            f"{shown}")
     return out
 
 

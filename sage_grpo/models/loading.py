@@ -73,7 +73,8 @@ def missing_pieces(loc: ModelLocation) -> list[str]:
     if loc.layout == "diffusers":
         checks = [("model_index.json", (r / "model_index.json").is_file())]
         for sub in ("transformer", "vae", "text_encoder", "text_encoder_2"):
-            checks.append((f"{sub}/ (config.json + weights)", (r / sub / "config.json").is_file() and _has_weights(r / sub)))
+            checks.append((f"{sub}/ (config.json + "
+                           "weights)", (r / sub / "config.json").is_file() and _has_weights(r / sub)))
         for sub in ("tokenizer", "tokenizer_2"):
             checks.append((f"{sub}/", _has_tokenizer(r / sub)))
     else:
@@ -82,17 +83,21 @@ def missing_pieces(loc: ModelLocation) -> list[str]:
         checks = [
             (f"transformer/{loc.version}/ (weights)", _has_weights(t)),
             ("vae/ (config.json + weights)", (r / "vae" / "config.json").is_file() and _has_weights(r / "vae")),
-            ("text_encoder/llm/ (config.json + weights)", (r / "text_encoder/llm/config.json").is_file() and _has_weights(r / "text_encoder/llm")),
+            ("text_encoder/llm/ (config.json + "
+             "weights)", (r / "text_encoder/llm/config.json").is_file() and _has_weights(r / "text_encoder/llm")),
             ("text_encoder/llm/ (tokenizer)", _has_tokenizer(r / "text_encoder/llm")),
             ("text_encoder/byt5-small/config.json", (r / "text_encoder/byt5-small/config.json").is_file()),
             ("text_encoder/Glyph-SDXL-v2/checkpoints/byt5_model.pt", (glyph / "checkpoints/byt5_model.pt").is_file()),
             ("text_encoder/Glyph-SDXL-v2/assets/color_idx.json", (glyph / "assets/color_idx.json").is_file()),
-            ("text_encoder/Glyph-SDXL-v2/assets/multilingual_10-lang_idx.json", (glyph / "assets/multilingual_10-lang_idx.json").is_file()),
+            ("text_encoder/Glyph-SDXL-v2/assets/multilingual_10-lang_idx.json",
+             (glyph / "assets/multilingual_10-lang_idx.json").is_file()),
         ]
     return [name for name, ok in checks if not ok]
 
 
-def locate_model(pretrained_model_root: str = "ckpts", model_path: str = "", version: str = "480p_t2v") -> ModelLocation:
+def locate_model(
+    pretrained_model_root: str = "ckpts", model_path: str = "", version: str = "480p_t2v"
+) -> ModelLocation:
     """Find the checkpoint and its layout.
 
     `model_path` (if set) must be a diffusers-layout directory or an authors' root. Otherwise, under

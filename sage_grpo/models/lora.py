@@ -34,7 +34,8 @@ ADAPTER_CONFIG = "adapter_config.json"  # peft's name; holds r, lora_alpha, lora
 
 def default_lora_targets(transformer) -> list[str]:
     """Every nn.Linear inside the transformer blocks (full module names, so nothing outside them matches)."""
-    return [n for n, m in transformer.named_modules() if n.startswith("transformer_blocks.") and isinstance(m, torch.nn.Linear)]
+    return [n for n, m in transformer.named_modules()
+            if n.startswith("transformer_blocks.") and isinstance(m, torch.nn.Linear)]
 
 
 def setup_trainable(
@@ -61,7 +62,8 @@ def setup_trainable(
 
     transformer.requires_grad_(False)
     targets = list(lora_target_modules or []) or default_lora_targets(transformer)
-    config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets, init_lora_weights=True)
+    config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets,
+                        init_lora_weights=True)
     try:
         transformer.add_adapter(config, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # peft: "Target modules ... not found in the base model"
@@ -111,7 +113,8 @@ def saved_lora_settings(path: str | Path) -> dict | None:
         return None
     try:
         data = json.loads(cfg_path.read_text())
-        return {"r": int(data["r"]), "lora_alpha": data["lora_alpha"], "lora_dropout": float(data.get("lora_dropout", 0.0)),
+        return {"r": int(data["r"]), "lora_alpha": data["lora_alpha"],
+                "lora_dropout": float(data.get("lora_dropout", 0.0)),
                 "target_modules": list(data["target_modules"])}
     except (ValueError, KeyError, TypeError) as e:
         raise SageGRPOError(f"LoRA settings {cfg_path} are unreadable ({e}); fix or delete the file") from None
@@ -142,7 +145,8 @@ def load_lora(transformer, path: str | Path) -> None:
     if missing or unexpected:
         raise SageGRPOError(
             f"LoRA adapter {path} does not fit the model (check --lora_r / --lora_target_modules): "
-            f"{len(missing)} missing (e.g. {sorted(missing)[:3]}), {len(unexpected)} unexpected (e.g. {sorted(unexpected)[:3]})"
+            f"{len(missing)} missing (e.g. {sorted(missing)[:3]}), {len(unexpected)} unexpected (e.g. "
+            f"{sorted(unexpected)[:3]})"
         )
     set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER_NAME)
 
@@ -175,7 +179,8 @@ def load_dcp_transformer(transformer, path: str | Path) -> None:
 
     path = Path(path)
     if not (path / ".metadata").is_file():
-        raise SageGRPOError(f"--checkpoint_path {str(path)!r} is not a DCP directory (no .metadata); pass checkpoint-N/transformer")
+        raise SageGRPOError(f"--checkpoint_path {str(path)!r} is not a DCP directory (no .metadata); pass "
+                            "checkpoint-N/transformer")
     state = {"model": get_model_state_dict(transformer)}
     try:
         dcp.load(state, checkpoint_id=str(path))

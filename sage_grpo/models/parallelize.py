@@ -122,7 +122,8 @@ def build_meta_transformer(config: dict, *, dtype: torch.dtype = torch.float32, 
         for mod in model.modules():
             for name, p in list(mod._parameters.items()):
                 if p is not None:
-                    mod._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                    mod._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                                         requires_grad=p.requires_grad)
     elif lora is not None:
         from sage_grpo.models.lora import setup_trainable
 

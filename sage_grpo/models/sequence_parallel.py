@@ -68,7 +68,8 @@ class UlyssesAttnProcessor(ValidTokenAttnProcessor):
         from diffusers.models.embeddings import apply_rotary_emb
 
         if image_rotary_emb is None or len(image_rotary_emb) != 3:
-            raise SageGRPOError("UlyssesAttnProcessor runs only inside a transformer set up by enable_sequence_parallel")
+            raise SageGRPOError("UlyssesAttnProcessor runs only inside a transformer set up by "
+                                "enable_sequence_parallel")
         # cos/sin: [S_loc, d], my tokens' rows; n_video: unpadded S, carried in the rotary tuple (not read from the
         # state) so that a checkpointed block's recompute never reads a later forward's length
         cos, sin, n_video = image_rotary_emb
@@ -95,7 +96,8 @@ class UlyssesAttnProcessor(ValidTokenAttnProcessor):
             value = torch.cat([value, ev[:, :, mine]], dim=1)
         # 5: each sample attends over its valid prefix (all video tokens + its valid text tokens)
         lengths = [n_video + n for n in valid_lengths(attention_mask, batch, n_enc)]
-        out = prefix_attention(query, key, value, lengths, self._attention_backend).to(query.dtype)  # [B, S + T, H/P, d]
+        # [B, S + T, H/P, d]
+        out = prefix_attention(query, key, value, lengths, self._attention_backend).to(query.dtype)
         video = out[:, :n_video]
         pad = s_loc * st.size - n_video
         if pad:  # the pad tokens get zero attention output (they are cut at proj_out)

@@ -54,7 +54,8 @@ class TextConditioning:
         return self.prompt_embeds.shape[0]
 
     def _map(self, fn) -> TextConditioning:
-        return TextConditioning(*(fn(t) for t in (self.prompt_embeds, self.prompt_mask, self.byt5_embeds, self.byt5_mask)))
+        fields = (self.prompt_embeds, self.prompt_mask, self.byt5_embeds, self.byt5_mask)
+        return TextConditioning(*(fn(t) for t in fields))
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> TextConditioning:
         """Move; `dtype` casts embeddings and masks alike (the pipeline hands masks in the transformer dtype)."""
@@ -129,7 +130,8 @@ def encoder_identity(pipe) -> str:
         d = Path(loc.root) / sub
         files = sorted(f for f in d.rglob("*") if f.is_file()) if d.is_dir() else []
         parts += [f"{f.relative_to(loc.root).as_posix()}:{_file_digest(f)}" for f in files]
-    lengths = {k: getattr(pipe, k) for k in ("tokenizer_max_length", "prompt_template_encode_start_idx", "tokenizer_2_max_length")}
+    lengths = {k: getattr(pipe, k)
+               for k in ("tokenizer_max_length", "prompt_template_encode_start_idx", "tokenizer_2_max_length")}
     parts += [json.dumps(lengths, sort_keys=True), getattr(pipe, "system_message", "")]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -176,7 +178,8 @@ def _prefix_length(mask: Tensor, what: str) -> int:
     m = mask.bool()
     n = int(m.sum())
     if not bool(m[:n].all()):
-        raise SageGRPOError(f"the {what} mask has padding between valid tokens; the text cache keeps a valid prefix only")
+        raise SageGRPOError(f"the {what} mask has padding between valid tokens; the text cache keeps a valid prefix "
+                            "only")
     return n
 
 
@@ -379,7 +382,8 @@ class TextEmbeddingCache:
             for part in gather({p: self._memory[p] for p in mine[k * per_round:(k + 1) * per_round]}):
                 self._memory.update(part)
 
-    def get(self, prompts: list[str], device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TextConditioning:
+    def get(self, prompts: list[str], device: torch.device | str | None = None,
+            dtype: torch.dtype | None = None) -> TextConditioning:
         """N prompts -> [N, L, ...] on `device` (default: the cache device) in `dtype` (default: the cache dtype),
         L = the batch's longest valid length per stream (right padding: zero embeddings, mask 0)."""
         entries = {p: self._entry(p) for p in dict.fromkeys(prompts)}  # a repeated prompt is read once

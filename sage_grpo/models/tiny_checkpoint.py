@@ -1,14 +1,16 @@
 """Write a tiny random HunyuanVideo-1.5 checkpoint in either layout (used by scripts/make_tiny_checkpoint.py,
-generate.py's tiny default and the tests). It loads through exactly the code path of real weights."""
+the tiny default of generate.py and post_train.py, and the tests). It loads through exactly the code path of real
+weights."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from sage_grpo.models.tiny import TEXT_LENGTHS_FILE, build_tiny_components
 
-__all__ = ["TINY_CHECKPOINT_DIR", "write_tiny_checkpoint"]
+__all__ = ["TINY_CHECKPOINT_DIR", "write_tiny_checkpoint", "ensure_tiny_checkpoint"]
 
 # Where configs/tiny_cpu.yaml and scripts/demo.sh expect the diffusers-layout tiny model.
 TINY_CHECKPOINT_DIR = "outputs/tiny_ckpts/hunyuanvideo15"
@@ -32,3 +34,16 @@ def write_tiny_checkpoint(out: str | Path, layout: str = "diffusers", seed: int 
         raise ValueError(f"layout must be 'diffusers' or 'authors', got {layout!r}")
     (out / TEXT_LENGTHS_FILE).write_text(json.dumps(lengths.to_dict(), indent=1) + "\n")
     return out
+
+
+def ensure_tiny_checkpoint(model_path: str | Path, *, is_main: bool, log: Callable[[str], None] = print) -> None:
+    """Build the tiny default model on first use (seconds) when `model_path` is TINY_CHECKPOINT_DIR and holds none
+    yet; any other path is left alone (real weights are never fetched). Collective: the main rank writes, every
+    rank waits at a barrier, so no rank loads a half-written model."""
+    from sage_grpo.parallel.dist import barrier
+
+    target = Path(model_path) if model_path else None
+    if is_main and target == Path(TINY_CHECKPOINT_DIR) and not (target / "model_index.json").exists():
+        log(f"building the tiny random model at {target} (scripts/make_tiny_checkpoint.py)")
+        write_tiny_checkpoint(target)
+    barrier()

@@ -84,7 +84,8 @@ def build_mesh(device_type: str, world: int, sp_size: int, dp_replicate: int):
         return mesh, dp_mesh, mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
     # a 2-D slice mixing a flattened dim is deprecated in torch >= 2.11: build the HSDP mesh on its own (rank
     # = replica * (dp_shard * sp) + shard rank, as in `mesh`)
-    hsdp = init_device_mesh(device_type, (dp_replicate, world // dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard_sp"))
+    hsdp = init_device_mesh(device_type, (dp_replicate, world // dp_replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard_sp"))
     return mesh, dp_mesh, hsdp
 
 

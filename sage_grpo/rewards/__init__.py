@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from sage_grpo.config import REWARD_MAX_PIXELS, REWARD_SAMPLE_FPS, VIDEO_FPS
 from sage_grpo.rewards import builtin, clip_metrics, videoalign, world  # noqa: F401 - registers the rewards
 from sage_grpo.rewards.base import (
     CompositeReward,
@@ -52,9 +53,9 @@ def build_reward(
     pretrained_model_root: str | Path = "ckpts",
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "bf16",
-    max_pixels: int = 200704,
-    sample_fps: float = 2.0,
-    video_fps: float = 24.0,
+    max_pixels: int = REWARD_MAX_PIXELS,
+    sample_fps: float = REWARD_SAMPLE_FPS,
+    video_fps: float = VIDEO_FPS,
     batch_size: int = 0,
     **extra: object,
 ) -> CompositeReward:

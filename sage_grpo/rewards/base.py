@@ -186,7 +186,8 @@ class CompositeReward:
         for name, r in self.rewards.items():
             for c in r.components:
                 if c == "total":
-                    raise SageGRPOError(f"reward {name!r} names a component 'total', which is reserved for the weighted "
+                    raise SageGRPOError(f"reward {name!r} names a component 'total', which is reserved for the "
+                                        "weighted "
                                         "sum of the components; rename that component")
                 if c in comps:
                     raise SageGRPOError(f"reward {name!r} provides component {c!r} which another reward provides too")

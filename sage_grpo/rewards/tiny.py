@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from sage_grpo.config import REWARD_MAX_PIXELS, REWARD_SAMPLE_FPS
 from sage_grpo.rewards.videoalign_ckpt import DEFAULT_NORM, PEFT_PREFIX, SPECIAL_TOKENS, remap_v2
 
 # Qwen2-VL's special tokens in their real order (ids 151643.. in the real vocabulary, 256.. here)
@@ -189,7 +190,8 @@ def write_tiny_videoreward(
         base_state["model." + k if k.startswith("visual.") else "model.language_model." + k[len("model.") :]] = v
     config = {
         "data_config": {
-            "meta_data": "", "data_dir": "", "fps": 2.0, "num_frames": None, "max_frame_pixels": 200704,
+            "meta_data": "", "data_dir": "", "fps": REWARD_SAMPLE_FPS, "num_frames": None,
+            "max_frame_pixels": REWARD_MAX_PIXELS,
             "eval_dim": ["VQ", "MQ", "TA"], "prompt_template_type": "detailed_special", "sample_type": "uniform",
         },
         "model_config": {
@@ -201,7 +203,8 @@ def write_tiny_videoreward(
             "lora_namespan_exclude": ["lm_head", "rm_head", "embed_tokens", "visual"], "use_rslora": False,
             "lora_task_type": "CAUSAL_LM",
         },
-        "inference_config": {f"{k}_{s}": v for k, (m, sd) in DEFAULT_NORM.items() for s, v in (("mean", m), ("std", sd))},
+        "inference_config": {f"{k}_{s}": v
+                             for k, (m, sd) in DEFAULT_NORM.items() for s, v in (("mean", m), ("std", sd))},
     }  # fmt: skip
     (out / "model_config.json").write_text(json.dumps(config, indent=2))
     for i, step in enumerate(steps):

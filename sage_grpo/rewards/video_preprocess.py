@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from sage_grpo.config import REWARD_MAX_PIXELS, REWARD_MIN_PIXELS, REWARD_SAMPLE_FPS, VIDEO_FPS
+
 # Qwen2-VL (= OpenAI CLIP) normalisation statistics, RGB
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -24,7 +26,6 @@ IMAGE_FACTOR = PATCH_SIZE * MERGE_SIZE  # 28: resized sides are multiples of thi
 FRAME_FACTOR = 2  # the number of sampled frames is a multiple of this (temporal patch)
 FPS_MIN_FRAMES = 4  # qwen_vl_utils' lower bound on sampled frames
 FPS_MAX_FRAMES = 768
-VIDEO_MIN_PIXELS = 128 * 28 * 28  # qwen_vl_utils' default lower bound per frame (100352)
 MAX_RATIO = 200
 
 
@@ -44,7 +45,8 @@ def _floor_by(x: float, f: int) -> int:
 
 
 def smart_resize(
-    height: int, width: int, factor: int = IMAGE_FACTOR, min_pixels: int = VIDEO_MIN_PIXELS, max_pixels: int = 200704
+    height: int, width: int, factor: int = IMAGE_FACTOR, min_pixels: int = REWARD_MIN_PIXELS,
+    max_pixels: int = REWARD_MAX_PIXELS,
 ) -> tuple[int, int]:
     """Target (h, w): multiples of ``factor``, aspect ratio kept as well as possible, area in [min, max] pixels.
 
@@ -69,7 +71,9 @@ def smart_resize(
     return h_bar, w_bar
 
 
-def sample_frame_indices(num_frames: int, video_fps: float = 24.0, sample_fps: float = 2.0) -> torch.Tensor:
+def sample_frame_indices(
+    num_frames: int, video_fps: float = VIDEO_FPS, sample_fps: float = REWARD_SAMPLE_FPS
+) -> torch.Tensor:
     """Indices of the frames VideoAlign looks at: ``sample_fps`` frames per second of a ``video_fps`` video.
 
     Same arithmetic as the ``smart_nframes`` of the ``vision_process.py`` that VideoAlign ships (the classic
@@ -132,10 +136,10 @@ def patchify(frames: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
 
 def preprocess_videos(
     videos: torch.Tensor,
-    video_fps: float = 24.0,
-    sample_fps: float = 2.0,
-    min_pixels: int = VIDEO_MIN_PIXELS,
-    max_pixels: int = 200704,
+    video_fps: float = VIDEO_FPS,
+    sample_fps: float = REWARD_SAMPLE_FPS,
+    min_pixels: int = REWARD_MIN_PIXELS,
+    max_pixels: int = REWARD_MAX_PIXELS,
     quantize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Videos float [B, F, 3, H, W] in [0, 1] -> (pixel_values [B*t*h*w, 1176], video_grid_thw int64 [B, 3]).

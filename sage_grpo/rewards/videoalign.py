@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from sage_grpo.config import torch_dtype
+from sage_grpo.config import REWARD_MAX_PIXELS, REWARD_MIN_PIXELS, REWARD_SAMPLE_FPS, VIDEO_FPS, torch_dtype
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards.base import register_reward
-from sage_grpo.rewards.video_preprocess import MERGE_SIZE, VIDEO_MIN_PIXELS, preprocess_videos
+from sage_grpo.rewards.video_preprocess import MERGE_SIZE, preprocess_videos
 from sage_grpo.rewards.videoalign_ckpt import (
     DEFAULT_NORM,
     SPECIAL_TOKENS,
@@ -69,7 +69,7 @@ Assess how well the video matches the textual prompt across the following sub-di
 Textual prompt - {text_prompt}
 Please provide the ratings of Text Alignment: <|TA_reward|>
 END
-"""  # noqa: W291 - trailing spaces are part of the trained prompt
+"""  # noqa: W291, E501 - the authors' prompt, verbatim (trailing spaces and long lines are what the model was trained with)
 
 # Qwen2-VL's chat template for one user turn holding [video, text], with add_generation_prompt=True
 CHAT_PREFIX = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
@@ -115,10 +115,10 @@ class VideoAlignReward:
         weights_form: str = "auto",
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.bfloat16,
-        max_pixels: int = 200704,
-        min_pixels: int = VIDEO_MIN_PIXELS,
-        sample_fps: float = 2.0,
-        video_fps: float = 24.0,
+        max_pixels: int = REWARD_MAX_PIXELS,
+        min_pixels: int = REWARD_MIN_PIXELS,
+        sample_fps: float = REWARD_SAMPLE_FPS,
+        video_fps: float = VIDEO_FPS,
         batch_size: int = 0,
         attn_implementation: str = "auto",
         quantize: bool = True,
@@ -253,10 +253,10 @@ def build_videoalign(
     reward_checkpoint_step: int | None = None,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "bf16",
-    max_pixels: int = 200704,
-    min_pixels: int = VIDEO_MIN_PIXELS,
-    sample_fps: float = 2.0,
-    video_fps: float = 24.0,
+    max_pixels: int = REWARD_MAX_PIXELS,
+    min_pixels: int = REWARD_MIN_PIXELS,
+    sample_fps: float = REWARD_SAMPLE_FPS,
+    video_fps: float = VIDEO_FPS,
     batch_size: int = 0,
     attn_implementation: str = "auto",
     **_: object,

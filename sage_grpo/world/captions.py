@@ -136,7 +136,10 @@ def parse_caption(text: str) -> Attributes:
         objects.append(ObjectAttrs(s2, c2, h2))
     two = len(objects) == 2
     # the verb agrees with the number of objects, so that make_caption(parse_caption(t)) == t for a valid t
-    verb, expected = (move_verb, "move" if two else "moves") if direction else (bounce_verb, "bounce" if two else "bounces")
+    if direction:
+        verb, expected = move_verb, "move" if two else "moves"
+    else:
+        verb, expected = bounce_verb, "bounce" if two else "bounces"
     if verb != expected:
         raise SageGRPOError(
             f"cannot parse world caption {shown}: with {len(objects)} object(s) the verb is {expected!r}, not {verb!r}"

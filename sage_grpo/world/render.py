@@ -65,7 +65,8 @@ class ObjectPath:
         t = torch.arange(num_frames, dtype=torch.float64)  # [F]
         if self.bounce_at is not None:
             t = self.bounce_at - (self.bounce_at - t).abs()  # time runs back after the wall
-        return torch.tensor(self.start, dtype=torch.float64) + t[:, None] * torch.tensor(self.velocity, dtype=torch.float64)
+        start, velocity = (torch.tensor(v, dtype=torch.float64) for v in (self.start, self.velocity))
+        return start + t[:, None] * velocity
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,11 @@ class Scene:
 def check_geometry(size: int, num_frames: int) -> None:
     """Raise SageGRPOError unless the clip geometry suits the world and the VAE (frames 4k+1, size a multiple of 16)."""
     if num_frames < 5 or (num_frames - 1) % 4:
-        raise SageGRPOError(f"world clips need 4k+1 frames (>= 5; e.g. 9 or 17) for the 4x temporal VAE, got {num_frames}")
+        raise SageGRPOError(f"world clips need 4k+1 frames (>= 5; e.g. 9 or 17) for the 4x temporal VAE, got "
+                            f"{num_frames}")
     if size < 32 or size % 16:
-        raise SageGRPOError(f"world clips need a frame side that is a multiple of 16 and >= 32 (e.g. 32 or 64), got {size}")
+        raise SageGRPOError(f"world clips need a frame side that is a multiple of 16 and >= 32 (e.g. 32 or 64), got "
+                            f"{size}")
 
 
 def _travel_range(size: int, free: float) -> tuple[float, float]:
@@ -170,6 +173,7 @@ def render(scene: Scene) -> torch.Tensor:
     return video
 
 
-def render_caption(caption: str, seed: int = 0, size: int = DEFAULT_SIZE, num_frames: int = DEFAULT_FRAMES) -> torch.Tensor:
+def render_caption(caption: str, seed: int = 0, size: int = DEFAULT_SIZE,
+                   num_frames: int = DEFAULT_FRAMES) -> torch.Tensor:
     """Render a world caption with a layout drawn from ``seed``: float32 [F, 3, H, W] in [0, 1]."""
     return render(layout(parse_caption(caption), random.Random(seed), size, num_frames))

@@ -184,7 +184,8 @@ res["lora"]["merged_diff"] = max(float((full(v) - merged_ref[k]).abs().max()) fo
 # fresh sharded model row by row
 gathered = sharded_lora_state(lmodel)
 want = lora_state_dict(lref)
-res["lora"]["gathered_equal"] = sorted(gathered) == sorted(want) and all(torch.equal(gathered[k], want[k]) for k in want)
+res["lora"]["gathered_equal"] = sorted(gathered) == sorted(want) and all(
+    torch.equal(gathered[k], want[k]) for k in want)
 if rank == 0:
     save_lora(lref, out_dir / "lora")  # the unsharded writer: the file format the sharded reader must take
 dist.barrier()
@@ -238,7 +239,8 @@ with NoCollectives() as nc:
     anchor.refresh()
 res["anchor"] = dict(
     init_collectives=init_count, refresh_collectives=nc.count, equal_init=anchor_equal_init, stale=anchor_stale,
-    equal_after=all(torch.equal(a.to_local(), p.to_local()) for a, p in zip(anchor.module.parameters(), policy.parameters())),
+    equal_after=all(torch.equal(a.to_local(), p.to_local())
+                    for a, p in zip(anchor.module.parameters(), policy.parameters())),
     same_storage=ptrs == [a.to_local().data_ptr() for a in anchor.module.parameters()],
     frozen=not any(a.requires_grad for a in anchor.module.parameters()),
 )
@@ -318,7 +320,8 @@ res["dcp"] = dict(
 )
 train_step(m1, o1, 4)
 train_step(m2, o2, 4)
-res["dcp"]["next_step_equal"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(m1.parameters(), m2.parameters()))
+res["dcp"]["next_step_equal"] = all(torch.equal(a.to_local(), b.to_local())
+                                    for a, b in zip(m1.parameters(), m2.parameters()))
 
 (out_dir / f"rank{rank}.json").write_text(json.dumps(res))
 dist.barrier()

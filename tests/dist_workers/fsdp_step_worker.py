@@ -188,7 +188,8 @@ def divide_case(sp, dp_replicate):
     partial = [torch.ones(2, 1) @ x for x in xs]
     dp = world // sp
     want = sum(partial) / dp  # sum over all ranks, divided by dp only (sp partials add)
-    return float((got - want).abs().max()), float(want.abs().max()), bool(torch.equal(full(m.transformer_blocks[0].weight), w0))
+    unchanged = bool(torch.equal(full(m.transformer_blocks[0].weight), w0))
+    return float((got - want).abs().max()), float(want.abs().max()), unchanged
 
 
 res["divide"] = {f"sp{sp}_R{r}": divide_case(sp, r) for sp, r in ((1, 1), (2, 1), (1, 2))}

@@ -1,5 +1,6 @@
 """torchrun worker for tests/test_parallel_dist.py: the mesh layout, metric reduction, gradient sync without FSDP2
-and the sp-split reward scoring of post_train.score_videos, on 4 gloo ranks (dp 2 x sp 2). Writes one JSON per rank to argv[1]."""
+and the sp-split reward scoring of post_train.score_videos, on 4 gloo ranks (dp 2 x sp 2). Writes one JSON per rank to
+argv[1]."""
 
 import json
 import sys

@@ -1,42 +1,71 @@
-"""Shared fixtures of the reward tests: tiny VideoReward/base directories, tiny CLIP models, smooth test videos.
-
-Imported by the tests/test_rewards_*.py modules (``from rewards_fixtures import ...``); nothing is downloaded.
-"""
+"""Fixtures shared by the test modules (pytest finds them here; no test module imports another). Tiny models are
+written once per session and loaded through the real code paths; nothing is downloaded. Plain helpers (sizes,
+videos) live in tests/helpers.py; post_train.py as a module and its argument builders in
+tests/post_train_helpers.py."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from sage_grpo.rewards.tiny import write_tiny_base, write_tiny_videoreward
+# ------------------------------------------------------------------------------------------ tiny HunyuanVideo-1.5
 
-TINY_MIN_PIXELS = 28 * 28 * 4  # keeps tiny frames tiny (the real default would upscale 32x48 to ~100k pixels)
+
+@pytest.fixture(scope="session")
+def tiny_diffusers_dir(tmp_path_factory):
+    """A tiny checkpoint in the diffusers layout (seed 0: the same weights as `tiny_authors_dir`)."""
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_diffusers"), "diffusers", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_authors_dir(tmp_path_factory):
+    """The same tiny checkpoint in the authors' layout."""
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_authors"), "authors", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipe(tiny_diffusers_dir):
+    from sage_grpo.models.loading import load_pipeline
+
+    return load_pipeline(model_path=str(tiny_diffusers_dir), dtype="fp32")
+
+
+@pytest.fixture()
+def text_cache(tiny_pipe):
+    from sage_grpo.models.text_cache import TextEmbeddingCache
+
+    return TextEmbeddingCache(tiny_pipe, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The model the training tests run (post_train, robustness, bench_step): a diffusers-layout tiny checkpoint in
+    a folder of its own (its parent holds nothing else, so it can serve as --pretrained_model_root)."""
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "hv")
+
+
+# ------------------------------------------------------------------------------------------ tiny reward models
 
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """{"base", "old", "new"}: tiny base + VideoReward dirs in the 4.4x ("old") and current ("new") key layouts."""
+    from sage_grpo.rewards.tiny import write_tiny_base, write_tiny_videoreward
+
     root = tmp_path_factory.mktemp("tiny_videoalign")
     base = write_tiny_base(root / "Qwen2-VL-2B-Instruct")
     old = write_tiny_videoreward(root / "VideoReward", base, layout="old")
     new = write_tiny_videoreward(root / "VideoReward_new", base, layout="new")
     return {"base": base, "old": old, "new": new, "root": root}
-
-
-def smooth_videos(b: int = 3, f: int = 9, h: int = 32, w: int = 48, seed: int = 0) -> torch.Tensor:
-    """Deterministic smooth, moving colour gradients float [B, F, 3, H, W] in [0, 1] (codec-friendly)."""
-    g = torch.Generator().manual_seed(seed)
-    phase = torch.rand(b, 3, generator=g) * 2 * math.pi  # [B, 3]
-    freq = 1.0 + torch.rand(b, 3, generator=g) * 2.0  # [B, 3]
-    t = torch.arange(f).float().view(1, f, 1, 1, 1) / max(f - 1, 1)
-    y = torch.linspace(0, 1, h).view(1, 1, 1, h, 1)
-    x = torch.linspace(0, 1, w).view(1, 1, 1, 1, w)
-    arg = freq.view(b, 1, 3, 1, 1) * (x + 0.5 * y + 0.6 * t) * math.pi + phase.view(b, 1, 3, 1, 1)
-    return 0.5 + 0.4 * torch.sin(arg)  # [B, F, 3, H, W]
 
 
 def _clip_tokenizer_files(d: Path) -> None:
@@ -55,7 +84,7 @@ def _clip_tokenizer_files(d: Path) -> None:
     CLIPTokenizer(str(d / "vocab.json"), str(d / "merges.txt")).save_pretrained(str(d))
 
 
-def write_tiny_clip(d: Path, seed: int, image_size: int = 32, crop: int = 28, mean=None, std=None) -> Path:
+def _write_tiny_clip(d: Path, seed: int, image_size: int = 32, crop: int = 28, mean=None, std=None) -> Path:
     """A tiny random CLIPModel + tokenizer + preprocessor_config.json in ``d``."""
     from transformers import CLIPConfig, CLIPModel
 
@@ -91,7 +120,7 @@ def write_tiny_clip(d: Path, seed: int, image_size: int = 32, crop: int = 28, me
 def tiny_clip_dirs(tmp_path_factory) -> dict[str, Path]:
     """{"clip", "pick_model", "pick_processor"}: tiny CLIP dirs (PickScore uses a separate processor dir)."""
     root = tmp_path_factory.mktemp("tiny_clip")
-    clip = write_tiny_clip(root / "clip-vit-large-patch14", seed=0)
-    pick_model = write_tiny_clip(root / "PickScore_v1", seed=1)
-    pick_proc = write_tiny_clip(root / "CLIP-ViT-H-14", seed=2, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
+    clip = _write_tiny_clip(root / "clip-vit-large-patch14", seed=0)
+    pick_model = _write_tiny_clip(root / "PickScore_v1", seed=1)
+    pick_proc = _write_tiny_clip(root / "CLIP-ViT-H-14", seed=2, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
     return {"clip": clip, "pick_model": pick_model, "pick_processor": pick_proc, "root": root}

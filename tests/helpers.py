@@ -1,0 +1,23 @@
+"""Plain helpers shared by test modules (import them explicitly: `from helpers import ...`); the fixtures are in
+tests/conftest.py."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TINY_FRAMES, TINY_H, TINY_W = 9, 32, 48  # -> latent [4, 3, 8, 12]: 288 video tokens
+TINY_MIN_PIXELS = 28 * 28 * 4  # keeps tiny frames tiny (the real default would upscale 32x48 to ~100k pixels)
+
+
+def smooth_videos(b: int = 3, f: int = 9, h: int = 32, w: int = 48, seed: int = 0) -> torch.Tensor:
+    """Deterministic smooth, moving colour gradients float [B, F, 3, H, W] in [0, 1] (codec-friendly)."""
+    g = torch.Generator().manual_seed(seed)
+    phase = torch.rand(b, 3, generator=g) * 2 * math.pi  # [B, 3]
+    freq = 1.0 + torch.rand(b, 3, generator=g) * 2.0  # [B, 3]
+    t = torch.arange(f).float().view(1, f, 1, 1, 1) / max(f - 1, 1)
+    y = torch.linspace(0, 1, h).view(1, 1, 1, h, 1)
+    x = torch.linspace(0, 1, w).view(1, 1, 1, 1, w)
+    arg = freq.view(b, 1, 3, 1, 1) * (x + 0.5 * y + 0.6 * t) * math.pi + phase.view(b, 1, 3, 1, 1)
+    return 0.5 + 0.4 * torch.sin(arg)  # [B, F, 3, H, W]

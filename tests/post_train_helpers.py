@@ -1,0 +1,44 @@
+"""post_train.py loaded as a module (once: `sys.modules["post_train"]`) and the argument builders of the training
+tests (tests/test_post_train.py, tests/test_robustness.py); the `tiny_model` fixture is in tests/conftest.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from sage_grpo.checkpoint import list_checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+if "post_train" in sys.modules:
+    pt = sys.modules["post_train"]
+else:
+    _spec = importlib.util.spec_from_file_location("post_train", ROOT / "post_train.py")
+    pt = importlib.util.module_from_spec(_spec)
+    sys.modules["post_train"] = pt  # dataclasses look their module up there
+    _spec.loader.exec_module(pt)
+
+
+def _args(model, out, *extra):
+    return ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(model), "--output_dir", str(out),
+            "--train_video_csv", str(ROOT / "configs/tiny_prompts.txt"), "--grpo_sampling_steps", "4",
+            "--sample_n_frames", "5", "--max_steps", "2", "--save_interval", "0", "--report_to", "none", *extra]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    """The trained transformer of the newest checkpoint, as a plain state dict."""
+    from sage_grpo.models.loading import load_pipeline
+    from sage_grpo.models.lora import load_dcp_transformer
+
+    step, path = list_checkpoints(out)[-1]
+    cfg = json.loads((path / "train_state.json").read_text())["config"]
+    pipe = load_pipeline(model_path=cfg["model"]["model_path"], dtype="fp32", load_text_encoders=False)
+    load_dcp_transformer(pipe.transformer, path / "transformer")
+    return pipe.transformer.state_dict()
+
+
+def _stable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "mem/"))} for r in rows]

@@ -1,0 +1,133 @@
+"""sage_grpo/checkpoint.py in one process: atomic writes (tmp, then rename), `latest`, pruning to the total limit,
+resume resolution, the exactness report, the RNG round trip, and a crafted RNG file that is refused unexecuted."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from sage_grpo.checkpoint import (
+    TRAIN_STATE,
+    CheckpointWriteError,
+    dcp_load,
+    exactness_diff,
+    list_checkpoints,
+    load_rng_state,
+    read_train_state,
+    resolve_resume,
+    save_checkpoint,
+)
+from sage_grpo.errors import SageGRPOError
+
+
+def _save(out, step, **kw):
+    model = {"w": torch.full((2, 3), float(step)), "b": torch.arange(3.0)}
+    return save_checkpoint(out, step, rank=0, model_state=model, optimizer_state={"lr": torch.tensor(0.1 * step)},
+                           train_state={"step": step}, **kw)
+
+
+def test_written_into_tmp_then_renamed_whole(tmp_path):
+    seen = {}
+
+    def lora_writer(d):  # runs while the checkpoint is being written
+        seen["tmp"], seen["final"] = (tmp_path / "checkpoint-3.tmp").is_dir(), (tmp_path / "checkpoint-3").exists()
+        seen["state_before_commit"] = (tmp_path / "checkpoint-3.tmp" / TRAIN_STATE).exists()
+        d.mkdir()
+        (d / "adapter.txt").write_text("x")
+
+    path = _save(tmp_path, 3, lora_writer=lora_writer)
+    assert seen == {"tmp": True, "final": False, "state_before_commit": False}  # train_state.json marks completeness
+    assert path == tmp_path / "checkpoint-3" and not (tmp_path / "checkpoint-3.tmp").exists()
+    for part in ("transformer/.metadata", "optimizer/.metadata", "rng_rank0.safetensors", "lora/adapter.txt"):
+        assert (path / part).is_file(), part
+    assert read_train_state(path) == {"step": 3}
+    back = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    dcp_load({"model": back}, path / "transformer", "model")
+    assert torch.equal(back["w"], torch.full((2, 3), 3.0)) and torch.equal(back["b"], torch.arange(3.0))
+    with pytest.raises(SageGRPOError, match="does not fit this run's model"):
+        dcp_load({"model": {"w": torch.zeros(3, 3), "b": torch.zeros(3)}}, path / "transformer", "model")
+
+
+def test_a_failed_write_leaves_no_partial_folder_and_older_checkpoints_intact(tmp_path):
+    _save(tmp_path, 1)
+
+    def broken(d):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointWriteError, match="checkpoint-2 could not be written .*No space left on device"):
+        _save(tmp_path, 2, lora_writer=broken)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+
+
+def test_latest_and_explicit_resume(tmp_path):
+    assert resolve_resume("", tmp_path) is None
+    assert resolve_resume("latest", tmp_path / "nothing_yet") is None
+    for step in (2, 10):
+        _save(tmp_path, step)
+    (tmp_path / "checkpoint-20.tmp").mkdir()  # a write that died half-way
+    (tmp_path / "checkpoint-30").mkdir()  # no train_state.json: incomplete
+    (tmp_path / "notes-40").mkdir()
+    assert list_checkpoints(tmp_path) == [(2, tmp_path / "checkpoint-2"), (10, tmp_path / "checkpoint-10")]
+    assert resolve_resume("latest", tmp_path) == tmp_path / "checkpoint-10"  # numeric order, not text order
+    assert resolve_resume(str(tmp_path / "checkpoint-2"), tmp_path) == tmp_path / "checkpoint-2"
+    with pytest.raises(SageGRPOError, match="is not a complete checkpoint"):
+        resolve_resume(str(tmp_path / "checkpoint-30"), tmp_path)
+
+
+def test_total_limit_keeps_the_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, total_limit=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4]
+    _save(tmp_path, 5)  # 0 keeps all
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4, 5]
+
+
+def test_exactness_diff_names_the_settings_that_change_the_continuation():
+    saved = {"rollout": {"eta": 0.5, "height": 352}, "optim": {"learning_rate": 1e-5, "max_steps": 100},
+             "logging": {"log_interval": 1}, "model": {"lora_r": 8, "pretrained_model_root": "a"}}
+    same = json.loads(json.dumps(saved))
+    assert exactness_diff(saved, same) == []
+    current = json.loads(json.dumps(saved))
+    current["rollout"]["eta"] = 0.3  # every rollout key counts
+    current["optim"]["learning_rate"] = 2e-5
+    current["optim"]["max_steps"] = 200  # a longer run continues exactly
+    current["logging"]["log_interval"] = 5
+    current["model"]["pretrained_model_root"] = "b"  # where the weights are, not what they are
+    current["model"]["lora_r"] = 16
+    assert exactness_diff(saved, current) == ["model.lora_r: 8 -> 16", "rollout.eta: 0.5 -> 0.3",
+                                              "optim.learning_rate: 1e-05 -> 2e-05"]
+
+
+def test_rng_state_round_trip(tmp_path):
+    torch.manual_seed(1234)
+    path = _save(tmp_path, 1)
+    want = torch.rand(4)  # the draws that follow the save
+    torch.manual_seed(999)
+    load_rng_state(path, rank=0)
+    assert torch.equal(torch.rand(4), want)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    load_rng_state(path, rank=3)  # saved with another world size: no file for this rank, the state is kept
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):  # unpickling would create the marker file
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_crafted_pickle_as_rng_file_is_refused_without_running(tmp_path):
+    path = _save(tmp_path, 1)
+    marker = tmp_path / "pwned"
+    (path / "rng_rank0.safetensors").write_bytes(pickle.dumps(_Payload(marker)))
+    before = torch.get_rng_state()
+    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error type: not a safetensors header
+        load_rng_state(path, rank=0)
+    assert not marker.exists() and torch.equal(torch.get_rng_state(), before)
