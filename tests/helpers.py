@@ -4,6 +4,7 @@ tests/conftest.py."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -21,3 +22,24 @@ def smooth_videos(b: int = 3, f: int = 9, h: int = 32, w: int = 48, seed: int = 
     x = torch.linspace(0, 1, w).view(1, 1, 1, 1, w)
     arg = freq.view(b, 1, 3, 1, 1) * (x + 0.5 * y + 0.6 * t) * math.pi + phase.view(b, 1, 3, 1, 1)
     return 0.5 + 0.4 * torch.sin(arg)  # [B, F, 3, H, W]
+
+
+def signal_after_steps(cmd: list[str], metrics: Path, steps: int, sig: int, **popen) -> tuple[int, str]:
+    """Start `cmd`, send `sig` once `metrics` (a run's metrics.jsonl) has `steps` rows, wait -> (exit code, output)."""
+    import subprocess
+    import time
+
+    from sage_grpo.metrics import read_metrics
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    try:
+        deadline = time.time() + 300
+        while not metrics.exists() or len(read_metrics(metrics)) < steps:
+            assert proc.poll() is None and time.time() < deadline, f"the run ended or stalled before step {steps}"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        log = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, log

@@ -96,27 +96,16 @@ def test_a_clean_stop_through_the_launcher_exits_0(tmp_path):
     """SIGTERM to run_post_train.sh (2 workers): the workers finish the step and save, the launcher exits 0 with the
     one "stopped" line (printed by rank 0 only) and no traceback; torchrun alone exits 1 with SignalException."""
     import signal
-    import time
+
+    from helpers import signal_after_steps
 
     from sage_grpo.checkpoint import list_checkpoints
-    from sage_grpo.metrics import read_metrics
 
     env, args = _launcher_env(tmp_path)
-    proc = subprocess.Popen(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", "200"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 300
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        while not metrics.exists() or len(read_metrics(metrics)) < 2:
-            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before step 2"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        log = proc.communicate(timeout=300)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, log = signal_after_steps(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", "200"],
+                                   tmp_path / "run" / "metrics.jsonl", 2, signal.SIGTERM, env=env)
     [(step, _)] = list_checkpoints(tmp_path / "run")
-    assert proc.returncode == 0, log[-3000:]
+    assert code == 0, log[-3000:]
     assert log.count(f"stopped by SIGTERM after step {step}; checkpoint-{step} is saved") == 1
     assert "Traceback" not in log and "SignalException" not in log
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import signal_after_steps
 from post_train_helpers import ROOT, _args, _stable, _weights, pt
 
 from sage_grpo.checkpoint import list_checkpoints, read_train_state
@@ -210,19 +211,9 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank(tiny_model, tmp_path):
     out = tmp_path / "run"
     args = _args(tiny_model, out, "--max_steps", "200", "--batch_size", "2", "--log_interval", "1")
     env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(ROOT / "post_train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        deadline = time.time() + 300
-        while not (out / "metrics.jsonl").exists() or len(read_metrics(out / "metrics.jsonl")) < 2:
-            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before step 2"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        log = proc.communicate(timeout=300)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _, log = signal_after_steps([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "2", str(ROOT / "post_train.py"), *args], out / "metrics.jsonl", 2, signal.SIGTERM,
+                                cwd=ROOT, env=env)
     [(step, _)] = list_checkpoints(out)
     assert 2 <= step < 200 and f"stopped by SIGTERM after step {step}; checkpoint-{step} is saved" in log
     assert log.count("SIGTERM: finishing this step") == 2  # both workers got it from torchrun
