@@ -12,8 +12,13 @@ the mean over dp: FSDP2 sums over its whole mesh (dp * sp ranks), so the divide 
 (`set_gradient_divide_factor`). gloo has no PREMUL_SUM reduction, so on CPU FSDP2 is told to reduce with SUM and
 divide afterwards (`set_force_sum_reduction_for_comms`); on NCCL the division is fused into the reduce-scatter.
 
-Mixed precision: `MixedPrecisionPolicy(param_dtype=--dtype, reduce_dtype=float32)` over master weights in
-`--master_weight_type` (the sharded parameters keep the master dtype; the all-gather casts to --dtype).
+Mixed precision: `MixedPrecisionPolicy(param_dtype=--dtype, reduce_dtype=float32, cast_forward_inputs=False)` over
+master weights in `--master_weight_type` (the sharded parameters keep the master dtype; the all-gather casts to
+--dtype). FSDP2 leaves the forward inputs alone: the caller casts them, exactly as in one process
+(`sage_grpo.rollout.predict_velocity`: latents and text in --dtype, timestep fp32 under autocast). With FSDP2's
+default (cast_forward_inputs=True) every FSDP unit's floating inputs were cast to --dtype: the root's timestep
+(1000 sigma rounded to bf16 moves t by up to 2) and every block's rotary cos/sin, so sharded runs computed a
+different velocity from one process (3.5e-2 against 4.9e-3 on the tiny model, tests/test_parallel_fsdp.py).
 
 Loading (`materialize_sharded`): a model sharded on the meta device is `to_empty`'d and every rank fills only its
 rows of each parameter from a row reader: host memory per rank is its shards plus one tensor's rows, never the
@@ -48,8 +53,11 @@ def mixed_precision_policy(param_dtype: torch.dtype, master_dtype: torch.dtype):
     """Compute in `param_dtype` (--dtype), reduce gradients in fp32, keep master weights in `master_dtype`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    # cast_forward_inputs=False: the inputs keep the dtypes the caller gave them, as in one process (module
+    # docstring); predict_velocity casts latents and text itself and runs the forward under autocast, so the fp32
+    # timestep and rotary tables meet bf16 weights only inside autocast's matmuls, never as a bf16-rounded input.
     return MixedPrecisionPolicy(param_dtype=None if param_dtype == master_dtype else param_dtype,
-                                reduce_dtype=torch.float32)
+                                reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def shard_modules(root: nn.Module, blocks: Iterable[nn.Module], info, *, param_dtype: torch.dtype | None = None,
