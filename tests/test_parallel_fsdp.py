@@ -129,7 +129,7 @@ def test_fsdp_load_anchor_and_dcp(tmp_path):
 @pytest.fixture(scope="module")
 def rollout_ranks(tmp_path_factory):
     """One launch of fsdp_rollout_worker.py (tiny HunyuanVideo-1.5, fp32 master weights, bf16 compute) for the
-    precision tests below."""
+    precision and keep_unsharded tests below."""
     return _launch("fsdp_rollout_worker.py", tmp_path_factory.mktemp("fsdp_rollout"))
 
 
@@ -172,3 +172,26 @@ def test_fsdp_velocity_matches_single_process(rollout_ranks):
         # the sharded anchor uses the same policy and gives the policy's velocity bitwise
         assert p["anchor_policy_same"] and p["anchor_equals_policy"]
 
+
+@pytest.mark.dist
+def test_keep_unsharded_rollout(rollout_ranks):
+    for r in rollout_ranks:
+        ro = r["rollout"]
+        units, blocks, forwards = ro["units"], ro["blocks"], ro["forwards"]
+        assert (units, blocks, forwards) == (4, 3, 6)  # root + 2 double-stream + 1 refiner block; 3 steps x 2 chunks
+        # the same trajectory (bitwise), and it moved
+        assert ro["latents_equal"] and ro["log_probs_equal"] and ro["latents_moved"] > 0.1
+        # FSDP2's default: every block is gathered for every forward, the root once (it is not resharded after
+        # forward); inside keep_unsharded: every unit once for the whole rollout
+        assert list(ro["gather_ops"]) == ["c10d._allgather_base_"]
+        assert ro["gathers_base"] == 1 + forwards * blocks == 19
+        assert ro["gathers_kept"] == units == 4
+        assert all(ro["inside_unsharded_kept"]) and not any(ro["inside_unsharded_base"][1:])
+        # on exit: every unit resharded (memory freed), FSDP2's settings back (blocks reshard after forward, the
+        # root does not: as a module that ran FSDP2's lazy init), so the update gathers as before: two training
+        # forwards gather every block twice and the root once (the baseline's root was still gathered), and the
+        # gradients are bitwise the baseline's
+        assert not any(ro["after_unsharded"])
+        assert ro["after_settings"] == ro["base_settings"] == [False] + [True] * blocks
+        assert ro["train_gathers_base"] == 2 * blocks and ro["train_gathers_kept"] == 1 + 2 * blocks
+        assert ro["grads_equal"]
