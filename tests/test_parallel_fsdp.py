@@ -1,7 +1,8 @@
 """FSDP2 on 2 gloo ranks (sage_grpo/parallel/fsdp.py, sage_grpo/parallel/muon.py, HunyuanVideo-1.5's recipe in
 sage_grpo/models/parallelize.py): training steps equal one process,
 ShardedMuon equals torch.optim.Muon, the gradient divide factor under sp / HSDP, meta-device loading of each rank's
-rows, the sharded anchor's local refresh, DCP round trips (2 ranks -> 2 ranks, 2 ranks -> 1 process).
+rows, the sharded anchor's local refresh, DCP round trips (2 ranks -> 2 ranks, 2 ranks -> 1 process), the
+forward inputs' dtypes and velocity against one process, and the rollout kept gathered (`keep_unsharded`).
 
 Each test is one torchrun launch of a worker under tests/dist_workers/ that checks several cases and writes the
 numbers; the tolerances are asserted here."""
@@ -195,3 +196,40 @@ def test_keep_unsharded_rollout(rollout_ranks):
         assert ro["after_settings"] == ro["base_settings"] == [False] + [True] * blocks
         assert ro["train_gathers_base"] == 2 * blocks and ro["train_gathers_kept"] == 1 + 2 * blocks
         assert ro["grads_equal"]
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_post_train_rollout_phase_runs_inside_keep_unsharded(monkeypatch, reshard):
+    """post_train.rollout_phase samples inside `keep_unsharded`, enabled unless --rollout_reshard_after_forward
+    (the context itself is tested on 2 ranks above; this checks the wiring, in one process, with stand-ins)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    import post_train
+    import sage_grpo.parallel.fsdp as fsdp
+    import sage_grpo.rollout as rollout_mod
+    from sage_grpo.config import Config
+
+    cfg = Config()
+    cfg.parallel.rollout_reshard_after_forward = reshard
+    events = []
+
+    @contextlib.contextmanager
+    def recorder(module, enabled=True):
+        events.append(("enter", module, enabled))
+        yield
+        events.append(("exit",))
+
+    monkeypatch.setattr(fsdp, "keep_unsharded", recorder)
+    monkeypatch.setattr(rollout_mod, "rollout", lambda transformer, *a, **kw: events.append(("rollout", transformer)))
+    transformer = torch.nn.Linear(1, 1)
+    rec = SimpleNamespace(prompt="a cat", seed=None, index=0)
+    sampler = SimpleNamespace(next_step=lambda: ["p"], rank_slice=lambda prompts, rank: [(0, 0, 0)])
+    c = SimpleNamespace(cfg=cfg, info=SimpleNamespace(dp_rank=0, is_main=True, device=torch.device("cpu")),
+                        prompts=[rec], cache=SimpleNamespace(get=lambda texts: None),
+                        settings=SimpleNamespace(use_cfg=False), transformer=transformer, shape=(4, 2, 4, 4),
+                        pipe=SimpleNamespace(vision_num_semantic_tokens=4))
+    post_train.rollout_phase(c, SimpleNamespace(sampler=sampler, step=0))
+    assert events == [("enter", transformer, not reshard), ("rollout", transformer), ("exit",)]
