@@ -483,6 +483,7 @@ class StopRequest:
 def rollout_phase(c: Components, state: TrainState) -> Trajectory:
     """Sample this rank's videos of the next step (the sampler advances) -> the trajectory (x_0..x_T, log-probs,
     the step's global group ids of my videos)."""
+    from sage_grpo.parallel.fsdp import keep_unsharded
     from sage_grpo.rollout import rollout
     from sage_grpo.seeding import derive_seed, prompt_noise_seed
 
@@ -494,16 +495,17 @@ def rollout_phase(c: Components, state: TrainState) -> Trajectory:
     cond = c.cache.get(texts)
     uncond = c.cache.get([cfg.rollout.neg_prompt] * len(texts)) if c.settings.use_cfg else None
     c.transformer.eval()  # no LoRA dropout while sampling: the stored log-probs are the deterministic policy's
-    return rollout(
-        c.transformer, cond, uncond, prompts=texts, prompt_ids=torch.tensor([g for g, _, _ in mine]),
-        generation_ids=torch.tensor([gen for _, _, gen in mine]),
-        prompt_seeds=torch.tensor([prompt_noise_seed(rec.prompt, rec.seed, rec.index) for rec in recs]),
-        latent_shape=c.shape, settings=c.settings, image_tokens=c.pipe.vision_num_semantic_tokens,
-        base_seed=derive_seed(cfg.optim.seed, state.step), same_noise=cfg.rollout.use_same_noise,
-        storage_dtype=torch.float32, show_progress=info.is_main and cfg.logging.verbose,
-        chunk_size=cfg.optim.mini_batch_size_per_update,
-        device=info.device,
-    )
+    # FSDP2: one all-gather per unit for the whole rollout instead of one per forward (resharded on exit)
+    with keep_unsharded(c.transformer, enabled=not cfg.parallel.rollout_reshard_after_forward):
+        return rollout(
+            c.transformer, cond, uncond, prompts=texts, prompt_ids=torch.tensor([g for g, _, _ in mine]),
+            generation_ids=torch.tensor([gen for _, _, gen in mine]),
+            prompt_seeds=torch.tensor([prompt_noise_seed(rec.prompt, rec.seed, rec.index) for rec in recs]),
+            latent_shape=c.shape, settings=c.settings, image_tokens=c.pipe.vision_num_semantic_tokens,
+            base_seed=derive_seed(cfg.optim.seed, state.step), same_noise=cfg.rollout.use_same_noise,
+            storage_dtype=torch.float32, show_progress=info.is_main and cfg.logging.verbose,
+            chunk_size=cfg.optim.mini_batch_size_per_update, device=info.device,
+        )
 
 
 def reward_phase(c: Components, traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -127,6 +127,13 @@ class ParallelConfig:
                           "authors' argparse default is 8 and their launch scripts use 2; ours is 1 so that one "
                           "process runs out of the box (the paper configs set 2).")
     dp_replicate: int = opt(1, "HSDP replication degree (FSDP shards within groups of dp_degree / dp_replicate ranks).")
+    rollout_reshard_after_forward: bool = opt(False, "FSDP2 during the rollout: False = every unit is all-gathered "
+                                                     "by its first forward and kept gathered to the end of the rollout "
+                                                     "(one all-gather per unit per rollout instead of one per forward: "
+                                                     "T x batch_size / mini_batch_size_per_update forwards; costs the "
+                                                     "whole transformer in --dtype on every GPU for the rollout, see "
+                                                     "scripts/plan_memory.py); True = re-gather for every forward "
+                                                     "(least memory). The update always reshards after forward.")
     dist_timeout_minutes: int = opt(60, "How long a collective waits for the slowest rank before the job fails "
                                         "(torch's NCCL default is 10). Sized for a checkpoint save of ~100 GB of "
                                         "FSDP2 shards and optimizer state to a shared filesystem and for the first "

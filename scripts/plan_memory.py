@@ -8,7 +8,7 @@
 It takes the same `--config` and flags as post_train.py (sage_grpo.config.load_config / validate: an impossible
 geometry ends with one message), plus `--world_size`, `--gpu_memory_gib` (80), `--text_tokens`, `--attention`,
 `--fsdp_param_dtype`, `--overhead_gib`, `--num_prompts` / `--prompt_tokens` / `--glyph_tokens` (the text cache's
-host memory) and `--json`.
+host memory), `--gpus_per_node` (8) and `--json`.
 
 Where each number comes from
 ----------------------------
@@ -46,6 +46,13 @@ prompt (`--prompt_tokens 120 --glyph_tokens 0`): ~90 English words at ~1.3 Qwen 
 closing chat-template tokens left after the system-prompt crop, and no quoted text. Without
 --text_embedding_cache_dir every rank holds every prompt; with one a rank holds none (each batch is read from the
 files, which the node's page cache shares). Each rank encodes ceil(prompts / world) of them.
+
+Traffic (`step_traffic`, an estimate): bytes each rank moves per step in the FSDP2 parameter all-gathers (rollout,
+update forward + backward, anchor), the gradient reduce-scatter and HSDP all-reduce of every backward and
+ShardedMuon's exchange, from bandwidth-optimal volumes ((n-1)/n x D per all-gather, 2 (n-1)/n x D per all-reduce);
+a group crosses nodes (InfiniBand) when it holds more ranks than `--gpus_per_node`. With FSDP2 under torchrun the
+plan also compares the layouts of the same run: full shard over every rank or HSDP with one node per shard group,
+each with the rollout re-gathering per forward or kept gathered (`--rollout_reshard_after_forward`).
 
 Phases (peak = the largest): encode (text encoders resident), rollout (no-grad forwards), decode + reward, anchor
 (no-grad forwards of the anchor: offloaded under FSDP2 only its gathered blocks come to the GPU; without FSDP the
@@ -240,6 +247,7 @@ class PlanOptions:
     num_prompts: int = 10_000  # distinct prompts of the run (train + validation + negative), for the text cache
     prompt_tokens: int = TYPICAL_PROMPT_TOKENS
     glyph_tokens: int = 0
+    gpus_per_node: int = 8
 
 
 def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dict | None = None) -> dict:
@@ -251,6 +259,8 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
                             f"converter; planned versions: {', '.join(TRANSFORMER_CONFIGS)}")
     if opts.world_size < 1:
         raise SageGRPOError(f"--world_size must be >= 1, got {opts.world_size}")
+    if opts.gpus_per_node < 1:
+        raise SageGRPOError(f"--gpus_per_node must be >= 1, got {opts.gpus_per_node}")
     if opts.gpu_memory_gib <= 0:
         raise SageGRPOError(f"--gpu_memory_gib must be > 0, got {opts.gpu_memory_gib}")
     if opts.attention not in ("valid", "diffusers"):
@@ -337,12 +347,16 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t["trajectory"] = B * ((T + 1) * lat * 4 + T * 4 + cond * cfg_mult)  # fp32 latents, log-probs, cond (+uncond)
     block_params = counts["per_block"] + (trainable / L if m.use_lora else 0)
     root_params = total - L * counts["per_block"]  # embedders, refiner, norm_out / proj_out (+ LoRA outside blocks)
+    keep_rollout = p.enable_fsdp and shard > 1 and not p.rollout_reshard_after_forward
     if p.enable_fsdp:  # two blocks (current + prefetch) and the root unit, gathered in the compute dtype
         t["unsharded blocks (fwd)"] = (2 * block_params + root_params) * gathered
         t["unsharded block grad (bwd)"] = block_params * 4 if not m.use_lora else trainable / L * 4
     else:
         t["unsharded blocks (fwd)"] = trainable * e if autocast else 0.0  # autocast's cached bf16 weight copies
         t["unsharded block grad (bwd)"] = 0.0
+    # --rollout_reshard_after_forward False (parallel/fsdp.keep_unsharded): every unit stays gathered through the
+    # rollout, so the rollout holds the whole transformer in the gathered dtype instead of two blocks + the root
+    t["unsharded model (rollout, kept gathered)"] = total * gathered if keep_rollout else 0.0
     t["activations: one block, full"] = block_full
     t["activations: one block, checkpointed"] = block_ckpt
     if m.enable_gradient_checkpointing:
@@ -368,7 +382,8 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         "reward model"] + t["overhead (est)"]
     phases = {
         "encode": base + t["text encoders before offload"] + t["text encoder forward (est)"] + grads_idle,
-        "rollout": base + t["text encoders after offload"] + t["trajectory"] + t["unsharded blocks (fwd)"]
+        "rollout": base + t["text encoders after offload"] + t["trajectory"]
+        + (t["unsharded model (rollout, kept gathered)"] if keep_rollout else t["unsharded blocks (fwd)"])
         + t["no-grad working set (est)"] + grads_idle,
         "decode+reward": base + t["text encoders after offload"] + t["trajectory"] + grads_idle
         + max(t["vae decode"], t["decoded frames"] + t["reward forward (est)"]),
@@ -381,6 +396,23 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     }
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]
+
+    # collectives per step (one rollout round) and per rank: how many forwards / backwards the loop runs
+    from sage_grpo.grpo import stochastic_steps
+    from sage_grpo.schedule import num_train_timesteps, sigma_schedule
+    from sage_grpo.sde import step_variance
+
+    sig = sigma_schedule(T, r.flow_shift)
+    var = step_variance(r.sde_type, sig[:-1], sig[1:], r.eta, sigma_max=sig[1], sage_clamp=r.sage_sigma_clamp)
+    chunks = math.ceil(B / o.mini_batch_size_per_update)
+    loop = {"rollout_forwards": T * chunks,
+            "update_steps": chunks * num_train_timesteps(int(stochastic_steps(var).numel()), o.timestep_fraction),
+            "optimizer_steps": 1 / o.gradient_accumulation_steps}
+    loop["anchor_forwards"] = loop["update_steps"] if uses_pos else 0
+    traffic = step_traffic(
+        params=total, trainable=trainable, muon=muon if o.use_muon else 0, gathered_bytes=gathered,
+        shard=shard if p.enable_fsdp else 1, replicate=p.dp_replicate if p.enable_fsdp else 1,
+        world=opts.world_size, gpus_per_node=opts.gpus_per_node, keep_rollout=keep_rollout, **loop)
     return {
         "setting": {
             "version": version, "world_size": opts.world_size, "sp_size": sp, "dp_degree": dp,
@@ -397,6 +429,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
             "anchor": ("none" if not uses_pos else "lora adapter copy" if m.use_lora else
                        "offloaded to CPU" if anchor_offloaded else "resident"),
             "offload_text_encoder": m.offload_text_encoder, "vae_tiling": m.vae_tiling,
+            "rollout_reshard_after_forward": p.rollout_reshard_after_forward, "gpus_per_node": opts.gpus_per_node,
         },
         "params": {"transformer": total, "per_block": counts["per_block"], "num_blocks": L, "trainable": trainable,
                    "muon": muon if o.use_muon else 0, "vae": frozen["vae"], "text_encoder": frozen["text_encoder"],
@@ -407,7 +440,81 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         "fits": peak / GIB <= opts.gpu_memory_gib,
         "headroom_gib": opts.gpu_memory_gib - peak / GIB,
         "host_text_cache": text_cache_host(cfg, opts),
+        "loop": loop,
+        "traffic": traffic,
     }
+
+
+# ------------------------------------------------------------------------------------------------- traffic
+
+
+def step_traffic(*, params: int, trainable: int, muon: int, gathered_bytes: int, shard: int, replicate: int,
+                 world: int, gpus_per_node: int, keep_rollout: bool, rollout_forwards: int, update_steps: int,
+                 anchor_forwards: int, optimizer_steps: float) -> dict:
+    """Bytes each rank sends (= receives) in the FSDP2 / HSDP / ShardedMuon collectives of one step, by kind, and
+    whether the kind's group crosses a node boundary (an estimate: bandwidth-optimal volumes, latency ignored).
+
+    Volumes per rank (ring / bandwidth-optimal algorithms): an all-gather or reduce-scatter of D bytes over n ranks
+    moves (n - 1) / n x D, an all-reduce 2 (n - 1) / n x D. Ranks are laid out contiguously (dist.build_mesh: a shard
+    group is `shard` consecutive ranks, a replica group takes one rank from each shard group), so the shard group
+    crosses nodes iff shard > gpus_per_node and the replica group iff the world does. A collective over a group that
+    crosses nodes is paced by InfiniBand; inside a node by NVLink.
+    - parameter all-gathers in the gathered dtype, the whole model per forward (every unit): the rollout's forwards
+      (one gather for the whole rollout when kept gathered), the update's forward and backward (FSDP2 reshards after
+      forward and gathers again for backward: 2 per update step), the anchor's forwards (KL_pos: its sharded copy,
+      or the policy with its adapters swapped under LoRA; fewer right after an anchor refresh);
+    - gradient reduce-scatter (fp32) after every backward over the shard group, and with HSDP an all-reduce of the
+      shard over the replicas (FSDP2 reduces at every backward: the loop does not skip gradient sync between micro-
+      batches);
+    - ShardedMuon: the bf16 update rows of every Muon matrix to its owner and back (gather + scatter) per optimizer
+      step (optimizer_steps per step = 1 / gradient_accumulation_steps).
+    Not counted: Ulysses all-to-alls (activations, inside a node by the launch check), the small reductions
+    (rewards, metrics, gradient norm) and the text-encoding / reward models (replicated).
+    -> {kind: {"gib": per rank per step, "inter_node": bool}, "inter_node_gib", "intra_node_gib",
+        "model_gather_gib": one whole-model all-gather}
+    """
+    ag = (shard - 1) / shard  # all-gather / reduce-scatter factor over the shard group
+    gather = ag * params * gathered_bytes
+    shard_crosses, replica_crosses = shard > gpus_per_node, replicate > 1 and world > gpus_per_node
+    kinds = {
+        "param all-gather: rollout": (gather * (1 if keep_rollout else rollout_forwards), shard_crosses),
+        "param all-gather: update fwd + bwd": (gather * 2 * update_steps, shard_crosses),
+        "param all-gather: anchor": (gather * anchor_forwards, shard_crosses),
+        "grad reduce-scatter (fp32)": (ag * trainable * 4 * update_steps, shard_crosses),
+        "grad all-reduce over replicas (fp32)": (
+            2 * (replicate - 1) / replicate * trainable * 4 / shard * update_steps, replica_crosses),
+        "ShardedMuon gather + scatter (bf16)": (2 * ag * muon * 2 / shard * optimizer_steps, shard_crosses),
+    }
+    out: dict = {k: {"gib": v / GIB, "inter_node": x} for k, (v, x) in kinds.items()}
+    out["inter_node_gib"] = sum(v for v, x in kinds.values() if x) / GIB
+    out["intra_node_gib"] = sum(v for v, x in kinds.values() if not x) / GIB
+    out["model_gather_gib"] = gather / GIB
+    return out
+
+
+def layout_choices(cfg: Config, opts: PlanOptions, counts: dict, frozen: dict) -> list[dict]:
+    """Peak memory and traffic per step of the same run under each FSDP layout: shard over every rank
+    (dp_replicate 1) or HSDP with one node per shard group (dp_replicate = world / gpus_per_node), each with the
+    rollout re-gathering per forward or kept gathered. Layouts the geometry does not allow are left out."""
+    import copy
+
+    rows = []
+    node_replicas = opts.world_size // opts.gpus_per_node
+    for replicate in dict.fromkeys((1, node_replicas)):
+        for reshard in (True, False):
+            c = copy.deepcopy(cfg)
+            c.parallel.dp_replicate, c.parallel.rollout_reshard_after_forward = replicate, reshard
+            try:
+                pl = plan(c, opts, counts, frozen)
+            except SageGRPOError:
+                continue
+            s = pl["setting"]
+            rows.append({"dp_replicate": replicate, "shard_ranks": s["shard_ranks"],
+                         "rollout": "re-gather per forward" if reshard else "kept gathered",
+                         "peak_gib": pl["peak_gib"], "peak_phase": pl["peak_phase"], "fits": pl["fits"],
+                         "inter_node_gib": pl["traffic"]["inter_node_gib"],
+                         "intra_node_gib": pl["traffic"]["intra_node_gib"]})
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------- validation
@@ -463,6 +570,24 @@ def render(pl: dict) -> str:
     lines += ["", f"{'phase':44s} {'GiB':>8s}"]
     for k, v in ph.items():
         lines.append(f"{k:44s} {v:8.2f}{'  <- peak' if k == pl['peak_phase'] else ''}")
+    tr, lp = pl["traffic"], pl["loop"]
+    lines += ["", f"{'collectives per step, per rank (est)':44s} {'GiB':>8s}  link",
+              f"  ({lp['rollout_forwards']} rollout forwards, {lp['update_steps']} update forward+backward, "
+              f"{lp['anchor_forwards']} anchor forwards; one whole-model all-gather = "
+              f"{tr['model_gather_gib']:.2f} GiB)"]
+    for k, v in tr.items():
+        if isinstance(v, dict):
+            link = "-" if v["gib"] == 0 else "InfiniBand" if v["inter_node"] else "NVLink"
+            lines.append(f"{k:44s} {v['gib']:8.2f}  {link}")
+    lines.append(f"{'total inter-node / intra-node':44s} {tr['inter_node_gib']:8.1f} / {tr['intra_node_gib']:.1f}")
+    if pl.get("choices"):
+        lines += ["", f"{'layout (same run)':66s} {'peak GiB':>8s}  {'inter-node GiB/step':>19s}  {'intra-node':>10s}"]
+        for row in pl["choices"]:
+            name = (f"{'full shard over' if row['dp_replicate'] == 1 else 'HSDP: shard over'} {row['shard_ranks']}"
+                    f"{'' if row['dp_replicate'] == 1 else ' x ' + str(row['dp_replicate']) + ' replicas'}, rollout "
+                    f"{row['rollout']}")
+            lines.append(f"{name:66s} {row['peak_gib']:8.1f}  {row['inter_node_gib']:19.1f}  "
+                         f"{row['intra_node_gib']:10.1f}{'' if row['fits'] else '  does NOT fit'}")
     verdict = "fits" if pl["fits"] else "does NOT fit"
     lines += ["", f"peak {pl['peak_gib']:.1f} GiB ({pl['peak_phase']}) {verdict} in {pl['gpu_memory_gib']:g} GiB "
               f"(headroom {pl['headroom_gib']:.1f} GiB). (est) = estimate not measured on a GPU; see the docstring."]
@@ -501,6 +626,8 @@ def parse_args(argv: list[str] | None):
                      help=f"Valid MLLM tokens of a typical prompt (default {TYPICAL_PROMPT_TOKENS}, ~90 words).")
     own.add_argument("--glyph_tokens", type=int, default=0,
                      help="ByT5 tokens (bytes of quoted text) of a typical prompt (default 0).")
+    own.add_argument("--gpus_per_node", type=int, default=d.gpus_per_node,
+                     help=f"GPUs per node: which collectives cross InfiniBand (default {d.gpus_per_node}).")
     own.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     own.add_argument("--validate", action="store_true", help="Also compare the activation model with gpu_facts.md.")
     own.add_argument("-h", "--help", action="store_true")
@@ -514,7 +641,8 @@ def parse_args(argv: list[str] | None):
     opts = PlanOptions(world_size=args.world_size, gpu_memory_gib=args.gpu_memory_gib, text_tokens=args.text_tokens,
                        attention=args.attention,
                        fsdp_param_dtype=args.fsdp_param_dtype, overhead_gib=args.overhead_gib,
-                       num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens, glyph_tokens=args.glyph_tokens)
+                       num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens, glyph_tokens=args.glyph_tokens,
+                       gpus_per_node=args.gpus_per_node)
     if opts.fsdp_param_dtype:
         torch_dtype(opts.fsdp_param_dtype)
     cfg = load_config(rest, prog="plan_memory.py")
@@ -523,7 +651,14 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> dict:
     cfg, opts, args = parse_args(argv)
-    pl = plan(cfg, opts)
+    counts = count_transformer(build_transformer(TRANSFORMER_CONFIGS[cfg.model.pretrained_transformer_version]),
+                               use_lora=cfg.model.use_lora, lora_r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha,
+                               lora_target_modules=cfg.model.lora_target_modules) \
+        if cfg.model.pretrained_transformer_version in TRANSFORMER_CONFIGS else None
+    frozen = count_frozen_parts()
+    pl = plan(cfg, opts, counts, frozen)
+    if opts.world_size > 1 and cfg.parallel.enable_fsdp:
+        pl["choices"] = layout_choices(cfg, opts, counts, frozen)
     if args.validate:
         pl["validation"] = validate_against_gpu_facts()
     if args.json:

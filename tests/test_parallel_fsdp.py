@@ -1,7 +1,8 @@
 """FSDP2 on 2 gloo ranks (sage_grpo/parallel/fsdp.py, sage_grpo/parallel/muon.py, HunyuanVideo-1.5's recipe in
 sage_grpo/models/parallelize.py): training steps equal one process,
 ShardedMuon equals torch.optim.Muon, the gradient divide factor under sp / HSDP, meta-device loading of each rank's
-rows, the sharded anchor's local refresh, DCP round trips (2 ranks -> 2 ranks, 2 ranks -> 1 process).
+rows, the sharded anchor's local refresh, DCP round trips (2 ranks -> 2 ranks, 2 ranks -> 1 process), the
+forward inputs' dtypes and velocity against one process, and the rollout kept gathered (`keep_unsharded`).
 
 Each test is one torchrun launch of a worker under tests/dist_workers/ that checks several cases and writes the
 numbers; the tolerances are asserted here."""
@@ -124,3 +125,111 @@ def test_fsdp_load_anchor_and_dcp(tmp_path):
     got = m.state_dict()
     assert sorted(got) == sorted(whole)
     assert all(torch.equal(got[k], whole[k]) for k in whole)
+
+
+@pytest.fixture(scope="module")
+def rollout_ranks(tmp_path_factory):
+    """One launch of fsdp_rollout_worker.py (tiny HunyuanVideo-1.5, fp32 master weights, bf16 compute) for the
+    precision and keep_unsharded tests below."""
+    return _launch("fsdp_rollout_worker.py", tmp_path_factory.mktemp("fsdp_rollout"))
+
+
+@pytest.mark.dist
+def test_fsdp_forward_inputs_keep_single_process_dtypes(rollout_ranks):
+    for r in rollout_ranks:
+        p = r["precision"]
+        ref, new, old = p["ref_dtypes"], p["new_dtypes"], p["old_dtypes"]
+        assert set(new) == {"root", "block0", "block1", "block2"}  # every FSDP2 unit's pre-hook ran
+        # FSDP2 computes one process's forward on the weights rounded to bf16: every unit sees the same dtypes
+        assert new == p["bf16_dtypes"] and p["anchor_dtypes"] == new
+        # ... and against the fp32-master single-process path: the root's inputs (the fp32 timestep) and each
+        # block's temb and rotary tables are the same. (The double-stream blocks' encoder_hidden_states is fp32 in
+        # one process and bf16 under FSDP2 for another reason: the root adds the output of cond_type_embed, an
+        # nn.Embedding that autocast does not touch, whose weight is fp32 there and gathered in bf16 here.)
+        assert new["root"] == ref["root"] and new["root"]["timestep"] == "torch.float32"
+        for blk in ("block0", "block1", "block2"):
+            for key in ("temb", "freqs_cis.0", "freqs_cis.1"):
+                assert new[blk].get(key) == ref[blk].get(key), (blk, key)
+        assert ref["block0"]["freqs_cis.0"] == "torch.float32"
+        # the old policy (cast_forward_inputs=True) rounded the timestep and the rotary tables to bf16
+        assert old["root"]["timestep"] == "torch.bfloat16" and old["block0"]["freqs_cis.0"] == "torch.bfloat16"
+        assert p["cast_forward_inputs"] == [False]  # the policy and its sharded anchor
+
+
+@pytest.mark.dist
+def test_fsdp_velocity_matches_single_process(rollout_ranks):
+    for r in rollout_ranks:
+        p = r["precision"]
+        # bitwise: FSDP2's velocity is one process's velocity on bf16-rounded weights (with and without CFG); the
+        # old policy's is not
+        assert p["new_equals_bf16_weights"] and not p["old_equals_bf16_weights"]
+        # against the fp32 master weights (what one process trains), no CFG, max |v| 1.40: measured 3.9e-3 now
+        # (only the weights' bf16 rounding in the ops autocast leaves alone: embeddings, norms, additions) against
+        # 2.7e-2 with the old policy (timestep and rotary tables rounded to bf16 too); the bound sits between.
+        # With CFG scale 6 both grow (4.3e-2 against 5.9e-2) since guidance amplifies v_cond - v_uncond.
+        assert p["v_max"] > 1.0
+        assert p["diff_new"] <= 1e-2 < p["diff_old"]
+        assert p["diff_new_cfg"] < p["diff_old_cfg"]
+        # the sharded anchor uses the same policy and gives the policy's velocity bitwise
+        assert p["anchor_policy_same"] and p["anchor_equals_policy"]
+
+
+@pytest.mark.dist
+def test_keep_unsharded_rollout(rollout_ranks):
+    for r in rollout_ranks:
+        ro = r["rollout"]
+        units, blocks, forwards = ro["units"], ro["blocks"], ro["forwards"]
+        assert (units, blocks, forwards) == (4, 3, 6)  # root + 2 double-stream + 1 refiner block; 3 steps x 2 chunks
+        # the same trajectory (bitwise), and it moved
+        assert ro["latents_equal"] and ro["log_probs_equal"] and ro["latents_moved"] > 0.1
+        # FSDP2's default: every block is gathered for every forward, the root once (it is not resharded after
+        # forward); inside keep_unsharded: every unit once for the whole rollout
+        assert list(ro["gather_ops"]) == ["c10d._allgather_base_"]
+        assert ro["gathers_base"] == 1 + forwards * blocks == 19
+        assert ro["gathers_kept"] == units == 4
+        assert all(ro["inside_unsharded_kept"]) and not any(ro["inside_unsharded_base"][1:])
+        # on exit: every unit resharded (memory freed), FSDP2's settings back (blocks reshard after forward, the
+        # root does not: as a module that ran FSDP2's lazy init), so the update gathers as before: two training
+        # forwards gather every block twice and the root once (the baseline's root was still gathered), and the
+        # gradients are bitwise the baseline's
+        assert not any(ro["after_unsharded"])
+        assert ro["after_settings"] == ro["base_settings"] == [False] + [True] * blocks
+        assert ro["train_gathers_base"] == 2 * blocks and ro["train_gathers_kept"] == 1 + 2 * blocks
+        assert ro["grads_equal"]
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_post_train_rollout_phase_runs_inside_keep_unsharded(monkeypatch, reshard):
+    """post_train.rollout_phase samples inside `keep_unsharded`, enabled unless --rollout_reshard_after_forward
+    (the context itself is tested on 2 ranks above; this checks the wiring, in one process, with stand-ins)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    import post_train
+    import sage_grpo.parallel.fsdp as fsdp
+    import sage_grpo.rollout as rollout_mod
+    from sage_grpo.config import Config
+
+    cfg = Config()
+    cfg.parallel.rollout_reshard_after_forward = reshard
+    events = []
+
+    @contextlib.contextmanager
+    def recorder(module, enabled=True):
+        events.append(("enter", module, enabled))
+        yield
+        events.append(("exit",))
+
+    monkeypatch.setattr(fsdp, "keep_unsharded", recorder)
+    monkeypatch.setattr(rollout_mod, "rollout", lambda transformer, *a, **kw: events.append(("rollout", transformer)))
+    transformer = torch.nn.Linear(1, 1)
+    rec = SimpleNamespace(prompt="a cat", seed=None, index=0)
+    sampler = SimpleNamespace(next_step=lambda: ["p"], rank_slice=lambda prompts, rank: [(0, 0, 0)])
+    c = SimpleNamespace(cfg=cfg, info=SimpleNamespace(dp_rank=0, is_main=True, device=torch.device("cpu")),
+                        prompts=[rec], cache=SimpleNamespace(get=lambda texts: None),
+                        settings=SimpleNamespace(use_cfg=False), transformer=transformer, shape=(4, 2, 4, 4),
+                        pipe=SimpleNamespace(vision_num_semantic_tokens=4))
+    post_train.rollout_phase(c, SimpleNamespace(sampler=sampler, step=0))
+    assert events == [("enter", transformer, not reshard), ("rollout", transformer), ("exit",)]

@@ -188,3 +188,57 @@ def test_text_cache_options_are_checked(counts):
     c, frozen = counts
     with pytest.raises(pm.SageGRPOError, match="--prompt_tokens must be in 1..1000"):
         pm.plan(_cfg(), pm.PlanOptions(world_size=8, prompt_tokens=1001), c, frozen)
+
+
+def test_traffic_arithmetic_against_an_independent_count(counts):
+    """The 64-GPU config's collectives per step, per rank, counted here from what each rank holds and needs."""
+    c, frozen = counts
+    P, Pt, Pm = c["total"], c["trainable"], c["muon"]
+    opts = pm.PlanOptions(world_size=64)
+    full = lambda **kw: pm.plan(_cfg("configs/multinode_64gpu.yaml", dp_replicate=1, **kw), opts, c, frozen)  # noqa: E731
+    # batch 2 at one sample per micro-step: 20 steps x 2 rollout forwards; all 20 steps of sage_grpo inject noise
+    # and timestep_fraction 1 trains them all: 40 update steps, each with an anchor forward (dual KL)
+    regather = full(rollout_reshard_after_forward=True)
+    assert regather["loop"] == {"rollout_forwards": 40, "update_steps": 40, "anchor_forwards": 40,
+                                "optimizer_steps": 1.0}
+    # full shard over 64 ranks (8 nodes): a forward's all-gather brings each rank the 63 shards it does not hold
+    # (bf16); the issue's estimate: ~16.6 GB per forward, ~660 GB for the rollout's 40 forwards
+    per_forward = P * 2 - P * 2 / 64
+    assert 16.3e9 < per_forward < 16.6e9
+    assert regather["traffic"]["param all-gather: rollout"]["gib"] * pm.GIB == pytest.approx(40 * per_forward)
+    assert 650e9 < 40 * per_forward < 660e9
+    # every rank sends every fp32 gradient row but its own per backward; ShardedMuon sends its rows of the 63/64 of
+    # the Muon matrices other ranks own and gets the same back
+    grads = Pt * 4 * (1 - 1 / 64) * 40
+    muon = 2 * (Pm / 64) * (63 / 64) * 2
+    expect = (40 + 2 * 40 + 40) * per_forward + grads + muon  # rollout, update fwd + bwd, anchor; all cross nodes
+    assert regather["traffic"]["inter_node_gib"] * pm.GIB == pytest.approx(expect)
+    assert regather["traffic"]["intra_node_gib"] == 0
+    kept = full(rollout_reshard_after_forward=False)  # one gather for the whole rollout instead of 40
+    assert kept["traffic"]["inter_node_gib"] * pm.GIB == pytest.approx(expect - 39 * per_forward)
+    # the kept-gathered rollout holds the whole bf16 transformer instead of two blocks + the root
+    blocks_and_root = 2 * c["per_block"] + (P - c["num_blocks"] * c["per_block"])
+    assert (kept["phases_gib"]["rollout"] - regather["phases_gib"]["rollout"]) * pm.GIB == pytest.approx(
+        (P - blocks_and_root) * 2)
+
+    # the config's default: HSDP, a shard group of 8 consecutive ranks = one node; only the replicas' gradient
+    # all-reduce crosses nodes: a ring all-reduce of a rank's fp32 gradient shard (1/8) over 8 replicas per backward
+    hsdp = pm.plan(_cfg("configs/multinode_64gpu.yaml"), opts, c, frozen)
+    assert hsdp["setting"]["shard_ranks"] == 8 and hsdp["setting"]["dp_replicate"] == 8
+    assert not hsdp["setting"]["rollout_reshard_after_forward"]
+    ring_all_reduce = 2 * (8 - 1) * (Pt * 4 / 8) / 8
+    assert hsdp["traffic"]["inter_node_gib"] * pm.GIB == pytest.approx(40 * ring_all_reduce)
+    node_gather = P * 2 * 7 / 8  # the 7 other shards of the node
+    assert hsdp["traffic"]["param all-gather: update fwd + bwd"]["gib"] * pm.GIB == pytest.approx(80 * node_gather)
+    assert hsdp["traffic"]["inter_node_gib"] < kept["traffic"]["inter_node_gib"] / 10 and hsdp["fits"]
+    # 8 GPUs: nothing crosses a node
+    one = pm.plan(_cfg(), pm.PlanOptions(world_size=8), c, frozen)
+    assert one["traffic"]["inter_node_gib"] == 0 and one["traffic"]["intra_node_gib"] > 0
+
+
+def test_cli_prints_the_layout_choices(capsys):
+    pm.main(["--config", str(ROOT / "configs/multinode_64gpu.yaml"), "--world_size", "64"])
+    out = capsys.readouterr().out
+    assert "total inter-node / intra-node" in out
+    rows = [line for line in out.splitlines() if line.startswith(("full shard over 64", "HSDP: shard over 8"))]
+    assert len(rows) == 4 and sum("kept gathered" in r for r in rows) == 2

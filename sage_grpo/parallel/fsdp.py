@@ -12,8 +12,20 @@ the mean over dp: FSDP2 sums over its whole mesh (dp * sp ranks), so the divide 
 (`set_gradient_divide_factor`). gloo has no PREMUL_SUM reduction, so on CPU FSDP2 is told to reduce with SUM and
 divide afterwards (`set_force_sum_reduction_for_comms`); on NCCL the division is fused into the reduce-scatter.
 
-Mixed precision: `MixedPrecisionPolicy(param_dtype=--dtype, reduce_dtype=float32)` over master weights in
-`--master_weight_type` (the sharded parameters keep the master dtype; the all-gather casts to --dtype).
+Mixed precision: `MixedPrecisionPolicy(param_dtype=--dtype, reduce_dtype=float32, cast_forward_inputs=False)` over
+master weights in `--master_weight_type` (the sharded parameters keep the master dtype; the all-gather casts to
+--dtype). FSDP2 leaves the forward inputs alone: the caller casts them, exactly as in one process
+(`sage_grpo.rollout.predict_velocity`: latents and text in --dtype, timestep fp32 under autocast). With FSDP2's
+default (cast_forward_inputs=True) every FSDP unit's floating inputs were cast to --dtype: the root's timestep
+(1000 sigma rounded to bf16 moves t by up to 2) and every block's rotary cos/sin, so sharded runs computed a
+different velocity from one process (3.5e-2 against 4.9e-3 on the tiny model, tests/test_parallel_fsdp.py).
+
+Rollout (`keep_unsharded`): FSDP2 re-gathers every block for every forward (reshard_after_forward=True, the
+memory-lean default the update needs). The rollout is T x (batch / chunk) forward-only calls of the same weights,
+so inside `keep_unsharded` the units keep their gathered parameters from their first forward to the end of the
+rollout: one all-gather per unit per rollout instead of one per forward, for the memory of the whole model in
+--dtype on every rank (scripts/plan_memory.py prints both). No collective is added or removed unevenly: every rank
+runs the same forwards, so every rank skips the same all-gathers.
 
 Loading (`materialize_sharded`): a model sharded on the meta device is `to_empty`'d and every rank fills only its
 rows of each parameter from a row reader: host memory per rank is its shards plus one tensor's rows, never the
@@ -26,7 +38,8 @@ shard (no collective, no rank ever holds a full tensor). Optional CPU offload ke
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -34,6 +47,7 @@ from torch import nn
 __all__ = [
     "mixed_precision_policy",
     "shard_modules",
+    "keep_unsharded",
     "local_rows",
     "materialize_sharded",
     "ShardedAnchor",
@@ -48,8 +62,11 @@ def mixed_precision_policy(param_dtype: torch.dtype, master_dtype: torch.dtype):
     """Compute in `param_dtype` (--dtype), reduce gradients in fp32, keep master weights in `master_dtype`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    # cast_forward_inputs=False: the inputs keep the dtypes the caller gave them, as in one process (module
+    # docstring); predict_velocity casts latents and text itself and runs the forward under autocast, so the fp32
+    # timestep and rotary tables meet bf16 weights only inside autocast's matmuls, never as a bf16-rounded input.
     return MixedPrecisionPolicy(param_dtype=None if param_dtype == master_dtype else param_dtype,
-                                reduce_dtype=torch.float32)
+                                reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def shard_modules(root: nn.Module, blocks: Iterable[nn.Module], info, *, param_dtype: torch.dtype | None = None,
@@ -84,6 +101,33 @@ def shard_modules(root: nn.Module, blocks: Iterable[nn.Module], info, *, param_d
                 if force_sum:
                     m.set_force_sum_reduction_for_comms(True)
     return root
+
+
+@contextlib.contextmanager
+def keep_unsharded(root: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within the block, `root`'s FSDP2 units do not reshard after forward: each is all-gathered by its first
+    forward and stays gathered for the following ones (the rollout's T steps); on exit every unit is resharded (the
+    memory is freed before the update) and gets FSDP2's defaults back, the ones `shard_modules` uses: reshard after
+    forward, except the root, which FSDP2 keeps gathered from forward to backward. No collective (every rank must
+    still run the same forwards inside). A no-op when not enabled or `root` is not sharded (one process).
+
+    Meant for no-grad forwards: with autograd, a backward inside would find the parameters gathered (correct) and
+    reshard them after backward as usual.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not enabled or not isinstance(root, FSDPModule):
+        yield
+        return
+    root.set_reshard_after_forward(False)  # every unit below root too
+    try:
+        yield
+    finally:
+        root.set_reshard_after_forward(True)
+        root.set_reshard_after_forward(False, recurse=False)  # fully_shard(reshard_after_forward=None)'s root value
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 # ------------------------------------------------------------------------------------------------ meta-device load

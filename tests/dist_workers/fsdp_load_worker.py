@@ -250,8 +250,12 @@ with torch.no_grad():
 pol16, _ = load_sharded_transformer(single_dir, info, master_dtype=FP32, param_dtype=torch.bfloat16,
                                     lora={"use_lora": False})
 off = build_sharded_anchor(pol16, info, param_dtype=torch.bfloat16, offload=True)
-with torch.no_grad():
-    y_off, y_pol = off.module(**inputs(1))[0], pol16(**inputs(1))[0]
+# inputs in bf16 but the timestep fp32, under bf16 autocast, as predict_velocity feeds the model: FSDP2 does not cast
+# forward inputs (cast_forward_inputs=False, sage_grpo/parallel/fsdp.py)
+x16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v
+       for k, v in inputs(1).items()}
+with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    y_off, y_pol = off.module(**x16)[0], pol16(**x16)[0]
 res["anchor"]["offload_fwd_equal"] = y_off.dtype == torch.bfloat16 and torch.equal(y_off, y_pol)
 res["anchor"]["offload_on_cpu"] = all(p.device.type == "cpu" for p in off.module.parameters())
 # LoRA moving anchor: the second adapter set is cloned and copied back shard by shard, also collective-free
