@@ -28,6 +28,12 @@ mapping is `sage_grpo.models.convert.TRANSFORMER_RULES`, the one the weight load
     -> diffusers is the identity); any other fused LoRA (e.g. one trained on the authors' model) splits exactly
     as A shared by the three and B cut into its q/k/v rows (what diffusers does for HunyuanVideo 1.0's
     img_attn_qkv in `_convert_hunyuan_video_lora_to_diffusers`).
+
+Sources read: ComfyUI 0.3.64 (Comfy-Org/ComfyUI a125cd84, 2025-10-12): comfy/lora.py (`load_lora`,
+`model_lora_keys_unet`), comfy/supported_models.py (`HunyuanVideo.process_unet_state_dict`); that snapshot predates
+ComfyUI's HunyuanVideo-1.5 support, so how a later ComfyUI addresses the split img_attn_q/k/v is not checked here.
+diffusers main 58eb52c0 (2026-08-23) src/diffusers/loaders/lora_conversion_utils.py (HunyuanVideo 1.0 only, no 1.5
+converter) and the installed 0.42.1 `lora_base.write_lora_layers` / `peft.load_lora_adapter` (metadata layout).
 """
 
 from __future__ import annotations
