@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pretrained_transformer_version", default=None,
       help=f"authors' transformer sub-folder (default: {m.pretrained_transformer_version})")
     a("--checkpoint_path", default="", help="a training checkpoint: checkpoint-N/transformer (DCP)")
-    a("--lora_path", default="", help="LoRA adapter (safetensors file or directory) to apply; its saved "
-      "adapter_config.json sets r, alpha and the target modules")
+    a("--lora_path", default="", help="LoRA adapter (safetensors file or directory) to apply, in any layout "
+      "scripts/export_checkpoint.py --lora_format writes (peft, diffusers, original, comfy; detected from the keys); "
+      "its adapter_config.json or the file itself sets r, alpha and the target modules")
     a("--num_inference_steps", type=int, default=None,
       help=f"sampling steps (default: {v.validation_num_inference_steps})")
     a("--video_length", type=int, default=None, help=f"frames, 4k+1 (default: {v.validate_video_length})")

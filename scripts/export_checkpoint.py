@@ -1,9 +1,13 @@
 #!/usr/bin/env python
-"""Export a training checkpoint's transformer as a diffusers model directory (config.json + safetensors) that
-`HunyuanVideo15Transformer3DModel.from_pretrained` loads, e.g. to swap into a diffusers-layout model folder.
+"""Export a training checkpoint: the transformer as a diffusers model directory (config.json + safetensors) that
+`HunyuanVideo15Transformer3DModel.from_pretrained` loads, or (--lora_format) a LoRA run's adapter alone in the key
+layout another tool reads. Every export folder gets a README.md model card (hub metadata, method, reward, steps,
+key flags, validation metrics, how to load).
 
     python scripts/export_checkpoint.py --checkpoint outputs/run/checkpoint-500 --out exported/transformer
     python scripts/export_checkpoint.py --checkpoint outputs/lora_run/checkpoint-500 --out exported/t --merge_lora False
+    python scripts/export_checkpoint.py --checkpoint outputs/lora_run/checkpoint-500 --out exported/comfy \
+        --lora_format comfy     # peft | diffusers | original | comfy (see sage_grpo/models/lora_formats.py)
 
 checkpoint-N/transformer holds the trained weights under the plain model's names (for a LoRA run the adapter is
 already merged into them). With --merge_lora False a LoRA run's base weights are exported unmerged and the adapter
@@ -23,17 +27,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sage_grpo.cli import CLIParser, check_writable_dir  # noqa: E402
 from sage_grpo.config import parse_bool  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
+from sage_grpo.models.lora_formats import FORMATS, from_peft, write_lora  # noqa: E402
+from sage_grpo.models.model_card import base_model_id, model_card  # noqa: E402
 
 
 def main(argv=None) -> Path:
     p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="output_dir/checkpoint-N of post_train.py")
     p.add_argument("--out", required=True, help="directory to write (created; must be empty or absent)")
-    p.add_argument("--merge_lora", default="True", help="LoRA runs: export merged weights (True) or base + adapter")
+    p.add_argument("--merge_lora", default=None, help="LoRA runs: export merged weights (True, default) or base + "
+                   "adapter")
+    p.add_argument("--lora_format", default="", metavar="{" + ",".join(FORMATS) + "}",
+                   help="LoRA runs: write only the adapter, with diffusers/peft keys (peft: adapter_model.safetensors "
+                   "+ adapter_config.json; diffusers: pytorch_lora_weights.safetensors for load_lora_adapter), the "
+                   "original HunyuanVideo-1.5 keys (original) or ComfyUI's (comfy); no model is loaded")
     p.add_argument("--dtype", default="", choices=["", "fp32", "bf16", "fp16"],
                    help="dtype of the exported weights; default: the checkpoint's master weight type")
     args = p.parse_args(argv)
-    merge = parse_bool(args.merge_lora, "--merge_lora")
+    if args.lora_format and args.lora_format not in FORMATS:
+        raise SageGRPOError(f"--lora_format {args.lora_format!r} is not one of {', '.join(FORMATS)}")
+    if args.lora_format and args.merge_lora is not None:
+        raise SageGRPOError("--merge_lora applies to the weights export; --lora_format writes the adapter alone")
+    merge = parse_bool(args.merge_lora if args.merge_lora is not None else "True", "--merge_lora")
     ckpt, out = Path(args.checkpoint), Path(args.out)
     state_file = ckpt / "train_state.json"
     if not state_file.is_file():
@@ -42,8 +57,17 @@ def main(argv=None) -> Path:
     if out.exists() and any(out.iterdir()):
         raise SageGRPOError(f"--out {args.out!r} exists and is not empty; choose a new directory")
     check_writable_dir(out.parent, "--out")
-    cfg = json.loads(state_file.read_text())["config"]
+    train_state = json.loads(state_file.read_text())
+    cfg = train_state["config"]
     m = cfg["model"]
+    step = int(train_state.get("step", 0))
+    metrics = ckpt.parent / "metrics.jsonl"  # the run's output_dir holds it
+    lora = ckpt / "lora"
+    if args.lora_format:
+        if not lora.is_dir():
+            raise SageGRPOError(f"--lora_format {args.lora_format}: {args.checkpoint!r} is a full fine-tuning "
+                                "checkpoint (no lora/ adapter); export its weights without --lora_format")
+        return _export_lora(lora, out, args.lora_format, args.dtype, cfg, step, metrics)
 
     from sage_grpo.config import torch_dtype
     from sage_grpo.models.loading import load_pipeline
@@ -52,7 +76,6 @@ def main(argv=None) -> Path:
     dtype = torch_dtype(args.dtype or m["master_weight_type"])
     pipe = load_pipeline(m["pretrained_model_root"], m["model_path"], m["pretrained_transformer_version"],
                          dtype=dtype, load_text_encoders=False)
-    lora = ckpt / "lora"
     if merge or not lora.is_dir():
         load_dcp_transformer(pipe.transformer, ckpt / "transformer")
     # written beside the target and renamed when complete: an interrupted export leaves no half-written --out
@@ -61,6 +84,35 @@ def main(argv=None) -> Path:
     pipe.transformer.save_pretrained(tmp, safe_serialization=True)
     if not merge and lora.is_dir():
         shutil.copytree(lora, tmp / "lora")
+    files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+    (tmp / "README.md").write_text(model_card(cfg, step=step, kind="merged", files=files, metrics_file=metrics))
+    return _commit(tmp, out)
+
+
+def _export_lora(lora_dir: Path, out: Path, fmt: str, dtype: str, cfg: dict, step: int, metrics: Path) -> Path:
+    """The adapter of checkpoint-N/lora, converted by sage_grpo.models.lora_formats (tensors only: no model)."""
+    from sage_grpo.config import torch_dtype
+    from sage_grpo.models.lora import read_adapter, saved_lora_settings
+
+    settings = saved_lora_settings(lora_dir)
+    if settings is None:
+        raise SageGRPOError(f"{lora_dir} has no adapter_config.json: the LoRA scale (alpha / r) is unknown")
+    _, state = read_adapter(lora_dir)
+    if dtype:
+        state = {k: v.to(torch_dtype(dtype)) for k, v in state.items()}
+    adapter = from_peft(state, settings)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    path = write_lora(adapter, tmp, fmt, base_model=base_model_id(cfg, "diffusers"))
+    files = sorted(f.name for f in tmp.iterdir())
+    (tmp / "README.md").write_text(model_card(cfg, step=step, kind=fmt, files=files, metrics_file=metrics,
+                                              lora_settings=settings))
+    out = _commit(tmp, out)
+    print(f"[export] {out / path.name} ({fmt} layout)")
+    return out
+
+
+def _commit(tmp: Path, out: Path) -> Path:
     if out.exists():
         out.rmdir()  # empty (checked above)
     tmp.rename(out)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from sage_grpo.errors import SageGRPOError
 
@@ -49,10 +49,12 @@ def setup_trainable(
     `pretrained_lora_path`, whose saved adapter_config.json (when present) sets r, alpha and the targets.
     Full fine-tuning: every transformer parameter is trainable.
     """
+    patterns: dict = {}  # per-module rank / alpha of an imported adapter (e.g. a fused q,k,v split back)
     if pretrained_lora_path and use_lora:
         saved = saved_lora_settings(pretrained_lora_path)
         if saved:  # the adapter's own shape and scale win: another alpha would load silently at the wrong strength
             lora_r, lora_alpha, lora_target_modules = saved["r"], saved["lora_alpha"], saved["target_modules"]
+            patterns = {k: saved[k] for k in ("rank_pattern", "alpha_pattern") if saved.get(k)}
     if not use_lora:
         if pretrained_lora_path:
             raise SageGRPOError("--pretrained_lora_path needs --use_lora (or merge the adapter into the weights first)")
@@ -63,7 +65,7 @@ def setup_trainable(
     transformer.requires_grad_(False)
     targets = list(lora_target_modules or []) or default_lora_targets(transformer)
     config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets,
-                        init_lora_weights=True)
+                        init_lora_weights=True, **patterns)
     try:
         transformer.add_adapter(config, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # peft: "Target modules ... not found in the base model"
@@ -106,29 +108,65 @@ def save_lora(transformer, path: str | Path, state: dict[str, torch.Tensor] | No
 
 
 def saved_lora_settings(path: str | Path) -> dict | None:
-    """The settings `save_lora` (or peft) wrote beside an adapter, or None when there are none."""
+    """The settings of an adapter: the JSON `save_lora` (or peft) wrote beside it; for a diffusers / original /
+    comfy file (sage_grpo.models.lora_formats) the ones its own tensors and metadata give; None when there are
+    none (a bare peft file: the caller's flags apply)."""
     path = Path(path)
     cfg_path = path / ADAPTER_CONFIG if path.is_dir() else _config_file(path)
     if not cfg_path.is_file():
-        return None
+        from sage_grpo.models.lora_formats import file_to_lora, read_lora_file, to_peft
+
+        weights = _adapter_file(path, required=False)
+        if weights is None:
+            return None
+        fmt, tensors, metadata = read_lora_file(weights)
+        lora = file_to_lora(fmt, tensors, metadata, weights)
+        return None if lora is None else to_peft(lora)[1]
     try:
         data = json.loads(cfg_path.read_text())
         return {"r": int(data["r"]), "lora_alpha": data["lora_alpha"],
                 "lora_dropout": float(data.get("lora_dropout", 0.0)),
-                "target_modules": list(data["target_modules"])}
+                "target_modules": list(data["target_modules"]),
+                "rank_pattern": dict(data.get("rank_pattern") or {}),
+                "alpha_pattern": dict(data.get("alpha_pattern") or {})}
     except (ValueError, KeyError, TypeError) as e:
         raise SageGRPOError(f"LoRA settings {cfg_path} are unreadable ({e}); fix or delete the file") from None
 
 
-def read_adapter(path: str | Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    """An adapter file (or a directory holding adapter_model.safetensors) -> (its path, the weights in peft's key
-    layout, with a `transformer.` / `base_model.model.` prefix removed)."""
-    path = Path(path)
+def _adapter_file(path: Path, required: bool = True) -> Path | None:
+    """A LoRA file, or the one in a directory: adapter_model.safetensors, else the file of an exported format,
+    else the directory's only *.safetensors."""
+    from sage_grpo.models.lora_formats import FILE_NAMES
+
     if path.is_dir():
-        path = path / ADAPTER_FILE
+        for name in (ADAPTER_FILE, *FILE_NAMES.values()):
+            if (path / name).is_file():
+                return path / name
+        found = sorted(path.glob("*.safetensors"))
+        if len(found) == 1:
+            return found[0]
+        if not required:
+            return None
+        raise SageGRPOError(f"LoRA adapter not found in {path}: no {ADAPTER_FILE} and "
+                            f"{'several' if found else 'no'} *.safetensors files; pass the file itself")
     if not path.is_file():
+        if not required:
+            return None
         raise SageGRPOError(f"LoRA adapter not found: {path}")
-    state = load_file(path)
+    return path
+
+
+def read_adapter(path: str | Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """An adapter file (or a directory holding one) in any layout of sage_grpo.models.lora_formats (peft, diffusers,
+    original, comfy: detected from the keys) -> (its path, the weights in peft's key layout on diffusers' module
+    names, `transformer_blocks.0.attn.to_q.lora_A.weight`, ...)."""
+    from sage_grpo.models.lora_formats import file_to_lora, read_lora_file, to_peft
+
+    path = _adapter_file(Path(path))
+    fmt, state, metadata = read_lora_file(path)
+    lora = file_to_lora(fmt, state, metadata, path)
+    if lora is not None:  # renamed / fused q,k,v split / modulation rows swapped back: exactly the diffusers LoRA
+        return path, to_peft(lora)[0]
     for prefix in ("base_model.model.", "transformer."):
         state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
     return path, state
@@ -205,8 +243,15 @@ def merged_state_dict(transformer) -> dict[str, torch.Tensor]:
     sd = transformer.state_dict()
     if not any("lora_" in k for k in sd):
         return dict(sd)
+    from sage_grpo.models.lora_formats import _pattern_value
+
     cfg = transformer.peft_config[ADAPTER_NAME]
-    scale = cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
+
+    def scale(module: str) -> float:  # per module: an imported adapter may carry rank / alpha patterns
+        r = _pattern_value(cfg.rank_pattern, module, cfg.r)
+        alpha = _pattern_value(cfg.alpha_pattern, module, cfg.lora_alpha)
+        return alpha / (r ** 0.5 if getattr(cfg, "use_rslora", False) else r)
+
     out = {}
     for k, v in sd.items():
         if "lora_" in k:
@@ -216,7 +261,7 @@ def merged_state_dict(transformer) -> dict[str, torch.Tensor]:
             if k.endswith(".base_layer.weight"):
                 a = sd[f"{module}.lora_A.{ADAPTER_NAME}.weight"].float()  # [r, in]
                 b = sd[f"{module}.lora_B.{ADAPTER_NAME}.weight"].float()  # [out, r]
-                v = (v.float() + scale * (b @ a)).to(v.dtype)
+                v = (v.float() + scale(module) * (b @ a)).to(v.dtype)
             k = k.replace(".base_layer.", ".")
         out[k] = v
     return out

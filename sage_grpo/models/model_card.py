@@ -1,0 +1,165 @@
+"""The README.md model card `scripts/export_checkpoint.py` writes into its export folder: a YAML metadata block the
+Hugging Face hub reads (base_model, base_model_relation, library_name, pipeline_tag, tags), then the method, the
+reward and its weights, the training steps and key flags (from the checkpoint's train_state.json config), the
+validation metrics of the exported step (from the run's metrics.jsonl when present) and how to load the weights.
+
+Only the train_state.json config is read, through `.get` with the flags shown only when present, so a checkpoint
+of an older or newer config still gets a card."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["model_card", "validation_metrics", "base_model_id"]
+
+AUTHORS_REPO = "tencent/HunyuanVideo-1.5"
+DIFFUSERS_REPO = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{version}"
+
+# (config group, key) pairs shown as "key flags"
+KEY_FLAGS = [
+    ("rollout", "sde_type"), ("rollout", "eta"), ("rollout", "grpo_sampling_steps"), ("rollout", "flow_shift"),
+    ("rollout", "cfg_scale"), ("rollout", "sample_n_frames"), ("rollout", "height"), ("rollout", "width"),
+    ("data", "num_generations"), ("data", "batch_size"),
+    ("optim", "learning_rate"), ("optim", "use_muon"), ("optim", "clip_range"), ("optim", "use_grad_balancing"),
+    ("optim", "enable_timestep_permutation"), ("optim", "timestep_fraction"),
+    ("kl", "use_dual_kl"), ("kl", "use_moving_KL"), ("kl", "kl_weight"), ("kl", "kl_adapt_direction"),
+    ("kl", "dual_kl_moving_weight"), ("kl", "dual_kl_step_weight"),
+    ("model", "use_lora"), ("model", "lora_r"), ("model", "lora_alpha"), ("model", "lora_target_modules"),
+]
+
+
+def base_model_id(config: dict, layout: str) -> str:
+    """The hub id of the base weights: the authors' repo, or the community diffusers conversion of the version."""
+    version = config.get("model", {}).get("pretrained_transformer_version") or "480p_t2v"
+    return DIFFUSERS_REPO.format(version=version) if layout == "diffusers" else AUTHORS_REPO
+
+
+def validation_metrics(metrics_file: Path, step: int) -> tuple[int, dict[str, float]] | None:
+    """The last record at or before `step` with `val/` metrics -> (its step, {name: value}); None without any."""
+    if not metrics_file.is_file():
+        return None
+    found = None
+    for line in metrics_file.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut by a crash: the rest of the file still counts
+            continue
+        vals = {k: v for k, v in rec.items() if k.startswith("val/") and isinstance(v, int | float)}
+        if vals and rec.get("step", math.inf) <= step:
+            found = (int(rec["step"]), vals)
+    return found
+
+
+def _reward_lines(reward: dict) -> list[str]:
+    name = reward.get("reward_model", "?")
+    lines = [f"- Reward: `{name}`"]
+    weights = reward.get("reward_weights")
+    if weights:
+        try:
+            parsed = json.loads(weights) if isinstance(weights, str) else weights
+            shown = ", ".join(f"{k} {v:g}" if isinstance(v, int | float) else f"{k} {v}" for k, v in parsed.items())
+        except (ValueError, AttributeError):
+            shown = str(weights)
+        lines.append(f"- Reward weights: {shown}")
+    return lines
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, list):
+        return ", ".join(map(str, v)) if v else "(default: every linear of the transformer blocks)"
+    return str(v)
+
+
+def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_file: Path | None = None,
+               lora_settings: dict | None = None) -> str:
+    """README.md text. kind: "merged" (a diffusers transformer folder) or a LoRA layout of
+    sage_grpo.models.lora_formats (peft, diffusers, original, comfy)."""
+    is_lora = kind != "merged"
+    layout = "authors" if kind in ("original", "comfy") else "diffusers"
+    base = base_model_id(config, layout)
+    optim = config.get("optim", {})
+    tags = ["text-to-video", "hunyuanvideo-1.5", "grpo", "sage-grpo", "reinforcement-learning"]
+    if is_lora:
+        tags += ["lora"] + (["comfyui"] if kind == "comfy" else [])
+    library = "peft" if kind == "peft" else "diffusers"
+    meta = [
+        "---",
+        f"base_model: {base}",
+        f"base_model_relation: {'adapter' if is_lora else 'finetune'}",
+        f"library_name: {library}",
+        "pipeline_tag: text-to-video",
+        "tags:",
+        *[f"- {t}" for t in tags],
+        "---",
+    ]
+    what = f"LoRA ({kind} layout)" if is_lora else "fine-tuned transformer (diffusers layout, LoRA merged if any)"
+    out = [*meta, "", f"# HunyuanVideo-1.5 SAGE-GRPO {what}, step {step}", ""]
+    out += [
+        f"Post-trained from [{base}](https://huggingface.co/{base}) with SAGE-GRPO (\"Manifold-Aware Exploration for "
+        "Reinforcement Learning in Video Generation\", arXiv 2603.21872): GRPO with a manifold-aware SDE for the "
+        "rollouts, a gradient-norm equalizer and a dual trust region (KL to a moving anchor and step-wise).",
+        "",
+        "## Training",
+        "",
+        f"- Steps: {step} of {optim.get('max_steps', '?')}",
+        *_reward_lines(config.get("reward", {})),
+    ]
+    if lora_settings:
+        out.append(f"- LoRA: r {lora_settings['r']}, alpha {_fmt(lora_settings['lora_alpha'])}, "
+                   f"{len(lora_settings['target_modules'])} target modules")
+    out += ["", "Key flags (from the checkpoint's train_state.json):", "", "| flag | value |", "|---|---|"]
+    for group, key in KEY_FLAGS:
+        if key in config.get(group, {}):
+            out.append(f"| `--{key}` | {_fmt(config[group][key])} |")
+    out += ["", "## Validation", ""]
+    val = validation_metrics(metrics_file, step) if metrics_file is not None else None
+    if val is None:
+        out.append("No validation metrics were recorded up to this step (metrics.jsonl has no `val/` entries).")
+    else:
+        vstep, vals = val
+        out += [f"At step {vstep} (metrics.jsonl):", "", "| metric | value |", "|---|---|"]
+        out += [f"| {k} | {v:.6g} |" for k, v in sorted(vals.items())]
+    out += ["", "## Files", "", *[f"- `{f}`" for f in files], "", "## How to load", ""]
+    out += _how_to_load(kind, files, base)
+    return "\n".join(out) + "\n"
+
+
+def _how_to_load(kind: str, files: list[str], base: str) -> list[str]:
+    weights = next((f for f in files if f.endswith(".safetensors")), "")
+    if kind == "merged":
+        return ["diffusers (replace the transformer of the base pipeline):", "", "```python",
+                "import torch", "from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel",
+                "transformer = HunyuanVideo15Transformer3DModel.from_pretrained(\"<this folder>\", "
+                "torch_dtype=torch.bfloat16)",
+                f"pipe = HunyuanVideo15Pipeline.from_pretrained(\"{base}\", transformer=transformer, "
+                "torch_dtype=torch.bfloat16)", "```"]
+    lines = []
+    if kind in ("diffusers", "peft"):
+        diffusers_base = base
+        prefix = "transformer" if kind == "diffusers" else "base_model.model"
+        lines += ["diffusers (0.42's HunyuanVideo15Pipeline has no `load_lora_weights`; load into the transformer):",
+                  "", "```python", "import torch", "from diffusers import HunyuanVideo15Pipeline",
+                  f"pipe = HunyuanVideo15Pipeline.from_pretrained(\"{diffusers_base}\", torch_dtype=torch.bfloat16)"]
+        if kind == "diffusers":
+            lines.append(f"pipe.transformer.load_lora_adapter(\"<this folder>\", weight_name=\"{weights}\", "
+                         f"prefix=\"{prefix}\", adapter_name=\"sage_grpo\")")
+        else:
+            lines += ["from peft import PeftModel",
+                      "pipe.transformer = PeftModel.from_pretrained(pipe.transformer, \"<this folder>\")"
+                      ".merge_and_unload()"]
+        lines += ["```", ""]
+    if kind == "comfy":
+        lines += ["ComfyUI: copy the file into `ComfyUI/models/loras/` and apply it to the HunyuanVideo-1.5 model with "
+                  "a `LoraLoaderModelOnly` node (the original model's keys with ComfyUI's `diffusion_model.` prefix).",
+                  ""]
+    if kind == "original":
+        lines += ["The keys are the authors' module names (`double_blocks.0.img_attn_q.lora_A.weight`, per-module "
+                  "`.alpha`), for tools that read the original checkpoint's names; for ComfyUI export "
+                  "`--lora_format comfy`.", ""]
+    lines += ["This repository (any of the four layouts; detected from the keys):", "", "```bash",
+              "python generate.py --pretrained_model_root ckpts --lora_path <this folder> --prompt \"...\"", "```"]
+    return lines

@@ -1,0 +1,140 @@
+"""scripts/export_checkpoint.py --lora_format on a LoRA checkpoint built here (train_state.json + lora/ of a tiny
+transformer with a random adapter on every linear): each layout is written with its model card and loaded back
+(through the loader generate.py uses, and by generate.py itself: the four exports give the same video), and the
+user errors are one line before anything loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sage_grpo.config import Config, config_to_dict
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.models.lora import adapter_parameters, lora_state_dict, save_lora, setup_trainable
+from sage_grpo.models.lora_formats import FILE_NAMES, FORMATS
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import export_checkpoint  # noqa: E402
+
+
+def _transformer():
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from sage_grpo.models.tiny import tiny_transformer_config
+
+    torch.manual_seed(0)
+    return HunyuanVideo15Transformer3DModel(**tiny_transformer_config()).eval()
+
+
+def _adapted():
+    tr = _transformer()
+    targets = [n for n, m in tr.named_modules() if isinstance(m, torch.nn.Linear)]  # refiner q,k,v + norm_out too
+    setup_trainable(tr, use_lora=True, lora_r=2, lora_alpha=3, lora_target_modules=targets)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in adapter_parameters(tr).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return tr
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """(checkpoint-7 of a LoRA run, the adapted transformer); metrics.jsonl with validation at steps 5 and 9."""
+    run = tmp_path_factory.mktemp("run")
+    ckpt = run / "checkpoint-7"
+    ckpt.mkdir()
+    tr = _adapted()
+    save_lora(tr, ckpt / "lora")
+    cfg = Config()
+    cfg.model.use_lora, cfg.model.lora_r, cfg.model.lora_alpha = True, 2, 3
+    cfg.optim.max_steps = 10
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 7, "config": config_to_dict(cfg)}))
+    rows = [{"step": 5, "val/reward_total": 0.25, "val/videos": 4}, {"step": 7, "reward/total": 1.0},
+            {"step": 9, "val/reward_total": 0.75}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ckpt, tr
+
+
+@pytest.fixture(scope="module")
+def exports(lora_run, tmp_path_factory):
+    ckpt, _ = lora_run
+    root = tmp_path_factory.mktemp("exports")
+    return {fmt: export_checkpoint.main(["--checkpoint", str(ckpt), "--out", str(root / fmt), "--lora_format", fmt])
+            for fmt in FORMATS}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_lora_export_writes_the_layout_and_a_model_card(fmt, exports, lora_run):
+    out = exports[fmt]
+    assert (out / FILE_NAMES[fmt]).is_file()
+    card = (out / "README.md").read_text()
+    meta = card.split("---\n")[1]  # the YAML block the hub reads
+    assert "base_model: " in meta and "- lora" in meta and "pipeline_tag: text-to-video" in meta
+    assert ("base_model: tencent/HunyuanVideo-1.5" in meta) == (fmt in ("original", "comfy"))
+    assert "Steps: 7 of 10" in card and "VQ 0.5, MQ 0.5, TA 1" in card and "LoRA: r 2, alpha 3" in card
+    assert "At step 5" in card and "| val/reward_total | 0.25 |" in card and "0.75" not in card  # not after step 7
+    assert "| `--sde_type` | sage_grpo |" in card
+    how = {"diffusers": "load_lora_adapter", "peft": "PeftModel.from_pretrained", "comfy": "LoraLoaderModelOnly",
+           "original": "--lora_format comfy"}[fmt]
+    assert how in card and "generate.py" in card
+    # loaded back through the loader of generate.py / --pretrained_lora_path (flags overridden by the file)
+    dst = _transformer()
+    setup_trainable(dst, use_lora=True, lora_r=1, lora_alpha=1, lora_target_modules=["to_q"],
+                    pretrained_lora_path=str(out))
+    got, want = lora_state_dict(dst), lora_state_dict(lora_run[1])
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_generate_loads_every_exported_lora(exports, tiny_diffusers_dir, tmp_path):
+    import generate
+    from sage_grpo.video import read_video
+
+    common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size",
+              "16x32", "--num_inference_steps", "2", "--prompt", "a red ball rolls"]
+    [plain] = generate.main([*common, "--output_path", str(tmp_path / "plain.mp4")])
+    videos = {}
+    for fmt, out in exports.items():
+        [path] = generate.main([*common, "--lora_path", str(out), "--output_path", str(tmp_path / f"{fmt}.mp4")])
+        videos[fmt] = read_video(path)[0]
+    assert not torch.equal(videos["peft"], read_video(plain)[0])  # the adapter changes the video
+    assert all(torch.equal(v, videos["peft"]) for v in videos.values())  # and is the same adapter in every layout
+
+
+def test_model_card_of_a_merged_export_and_without_metrics(tmp_path):
+    from sage_grpo.models.model_card import model_card
+
+    card = model_card(config_to_dict(Config()), step=3, kind="merged", files=["config.json"],
+                      metrics_file=tmp_path / "none.jsonl")
+    assert "base_model_relation: finetune" in card and "- lora" not in card
+    assert "No validation metrics" in card and "from_pretrained" in card
+
+
+def test_lora_export_user_errors(lora_run, tmp_path):
+    ckpt, _ = lora_run
+    with pytest.raises(SageGRPOError, match="--lora_format 'kohya' is not one of peft, diffusers, original, comfy"):
+        export_checkpoint.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "a"), "--lora_format", "kohya"])
+    with pytest.raises(SageGRPOError, match="--merge_lora applies to the weights export"):
+        export_checkpoint.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "a"), "--lora_format", "comfy",
+                                "--merge_lora", "False"])
+    full = tmp_path / "full" / "checkpoint-3"
+    full.mkdir(parents=True)
+    (full / "train_state.json").write_text(json.dumps({"step": 3, "config": config_to_dict(Config())}))
+    with pytest.raises(SageGRPOError, match="is a full fine-tuning checkpoint \\(no lora/ adapter\\)"):
+        export_checkpoint.main(["--checkpoint", str(full), "--out", str(tmp_path / "b"), "--lora_format", "comfy"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_lora_export_errors_are_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "scripts/export_checkpoint.py"), "--checkpoint", str(tmp_path),
+                        "--out", str(tmp_path / "o"), "--lora_format", "kohya"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith("error: --lora_format 'kohya' is not one of")
