@@ -310,6 +310,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
     if v.validate_at_step0 and state.step == 0:
         with PhaseClock(hook)("validation"):
             log(logger, 0, validation(c, 0))
+            log_videos(logger, c, 0)
     last_saved = state.step
     live = LiveNumbers(info.is_main, o.max_steps, state.step, cfg.logging.log_interval)
     with StopRequest() as stop:
@@ -363,6 +364,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
             if v.validation_interval and state.step % v.validation_interval == 0:
                 with clock("validation"):
                     metrics.update(validation(c, state.step))
+                    log_videos(logger, c, state.step)
                 if info.is_main:
                     plot_curves(c.out / "metrics.jsonl", c.out / "curves.png")
             metrics.update(clock.metrics())
@@ -683,7 +685,7 @@ def validation(c: Components, step: int) -> dict:
     from sage_grpo.parallel.dist import all_reduce_sum
 
     cfg, info = c.cfg, c.info
-    folder = c.out / "samples" / f"step_{step:06d}"
+    folder = samples_dir(c, step)
     # prompts split over data-parallel ranks (sp peers make each video together); every rank runs the same number
     # of forwards, since FSDP2 and Ulysses forwards are collective: short ranks repeat a prompt and discard it
     per_rank = -(-len(c.val_records) // info.dp_size)
@@ -704,6 +706,24 @@ def validation(c: Components, step: int) -> dict:
             sums += torch.tensor([total, 1.0], dtype=torch.float64, device=info.device)
     sums = all_reduce_sum(sums)  # every rank joins, sp peers add zeros
     return {"val/reward_total": float(sums[0] / sums[1]) if sums[1] > 0 else math.nan, "val/videos": int(sums[1])}
+
+
+def samples_dir(c: Components, step: int) -> Path:
+    return c.out / "samples" / f"step_{step:06d}"
+
+
+def log_videos(logger, c: Components, step: int) -> None:
+    """The validation videos of `step` to TensorBoard / wandb (rank 0: `logger` is None on the other ranks; a
+    logger without media, such as scripts/bench_step.py's, gets none). They are read back from the mp4s because
+    validation splits the prompts over ranks and each rank wrote its own; all are on disk once `validation`'s
+    all-reduce has returned."""
+    if not getattr(logger, "wants_media", False):
+        return
+    from sage_grpo.generation import sample_stem
+    from sage_grpo.video import read_video
+
+    files = {sample_stem(rec): samples_dir(c, step) / f"{sample_stem(rec)}.mp4" for rec in c.val_records}
+    logger.log_videos(step, {name: read_video(path)[0] for name, path in files.items() if path.is_file()})
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints

@@ -124,6 +124,30 @@ def test_two_steps_write_everything_and_train(tiny_model, tmp_path, capsys):
     assert len(changed) > len(base) // 2
 
 
+def test_tensorboard_gets_the_scalars_the_validation_videos_and_the_config(tiny_model, tmp_path):
+    """The default sink, as a run writes it, read back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sage_grpo.video import read_video
+
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "1", "--report_to", "tensorboard", "--validation_interval", "1",
+                  "--validation_num_inference_steps", "2", "--validate_video_length", "5"))
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0, "scalars": 0, "tensors": 0})
+    acc.Reload()
+    row = read_metrics(out / "metrics.jsonl")[0]
+    assert [(e.step, e.value) for e in acc.Scalars("reward/total_mean")] == [(1, pytest.approx(row["reward/total_mean"]))]
+    assert [e.step for e in acc.Scalars("val/reward_total")] == [1]
+    videos = sorted((out / "samples" / "step_000001").glob("*.mp4"))
+    assert len(videos) == 4
+    for path in videos:
+        frames, _ = read_video(path)  # [5, 3, H, W]
+        (img,) = acc.Images(f"samples/{path.stem}")
+        assert (img.step, img.height, img.width) == (1, frames.shape[2], 5 * frames.shape[3])  # frames side by side
+    (text,) = acc.Tensors("config/text_summary")
+    assert f"output_dir: {out}" in text.tensor_proto.string_val[0].decode()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_resume_is_exact(tiny_model, tmp_path, lora):
