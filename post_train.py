@@ -896,7 +896,9 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
                             "sequence-parallel group exchanges activations in every attention layer and must stay "
                             "inside one node")
     ck = cfg.checkpoint
-    resolve_resume(ck.resume_from_checkpoint, ck.output_dir)
+    resume = resolve_resume(ck.resume_from_checkpoint, ck.output_dir)
+    if resume is not None:
+        check_resume_fits(cfg, resume)
     previous = run_outputs(ck.output_dir)
     if previous and not ck.resume_from_checkpoint and not ck.overwrite_output_dir:
         names = ", ".join(p.name for p in previous[:4]) + (", ..." if len(previous) > 4 else "")
@@ -907,6 +909,22 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
         raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
     load_validation_records(cfg, read_prompts(cfg.data.train_video_csv))
+
+
+def check_resume_fits(cfg: Config, path: Path) -> None:
+    """A full fine-tuning checkpoint resumed with --use_lora (or a LoRA one without it) is refused here, before any
+    model loads: otherwise the load fails only once the models are up, in a loader's words (a full run's checkpoint
+    has no lora/ adapter; a LoRA run's optimizer state holds the adapter's parameters, not the transformer's)."""
+    from sage_grpo.checkpoint import read_train_state
+
+    saved = bool(read_train_state(path)["config"]["model"]["use_lora"])
+    if saved != cfg.model.use_lora:
+        def kind(lora: bool) -> str:
+            return "a LoRA run" if lora else "a full fine-tuning run"
+
+        raise SageGRPOError(f"{path} is {kind(saved)} (use_lora {saved}) but this run is {kind(cfg.model.use_lora)} "
+                            f"(--use_lora {cfg.model.use_lora}): resume it with --use_lora {saved}, or start a new "
+                            "run in another --output_dir")
 
 
 def agreed_resume(cfg: Config, info: DistInfo) -> Path | None:

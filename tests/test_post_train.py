@@ -499,6 +499,35 @@ def test_a_run_folder_is_never_silently_overwritten(tiny_model, tmp_path, capsys
     assert not (tmp_path / "typo").exists()
 
 
+def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """A full fine-tuning checkpoint resumed with --use_lora, or a LoRA one without it: one line naming the
+    mismatch, before setup loads anything; the matching flag gets through to setup."""
+    from sage_grpo.checkpoint import TRAIN_STATE
+    from sage_grpo.config import Config, config_to_dict
+
+    class Loaded(Exception):
+        pass
+
+    def setup(*a, **kw):
+        raise Loaded
+
+    monkeypatch.setattr(pt, "setup", setup)
+    for saved_lora in (False, True):
+        out = tmp_path / f"lora_{saved_lora}"
+        cfg = config_to_dict(Config())
+        cfg["model"]["use_lora"] = saved_lora
+        (out / "checkpoint-3").mkdir(parents=True)
+        (out / "checkpoint-3" / TRAIN_STATE).write_text(json.dumps({"step": 3, "config": cfg}))
+        args = _args("unused", out, "--max_steps", "4", "--resume_from_checkpoint", "latest")
+        mismatch = [] if saved_lora else ["--use_lora"]
+        kinds = ("a LoRA run", "a full fine-tuning run")[:: 1 if saved_lora else -1]
+        with pytest.raises(SageGRPOError, match=rf"checkpoint-3 is {kinds[0]} \(use_lora {saved_lora}\) but this run "
+                           rf"is {kinds[1]} \(--use_lora {not saved_lora}\): resume it with --use_lora {saved_lora}"):
+            pt.main(args + mismatch)
+        with pytest.raises(Loaded):
+            pt.main(args + (["--use_lora"] if saved_lora else []))
+
+
 def test_threads_flag_sets_torchs_threads_before_anything_loads(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
