@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sage_grpo.cli import CLIParser, check_writable_dir  # noqa: E402
 from sage_grpo.config import parse_bool  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
+from sage_grpo.files import usual_permissions  # noqa: E402
 
 
 def main(argv=None) -> Path:
@@ -60,6 +61,7 @@ def main(argv=None) -> Path:
     pipe.transformer.save_pretrained(tmp, safe_serialization=True)
     if not merge and lora.is_dir():
         shutil.copytree(lora, tmp / "lora")
+    usual_permissions(tmp)  # safetensors writes 0600: an export is for others to read
     if out.exists():
         out.rmdir()  # empty (checked above)
     tmp.rename(out)

@@ -330,6 +330,43 @@ def test_generate_loads_a_training_checkpoint(tiny_model, tmp_path, lora):
     assert vids[0] != vids[1]  # the trained weights were loaded
 
 
+@pytest.mark.slow
+def test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_modes(tiny_model, tmp_path):
+    """Train 1 step, export: generate.py --checkpoint_path takes the exported folder, checkpoint-N and
+    checkpoint-N/transformer and makes the same video from each (the trained one, not the base model's); what the
+    run and the export wrote is readable by others (safetensors alone writes 0600)."""
+    import stat
+
+    from sage_grpo.files import umask
+
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    generate, export = load("generate", ROOT / "generate.py"), load("export", ROOT / "scripts/export_checkpoint.py")
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "1", "--learning_rate", "1e-2"))
+    ckpt = list_checkpoints(out)[-1][1]
+    export.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "exp")])
+    videos = {}
+    for name, extra in (("base", []), ("dcp", ["--checkpoint_path", str(ckpt / "transformer")]),
+                        ("checkpoint", ["--checkpoint_path", str(ckpt)]),
+                        ("export", ["--checkpoint_path", str(tmp_path / "exp")])):
+        [path] = generate.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_model),
+                                "--prompt", "a red ball rolls", "--video_length", "5", "--num_inference_steps", "2",
+                                "--output_path", str(tmp_path / f"{name}.mp4"), *extra])
+        videos[name] = path.read_bytes()
+    assert videos["dcp"] == videos["checkpoint"] == videos["export"] != videos["base"]
+
+    mask = umask()
+    for p in tmp_path.rglob("*"):  # the run, its checkpoint, the export, the videos (pytest made tmp_path 0700)
+        want = (0o777 if p.is_dir() else 0o666) & ~mask
+        assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))
+    assert (tmp_path / "exp" / "diffusion_pytorch_model.safetensors").is_file()
+
+
 def test_user_errors_before_any_model_loads(tmp_path):
     with pytest.raises(SageGRPOError, match="sp_size 2 must divide the world size 1"):
         pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--sp_size", "2", "--num_generations", "2",
