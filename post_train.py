@@ -709,6 +709,7 @@ def validation(c: Components, step: int) -> dict:
 
 
 def samples_dir(c: Components, step: int) -> Path:
+    """Where `validation` writes the videos of `step` and `log_videos` reads them back (one place for both)."""
     return c.out / "samples" / f"step_{step:06d}"
 
 
