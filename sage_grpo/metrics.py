@@ -64,7 +64,8 @@ def frame_strip(frames: torch.Tensor) -> torch.Tensor:
 
 class MetricsLogger:
     """Append-only metrics.jsonl plus the optional sink. On resume from step S the records of steps > S (written
-    after that checkpoint by the interrupted run) are dropped first, so the file reads as one uninterrupted run."""
+    after that checkpoint by the interrupted run) are dropped first, so the file reads as one uninterrupted run;
+    TensorBoard drops them too (purge_step), else its curves show both runs' steps after S."""
 
     def __init__(self, output_dir: str | Path, *, report_to: str = "none", run_name: str = "", project: str = "",
                  config: dict | None = None, resume_step: int | None = None):
@@ -80,7 +81,8 @@ class MetricsLogger:
         if report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"),
+                                     purge_step=None if resume_step is None else resume_step + 1)
             if config is not None:  # wandb keeps the config itself (wandb.init below); TensorBoard gets it as text
                 import yaml
 

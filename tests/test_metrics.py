@@ -120,6 +120,19 @@ def test_tensorboard_gets_scalars_video_strips_and_the_config(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [2]
 
 
+def test_a_resume_drops_the_interrupted_runs_later_steps_in_tensorboard_too(tmp_path):
+    first = MetricsLogger(tmp_path, report_to="tensorboard")
+    for step in (1, 2, 3):  # checkpoint-1 was the last one saved before the run died at step 3
+        first.log(step, {"reward/total_mean": float(step)})
+    first.close()
+    resumed = MetricsLogger(tmp_path, report_to="tensorboard", resume_step=1)
+    resumed.log(2, {"reward/total_mean": 20.0})
+    resumed.close()
+    expected = [(1, 1.0), (2, 20.0)]
+    assert [(e.step, e.value) for e in _events(tmp_path / "tensorboard").Scalars("reward/total_mean")] == expected
+    assert [(r["step"], r["reward/total_mean"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == expected
+
+
 def test_wandb_gets_video_strips_as_images(tmp_path, monkeypatch):
     logged = []
     run = types.SimpleNamespace(log=lambda data, step: logged.append((step, data)), finish=lambda: None)
