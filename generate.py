@@ -5,6 +5,7 @@
     python generate.py --model_path ckpts/HunyuanVideo-1.5-Diffusers-480p_t2v --prompt "..." --output_path out.mp4
     python generate.py --pretrained_model_root ckpts --checkpoint_path outputs/checkpoint-500/transformer \\
         --valid_video_csv prompts.csv --output_path outputs/gen      # one mp4 per prompt in outputs/gen/
+    python generate.py --checkpoint_path exported/transformer ...   # a folder written by scripts/export_checkpoint.py
     torchrun --nproc_per_node 8 generate.py --valid_video_csv prompts.csv ...   # prompts split across ranks
     torchrun --nproc_per_node 8 generate.py --sp_size 2 ...   # 4 groups of 2 ranks, each group shares one video
 
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pretrained_model_root", default=None, help=f"root of the weights (default: {m.pretrained_model_root})")
     a("--pretrained_transformer_version", default=None,
       help=f"authors' transformer sub-folder (default: {m.pretrained_transformer_version})")
-    a("--checkpoint_path", default="", help="a training checkpoint: checkpoint-N/transformer (DCP)")
+    a("--checkpoint_path", default="", help="trained weights: a training checkpoint (checkpoint-N or "
+      "checkpoint-N/transformer, DCP) or a transformer exported by scripts/export_checkpoint.py")
     a("--lora_path", default="", help="LoRA adapter (safetensors file or directory) to apply, in any layout "
       "scripts/export_checkpoint.py --lora_format writes (peft, diffusers, original, comfy; detected from the keys); "
       "its adapter_config.json or the file itself sets r, alpha and the target modules")
@@ -243,9 +245,17 @@ def _check_outputs(args, records) -> None:
 
 def _check_weights(args) -> None:
     """Paths that would otherwise fail only after the base model has loaded."""
+    from sage_grpo.models.lora import locate_trained_weights
+
     for flag, path in (("--checkpoint_path", args.checkpoint_path), ("--lora_path", args.lora_path)):
         if path and not Path(path).exists():
             raise SageGRPOError(f"{flag} {path} does not exist")
+    if args.checkpoint_path:
+        kind, where = locate_trained_weights(args.checkpoint_path)
+        # export_checkpoint.py --merge_lora False: base weights, the adapter beside them; alone they are the base model
+        if kind == "diffusers" and (where / "lora").is_dir() and not args.lora_path:
+            raise SageGRPOError(f"--checkpoint_path {args.checkpoint_path} holds the base weights of a LoRA run with "
+                                f"its adapter unmerged in {where / 'lora'}: add --lora_path {where / 'lora'}")
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
     from sage_grpo.generation import sample_videos, write_sample
     from sage_grpo.models.loading import load_pipeline, resolve_dtype
-    from sage_grpo.models.lora import load_dcp_transformer, setup_trainable
+    from sage_grpo.models.lora import load_trained_weights, setup_trainable
     from sage_grpo.models.parallelize import parallelize
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.models.tiny_checkpoint import ensure_tiny_checkpoint
@@ -281,7 +291,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype,
                          device=device)
     if args.checkpoint_path:  # full weights first, then an adapter on top of them
-        load_dcp_transformer(pipe.transformer, args.checkpoint_path)
+        load_trained_weights(pipe.transformer, args.checkpoint_path)
     if args.lora_path:
         setup_trainable(pipe.transformer, use_lora=True, lora_r=args.lora["r"], lora_alpha=args.lora["alpha"],
                         lora_target_modules=args.lora["targets"], pretrained_lora_path=args.lora_path)

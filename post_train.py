@@ -298,6 +298,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
     if v.validate_at_step0 and state.step == 0:
         with PhaseClock(hook)("validation"):
             log(logger, 0, validation(c, 0))
+            log_videos(logger, c, 0)
     last_saved = state.step
     live = LiveNumbers(info.is_main, o.max_steps, state.step, cfg.logging.log_interval)
     with StopRequest() as stop:
@@ -351,6 +352,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
             if v.validation_interval and state.step % v.validation_interval == 0:
                 with clock("validation"):
                     metrics.update(validation(c, state.step))
+                    log_videos(logger, c, state.step)
                 if info.is_main:
                     plot_curves(c.out / "metrics.jsonl", c.out / "curves.png")
             metrics.update(clock.metrics())
@@ -673,7 +675,7 @@ def validation(c: Components, step: int) -> dict:
     from sage_grpo.parallel.dist import all_reduce_sum
 
     cfg, info = c.cfg, c.info
-    folder = c.out / "samples" / f"step_{step:06d}"
+    folder = samples_dir(c, step)
     # prompts split over data-parallel ranks (sp peers make each video together); every rank runs the same number
     # of forwards, since FSDP2 and Ulysses forwards are collective: short ranks repeat a prompt and discard it
     per_rank = -(-len(c.val_records) // info.dp_size)
@@ -694,6 +696,25 @@ def validation(c: Components, step: int) -> dict:
             sums += torch.tensor([total, 1.0], dtype=torch.float64, device=info.device)
     sums = all_reduce_sum(sums)  # every rank joins, sp peers add zeros
     return {"val/reward_total": float(sums[0] / sums[1]) if sums[1] > 0 else math.nan, "val/videos": int(sums[1])}
+
+
+def samples_dir(c: Components, step: int) -> Path:
+    """Where `validation` writes the videos of `step` and `log_videos` reads them back (one place for both)."""
+    return c.out / "samples" / f"step_{step:06d}"
+
+
+def log_videos(logger, c: Components, step: int) -> None:
+    """The validation videos of `step` to TensorBoard / wandb (rank 0: `logger` is None on the other ranks; a
+    logger without media, such as scripts/bench_step.py's, gets none). They are read back from the mp4s because
+    validation splits the prompts over ranks and each rank wrote its own; all are on disk once `validation`'s
+    all-reduce has returned."""
+    if not getattr(logger, "wants_media", False):
+        return
+    from sage_grpo.generation import sample_stem
+    from sage_grpo.video import read_video
+
+    files = {sample_stem(rec): samples_dir(c, step) / f"{sample_stem(rec)}.mp4" for rec in c.val_records}
+    logger.log_videos(step, {name: read_video(path)[0] for name, path in files.items() if path.is_file()})
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
@@ -865,7 +886,9 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
                             "sequence-parallel group exchanges activations in every attention layer and must stay "
                             "inside one node")
     ck = cfg.checkpoint
-    resolve_resume(ck.resume_from_checkpoint, ck.output_dir)
+    resume = resolve_resume(ck.resume_from_checkpoint, ck.output_dir)
+    if resume is not None:
+        check_resume_fits(cfg, resume)
     previous = run_outputs(ck.output_dir)
     if previous and not ck.resume_from_checkpoint and not ck.overwrite_output_dir:
         names = ", ".join(p.name for p in previous[:4]) + (", ..." if len(previous) > 4 else "")
@@ -876,6 +899,22 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
         raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
     load_validation_records(cfg, read_prompts(cfg.data.train_video_csv))
+
+
+def check_resume_fits(cfg: Config, path: Path) -> None:
+    """A full fine-tuning checkpoint resumed with --use_lora (or a LoRA one without it) is refused here, before any
+    model loads: otherwise the load fails only once the models are up, in a loader's words (a full run's checkpoint
+    has no lora/ adapter; a LoRA run's optimizer state holds the adapter's parameters, not the transformer's)."""
+    from sage_grpo.checkpoint import read_train_state
+
+    saved = bool(read_train_state(path)["config"]["model"]["use_lora"])
+    if saved != cfg.model.use_lora:
+        def kind(lora: bool) -> str:
+            return "a LoRA run" if lora else "a full fine-tuning run"
+
+        raise SageGRPOError(f"{path} is {kind(saved)} (use_lora {saved}) but this run is {kind(cfg.model.use_lora)} "
+                            f"(--use_lora {cfg.model.use_lora}): resume it with --use_lora {saved}, or start a new "
+                            "run in another --output_dir")
 
 
 def agreed_resume(cfg: Config, info: DistInfo) -> Path | None:

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sage_grpo.errors import SageGRPOError
+from sage_grpo.files import usual_permissions
 from sage_grpo.parallel.dist import all_reduce_sum, barrier
 
 __all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save",
@@ -183,13 +184,16 @@ def save_checkpoint(
             dcp_save({"model": anchor_state}, tmp / "anchor")
         if gradient_state is not None:
             dcp_save(gradient_state, tmp / "gradients")
-        save_file({k: v.contiguous() for k, v in _rng_state().items()}, tmp / f"rng_rank{rank}.safetensors")
+        rng = tmp / f"rng_rank{rank}.safetensors"
+        save_file({k: v.contiguous() for k, v in _rng_state().items()}, rng)
+        usual_permissions(rng)  # safetensors writes 0600 (sage_grpo.files)
         if rank == 0:
             if lora_writer is not None:
                 lora_writer(tmp / "lora")
             if anchor_lora is not None:
                 save_file({k: v.detach().contiguous().cpu() for k, v in anchor_lora.items()},
                           tmp / "anchor_lora.safetensors")
+                usual_permissions(tmp / "anchor_lora.safetensors")
 
     def commit() -> None:
         if rank == 0:

@@ -36,6 +36,7 @@ def main() -> None:
     a = p.parse_args()
 
     from sage_grpo.errors import SageGRPOError
+    from sage_grpo.files import usual_permissions
     from sage_grpo.models.loading import load_pipeline, locate_model
     from sage_grpo.models.tiny import TEXT_LENGTHS_FILE
 
@@ -48,6 +49,8 @@ def main() -> None:
     pipe = load_pipeline(a.pretrained_model_root, "", a.pretrained_transformer_version, dtype=a.dtype)
     out = Path(a.out)
     pipe.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
+    for f in out.rglob("*.safetensors"):  # safetensors writes 0600; converted weights are for every user of ckpts/
+        usual_permissions(f)
     src = loc.root / TEXT_LENGTHS_FILE  # tiny checkpoints only: keep their text lengths
     if src.is_file():
         (out / TEXT_LENGTHS_FILE).write_text(src.read_text())

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sage_grpo.cli import CLIParser, check_writable_dir  # noqa: E402
 from sage_grpo.config import parse_bool  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
+from sage_grpo.files import usual_permissions  # noqa: E402
 from sage_grpo.models.lora_formats import FORMATS, from_peft, write_lora  # noqa: E402
 from sage_grpo.models.model_card import base_model_id, model_card  # noqa: E402
 
@@ -113,6 +114,7 @@ def _export_lora(lora_dir: Path, out: Path, fmt: str, dtype: str, cfg: dict, ste
 
 
 def _commit(tmp: Path, out: Path) -> Path:
+    usual_permissions(tmp)  # safetensors writes 0600: an export is for others to read
     if out.exists():
         out.rmdir()  # empty (checked above)
     tmp.rename(out)

@@ -283,3 +283,29 @@ def test_quiet_by_default_verbose_on_request(tiny_diffusers_dir, tmp_path):
     loud = subprocess.run([*argv, "--output_path", str(tmp_path / "v"), "--verbose"], capture_output=True, text=True,
                           cwd=REPO, timeout=300)
     assert loud.returncode == 0 and "Guiders" in loud.stderr and "rollout" in loud.stderr
+
+
+def test_a_checkpoint_path_that_is_no_checkpoint_is_one_line_before_any_model_loads(tmp_path, no_model_load):
+    """--checkpoint_path takes a DCP checkpoint or an exported transformer folder; a folder that is neither, and an
+    export of a LoRA run's unmerged base weights without its adapter, are refused before the model loads."""
+    import generate
+    from sage_grpo.errors import SageGRPOError
+
+    argv = ["--prompt", "x", "--model_path", "/nonexistent/weights", "--output_path", str(tmp_path / "out")]
+    junk = tmp_path / "outputs"
+    (junk / "checkpoint-3").mkdir(parents=True)
+    for path in (junk, junk / "checkpoint-3"):
+        with pytest.raises(SageGRPOError, match=rf"--checkpoint_path '{path}' is neither a training checkpoint "
+                           r"\(output_dir/checkpoint-N or its transformer/, written by post_train.py\) nor an "
+                           r"exported transformer \(config.json \+ diffusion_pytorch_model.safetensors"):
+            generate.main([*argv, "--checkpoint_path", str(path)])
+    unmerged = tmp_path / "exp"
+    (unmerged / "lora").mkdir(parents=True)
+    (unmerged / "config.json").write_text("{}")
+    (unmerged / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    with pytest.raises(SageGRPOError, match=re.escape(f"adapter unmerged in {unmerged / 'lora'}: add --lora_path "
+                                                      f"{unmerged / 'lora'}")):
+        generate.main([*argv, "--checkpoint_path", str(unmerged)])
+    # with the adapter named the checks pass and the model would load next (no_model_load refuses it)
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        generate.main([*argv, "--checkpoint_path", str(unmerged), "--lora_path", str(unmerged / "lora")])

@@ -3,6 +3,7 @@ anchor cadence, gradient independence of the micro-batch size, accumulation, cra
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -86,6 +87,31 @@ def test_two_steps_write_everything_and_train(tiny_model, tmp_path, capsys):
     trained = _weights(out)
     changed = [k for k in base if not torch.equal(base[k], trained[k])]
     assert len(changed) > len(base) // 2
+
+
+def test_tensorboard_gets_the_scalars_the_validation_videos_and_the_config(tiny_model, tmp_path):
+    """The default sink, as a run writes it, read back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sage_grpo.video import read_video
+
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "1", "--report_to", "tensorboard", "--validation_interval", "1",
+                  "--validation_num_inference_steps", "2", "--validate_video_length", "5"))
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0, "scalars": 0, "tensors": 0})
+    acc.Reload()
+    row = read_metrics(out / "metrics.jsonl")[0]
+    scalars = [(e.step, e.value) for e in acc.Scalars("reward/total_mean")]
+    assert scalars == [(1, pytest.approx(row["reward/total_mean"]))]
+    assert [e.step for e in acc.Scalars("val/reward_total")] == [1]
+    videos = sorted((out / "samples" / "step_000001").glob("*.mp4"))
+    assert len(videos) == 4
+    for path in videos:
+        frames, _ = read_video(path)  # [5, 3, H, W]
+        (img,) = acc.Images(f"samples/{path.stem}")
+        assert (img.step, img.height, img.width) == (1, frames.shape[2], 5 * frames.shape[3])  # frames side by side
+    (text,) = acc.Tensors("config/text_summary")
+    assert f"output_dir: {out}" in text.tensor_proto.string_val[0].decode()
 
 
 @pytest.mark.slow
@@ -272,6 +298,43 @@ def test_generate_loads_a_training_checkpoint(tiny_model, tmp_path, lora):
     assert vids[0] != vids[1]  # the trained weights were loaded
 
 
+@pytest.mark.slow
+def test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_modes(tiny_model, tmp_path):
+    """Train 1 step, export: generate.py --checkpoint_path takes the exported folder, checkpoint-N and
+    checkpoint-N/transformer and makes the same video from each (the trained one, not the base model's); what the
+    run and the export wrote is readable by others (safetensors alone writes 0600)."""
+    import stat
+
+    from sage_grpo.files import umask
+
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    generate, export = load("generate", ROOT / "generate.py"), load("export", ROOT / "scripts/export_checkpoint.py")
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "1", "--learning_rate", "1e-2"))
+    ckpt = list_checkpoints(out)[-1][1]
+    export.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "exp")])
+    videos = {}
+    for name, extra in (("base", []), ("dcp", ["--checkpoint_path", str(ckpt / "transformer")]),
+                        ("checkpoint", ["--checkpoint_path", str(ckpt)]),
+                        ("export", ["--checkpoint_path", str(tmp_path / "exp")])):
+        [path] = generate.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_model),
+                                "--prompt", "a red ball rolls", "--video_length", "5", "--num_inference_steps", "2",
+                                "--output_path", str(tmp_path / f"{name}.mp4"), *extra])
+        videos[name] = path.read_bytes()
+    assert videos["dcp"] == videos["checkpoint"] == videos["export"] != videos["base"]
+
+    mask = umask()
+    for p in tmp_path.rglob("*"):  # the run, its checkpoint, the export, the videos (pytest made tmp_path 0700)
+        want = (0o777 if p.is_dir() else 0o666) & ~mask
+        assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))
+    assert (tmp_path / "exp" / "diffusion_pytorch_model.safetensors").is_file()
+
+
 def test_user_errors_before_any_model_loads(tmp_path):
     with pytest.raises(SageGRPOError, match="sp_size 2 must divide the world size 1"):
         pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--sp_size", "2", "--num_generations", "2",
@@ -440,6 +503,35 @@ def test_a_run_folder_is_never_silently_overwritten(tiny_model, tmp_path, capsys
     with pytest.raises(SageGRPOError, match="does not exist, nor does its parent folder"):
         pt.main(_args(tiny_model, tmp_path / "typo" / "run", "--resume_from_checkpoint", "latest"))
     assert not (tmp_path / "typo").exists()
+
+
+def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """A full fine-tuning checkpoint resumed with --use_lora, or a LoRA one without it: one line naming the
+    mismatch, before setup loads anything; the matching flag gets through to setup."""
+    from sage_grpo.checkpoint import TRAIN_STATE
+    from sage_grpo.config import Config, config_to_dict
+
+    class Loaded(Exception):
+        pass
+
+    def setup(*a, **kw):
+        raise Loaded
+
+    monkeypatch.setattr(pt, "setup", setup)
+    for saved_lora in (False, True):
+        out = tmp_path / f"lora_{saved_lora}"
+        cfg = config_to_dict(Config())
+        cfg["model"]["use_lora"] = saved_lora
+        (out / "checkpoint-3").mkdir(parents=True)
+        (out / "checkpoint-3" / TRAIN_STATE).write_text(json.dumps({"step": 3, "config": cfg}))
+        args = _args("unused", out, "--max_steps", "4", "--resume_from_checkpoint", "latest")
+        mismatch = [] if saved_lora else ["--use_lora"]
+        kinds = ("a LoRA run", "a full fine-tuning run")[:: 1 if saved_lora else -1]
+        with pytest.raises(SageGRPOError, match=rf"checkpoint-3 is {kinds[0]} \(use_lora {saved_lora}\) but this run "
+                           rf"is {kinds[1]} \(--use_lora {not saved_lora}\): resume it with --use_lora {saved_lora}"):
+            pt.main(args + mismatch)
+        with pytest.raises(Loaded):
+            pt.main(args + (["--use_lora"] if saved_lora else []))
 
 
 def test_threads_flag_sets_torchs_threads_before_anything_loads(tmp_path, monkeypatch):

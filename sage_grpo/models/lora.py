@@ -1,6 +1,6 @@
 """Trainable parts of the policy: LoRA adapters (peft, through diffusers' PeftAdapterMixin) or full fine-tuning,
 plus loading fine-tuned weights (LoRA safetensors, also into an FSDP2-sharded model; DCP `checkpoint-N/transformer`
-directories)."""
+directories and exported diffusers transformer folders)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from sage_grpo.errors import SageGRPOError
+from sage_grpo.files import usual_permissions
 
 __all__ = [
     "ADAPTER_NAME",
@@ -23,6 +24,8 @@ __all__ = [
     "load_lora_sharded",
     "saved_lora_settings",
     "load_dcp_transformer",
+    "locate_trained_weights",
+    "load_trained_weights",
     "adapter_parameters",
     "merged_state_dict",
 ]
@@ -100,6 +103,7 @@ def save_lora(transformer, path: str | Path, state: dict[str, torch.Tensor] | No
         path = path / ADAPTER_FILE
     state = lora_state_dict(transformer) if state is None else state
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, path)
+    usual_permissions(path)  # safetensors writes 0600 (sage_grpo.files); an adapter is for others to load
     cfg = transformer.peft_config[ADAPTER_NAME]
     settings = {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
                 "target_modules": sorted(cfg.target_modules)}
@@ -228,6 +232,50 @@ def load_dcp_transformer(transformer, path: str | Path) -> None:
             "pass a full fine-tuning checkpoint of the same model (a LoRA run's adapter goes to --lora_path)"
         ) from None
     set_model_state_dict(transformer, state["model"])
+
+
+EXPORT_WEIGHTS = "diffusion_pytorch_model.safetensors"  # diffusers' name; sharded: + ".index.json" and shards
+
+
+def locate_trained_weights(path: str | Path) -> tuple[str, Path]:
+    """What `generate.py --checkpoint_path` names -> ("dcp", the DCP directory) for a training checkpoint
+    (checkpoint-N/transformer, or checkpoint-N itself), or ("diffusers", the folder) for an exported transformer
+    (config.json + diffusion_pytorch_model*.safetensors, what scripts/export_checkpoint.py writes). Anything else
+    is one error, raised before any model loads."""
+    p = Path(path)
+    if (p / ".metadata").is_file():
+        return "dcp", p
+    if (p / "transformer" / ".metadata").is_file():
+        return "dcp", p / "transformer"
+    weights = (p / EXPORT_WEIGHTS).is_file() or (p / f"{EXPORT_WEIGHTS}.index.json").is_file()
+    if (p / "config.json").is_file() and weights:
+        return "diffusers", p
+    raise SageGRPOError(f"--checkpoint_path {str(path)!r} is neither a training checkpoint (output_dir/checkpoint-N or "
+                        "its transformer/, written by post_train.py) nor an exported transformer (config.json + "
+                        f"{EXPORT_WEIGHTS}, written by scripts/export_checkpoint.py)")
+
+
+def load_trained_weights(transformer, path: str | Path) -> None:
+    """Load `locate_trained_weights(path)` into `transformer` (every weight; a file of another model is one error)."""
+    kind, path = locate_trained_weights(path)
+    if kind == "dcp":
+        load_dcp_transformer(transformer, path)
+        return
+    index = path / f"{EXPORT_WEIGHTS}.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [EXPORT_WEIGHTS]
+    state = {}
+    for name in files:
+        state.update(load_file(path / name))
+    expected = transformer.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise SageGRPOError(
+            f"--checkpoint_path {str(path)!r} does not fit this transformer ({len(missing)} missing, e.g. "
+            f"{missing[:2]}; "
+            f"{len(unexpected)} unexpected, e.g. {unexpected[:2]}; {len(wrong)} of another shape, e.g. {wrong[:2]}); "
+            "pass a transformer exported from a run of the same model")
+    transformer.load_state_dict(state)
 
 
 def adapter_parameters(transformer) -> dict[str, torch.nn.Parameter]:

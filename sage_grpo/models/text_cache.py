@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from sage_grpo.errors import SageGRPOError
+from sage_grpo.files import usual_permissions
 
 __all__ = ["TextConditioning", "TextEmbeddingCache", "encoder_identity"]
 
@@ -280,6 +281,7 @@ class TextEmbeddingCache:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             save_file({"mllm": entry.mllm.contiguous(), "byt5": entry.byt5.contiguous()}, tmp,
                       metadata={"prompt": prompt, "identity": self.identity, "format": _FORMAT})
+            usual_permissions(tmp)  # safetensors writes 0600: other users' jobs share the cache directory
             os.replace(tmp, path)  # atomic: a reader sees no file or a complete one
         except OSError as e:
             with contextlib.suppress(OSError):  # e.g. the directory could not be created: there is no file

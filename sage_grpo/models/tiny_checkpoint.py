@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from sage_grpo.files import usual_permissions
 from sage_grpo.models.tiny import TEXT_LENGTHS_FILE, build_tiny_components
 
 __all__ = ["TINY_CHECKPOINT_DIR", "write_tiny_checkpoint", "ensure_tiny_checkpoint"]
@@ -33,7 +34,7 @@ def write_tiny_checkpoint(out: str | Path, layout: str = "diffusers", seed: int 
     else:
         raise ValueError(f"layout must be 'diffusers' or 'authors', got {layout!r}")
     (out / TEXT_LENGTHS_FILE).write_text(json.dumps(lengths.to_dict(), indent=1) + "\n")
-    return out
+    return usual_permissions(out)  # safetensors writes 0600; the tiny model is shared like real weights
 
 
 def ensure_tiny_checkpoint(model_path: str | Path, *, is_main: bool, log: Callable[[str], None] = print) -> None:
