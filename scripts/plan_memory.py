@@ -223,12 +223,13 @@ def text_cache_host(cfg: Config, opts: PlanOptions) -> dict:
     return {
         "num_prompts": opts.num_prompts, "prompt_tokens": opts.prompt_tokens, "glyph_tokens": opts.glyph_tokens,
         "per_prompt_mb": one / 1e6,
-        "in_memory_gb": in_memory / 1e9,  # no --text_embedding_cache_dir: every rank holds every prompt
+        "in_memory_gb": in_memory / 1e9,  # one process without --text_embedding_cache_dir: it holds every prompt
         "with_cache_dir_gb": 0.0,  # read per batch from the files (one page-cache copy per node)
         "files_gb": in_memory / 1e9,
         "padded_before_gb": opts.num_prompts * text_cache_bytes(prompt_tokens=0, glyph_tokens=0, elem=e,
                                                                   trimmed=False) / 1e9,
-        "per_rank_gb": 0.0 if cfg.model.text_embedding_cache_dir else in_memory / 1e9,
+        # under torchrun post_train defaults the cache dir to output_dir/text_embeddings
+        "per_rank_gb": 0.0 if (cfg.model.text_embedding_cache_dir or opts.world_size > 1) else in_memory / 1e9,
         "encoded_per_rank": math.ceil(opts.num_prompts / opts.world_size),
     }
 
@@ -594,8 +595,8 @@ def render(pl: dict) -> str:
     h = pl["host_text_cache"]
     lines += ["", f"host memory per rank, text-embedding cache: {h['num_prompts']:,} prompts x {h['prompt_tokens']} "
               f"MLLM + {h['glyph_tokens']} ByT5 valid tokens ({h['per_prompt_mb']:.2f} MB each, {s['dtype']}):",
-              f"  in memory (no --text_embedding_cache_dir)   {h['in_memory_gb']:8.2f} GB per rank",
-              f"  with --text_embedding_cache_dir              {h['with_cache_dir_gb']:8.2f} GB per rank "
+              f"  in memory (one process, no cache dir)       {h['in_memory_gb']:8.2f} GB per rank",
+              f"  with a cache dir (default under torchrun)    {h['with_cache_dir_gb']:8.2f} GB per rank "
               f"({h['files_gb']:.2f} GB of files, read per batch)",
               f"  padded to 1000 + 256 tokens (before)         {h['padded_before_gb']:8.2f} GB per rank",
               f"  this run: {h['per_rank_gb']:.2f} GB per rank; each rank encodes {h['encoded_per_rank']:,} prompts"]

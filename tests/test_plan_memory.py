@@ -165,7 +165,11 @@ def test_text_cache_host_memory_per_rank(counts, tiny_pipe):
     c, frozen = counts
     h = pm.plan(_cfg(), pm.PlanOptions(world_size=8), c, frozen)["host_text_cache"]
     assert (h["num_prompts"], h["prompt_tokens"], h["glyph_tokens"]) == (10_000, 120, 0)
-    assert h["in_memory_gb"] == pytest.approx(10_000 * 120 * 3584 * 2 / 1e9) == h["per_rank_gb"]
+    assert h["in_memory_gb"] == pytest.approx(10_000 * 120 * 3584 * 2 / 1e9)
+    assert h["per_rank_gb"] == 0  # under torchrun the cache directory defaults to output_dir/text_embeddings
+    one = pm.plan(_cfg(sp_size=1, enable_fsdp=False, batch_size=4), pm.PlanOptions(world_size=1), c,
+                  frozen)["host_text_cache"]
+    assert one["per_rank_gb"] == h["in_memory_gb"]  # one process without a cache dir holds every prompt
     assert h["padded_before_gb"] == pytest.approx(10_000 * (1000 * 3584 + 256 * 1472 + 1256) * 2 / 1e9)
     assert h["padded_before_gb"] > 9 * h["in_memory_gb"] and h["encoded_per_rank"] == 1250
     with_dir = pm.plan(_cfg(text_embedding_cache_dir="/shared/cache"), pm.PlanOptions(world_size=8), c, frozen)
