@@ -10,7 +10,7 @@ echo "== pytest (fast suite)"
 python -m pytest -q -p no:cacheprovider
 echo "== pytest (slow and dist)"
 set +e
-python -m pytest -q -p no:cacheprovider -m "slow or dist"
+python -m pytest -q -p no:cacheprovider -m "slow or dist" --durations=15
 rc=$?
 set -e
 # exit 5 = nothing collected for this marker, which is not a failure

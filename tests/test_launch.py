@@ -93,8 +93,9 @@ def _launcher_env(tmp_path, **extra):
 
 @pytest.mark.dist
 def test_a_clean_stop_through_the_launcher_exits_0(tmp_path):
-    """SIGTERM to run_post_train.sh (2 workers): the workers finish the step and save, the launcher exits 0 with the
-    one "stopped" line (printed by rank 0 only) and no traceback; torchrun alone exits 1 with SignalException."""
+    """SIGTERM to run_post_train.sh (2 workers): torchrun forwards it, both workers finish the step, agree and write
+    one checkpoint, the launcher exits 0 with the one "stopped" line (printed by rank 0 only) and no traceback
+    (torchrun alone exits 1 with SignalException); AUTO_RESUME=1 continues from that checkpoint."""
     import signal
 
     from helpers import signal_after_steps
@@ -107,7 +108,12 @@ def test_a_clean_stop_through_the_launcher_exits_0(tmp_path):
     [(step, _)] = list_checkpoints(tmp_path / "run")
     assert code == 0, log[-3000:]
     assert log.count(f"stopped by SIGTERM after step {step}; checkpoint-{step} is saved") == 1
+    assert log.count("SIGTERM: finishing this step") == 2  # both workers got it from torchrun
     assert "Traceback" not in log and "SignalException" not in log
+    r = subprocess.run(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", str(step + 1)],
+                       env={**env, "AUTO_RESUME": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [step, step + 1]
 
 
 @pytest.mark.dist

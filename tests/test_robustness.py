@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import signal_after_steps
 from post_train_helpers import ROOT, _args, _stable, _weights, pt
 
 from sage_grpo.checkpoint import list_checkpoints, read_train_state
@@ -202,28 +201,6 @@ def test_kill_9_loses_at_most_the_steps_since_the_last_checkpoint(tiny_model, tm
     assert f"resumed from {tmp_path / f'checkpoint-{last}'} at step {last}" in r.stdout
     steps = [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")]
     assert steps == list(range(1, last + 3))  # rows past the checkpoint were rewritten, not duplicated
-
-
-@pytest.mark.dist
-def test_sigterm_to_torchrun_checkpoints_on_every_rank(tiny_model, tmp_path):
-    """A scheduler's SIGTERM to torchrun: it forwards the signal, both ranks finish the step, agree, write one
-    checkpoint and exit; the run resumes from it."""
-    out = tmp_path / "run"
-    args = _args(tiny_model, out, "--max_steps", "200", "--batch_size", "2", "--log_interval", "1")
-    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
-    _, log = signal_after_steps([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                 "2", str(ROOT / "post_train.py"), *args], out / "metrics.jsonl", 2, signal.SIGTERM,
-                                cwd=ROOT, env=env)
-    [(step, _)] = list_checkpoints(out)
-    assert 2 <= step < 200 and f"stopped by SIGTERM after step {step}; checkpoint-{step} is saved" in log
-    assert log.count("SIGTERM: finishing this step") == 2  # both workers got it from torchrun
-    resume = _args(tiny_model, out, "--max_steps", str(step + 1), "--batch_size", "2",
-                   "--resume_from_checkpoint", "latest")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(ROOT / "post_train.py"), *resume],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert [s for s, _ in list_checkpoints(out)] == [step, step + 1]
 
 
 def _same_run(a: Path, b: Path) -> None:
