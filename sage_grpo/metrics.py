@@ -189,7 +189,9 @@ def curves_figure(rows: list[dict]):
         yk = [v if v > 0 and r.get("kl/anchor_synced") != 1 else math.nan
               for v, r in zip(yk, (r for r in rows if r.get(key) is not None))]
         if any(math.isfinite(v) for v in yk):
-            ax_k.plot(xk, yk, label=label, **style)
+            # L_KL equals beta_pos KL_pos when KL_vel is 0 (one update per rollout): hollow, so KL_pos stays visible
+            kw = {**style, "marker": "o", "mfc": "none", "ms": 7} if key == "kl/loss" else style
+            ax_k.plot(xk, yk, label=label, **kw)
     if ax_k.lines:
         ax_k.set_yscale("log")
     for i, s in enumerate(synced):
