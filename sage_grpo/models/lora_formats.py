@@ -11,10 +11,13 @@
     original   lora_original.safetensors: the authors' module names (`double_blocks.0.img_attn_q`, ...), tensors
                `<module>.lora_A.weight` [r, in], `<module>.lora_B.weight` [out, r] and `<module>.alpha` (a scalar;
                scale = alpha / r per module, the kohya/ComfyUI convention, so the file needs no JSON beside it).
-    comfy      lora_comfy.safetensors: the original keys with ComfyUI's `diffusion_model.` prefix and its oldest
-               tensor names `lora_down.weight` (= A) / `lora_up.weight` (= B) plus `.alpha` (comfy/lora.py
-               `load_lora`: "regular_lora"; `model_lora_keys_unet` maps `diffusion_model.<original key>` of a
-               HunyuanVideo model to its weight).
+    comfy      lora_comfy.safetensors: ComfyUI's own names, `diffusion_model.<ComfyUI module>.lora_down.weight` (= A)
+               / `.lora_up.weight` (= B) / `.alpha`, the layout ComfyUI's own LoRA extraction node writes. ComfyUI
+               runs HunyuanVideo-1.5 as its HunyuanVideo model built from Flux's blocks, whose double blocks hold ONE
+               fused `img_attn.qkv` / `txt_attn.qkv` linear (plus `img_mod.lin`, `img_mlp.0`/`.2`, `img_attn.proj`,
+               MLPEmbedder `in_layer`/`out_layer`): the split img/txt q,k,v LoRAs are fused here like the refiner's
+               (below) and every module is renamed by COMFY_RULES. Keys ComfyUI has no weight for would be skipped
+               with "lora key not loaded"; tests/test_models_lora_formats.py rebuilds ComfyUI's key map and checks.
 
 A LoRA is handled here as {module: (A, B, alpha)} with delta W = (alpha / rank) B A, rank = A.shape[0]. The module
 mapping is `sage_grpo.models.convert.TRANSFORMER_RULES`, the one the weight loader uses:
@@ -29,11 +32,17 @@ mapping is `sage_grpo.models.convert.TRANSFORMER_RULES`, the one the weight load
     as A shared by the three and B cut into its q/k/v rows (what diffusers does for HunyuanVideo 1.0's
     img_attn_qkv in `_convert_hunyuan_video_lora_to_diffusers`).
 
-Sources read: ComfyUI 0.3.64 (Comfy-Org/ComfyUI a125cd84, 2025-10-12): comfy/lora.py (`load_lora`,
-`model_lora_keys_unet`), comfy/supported_models.py (`HunyuanVideo.process_unet_state_dict`); that snapshot predates
-ComfyUI's HunyuanVideo-1.5 support, so how a later ComfyUI addresses the split img_attn_q/k/v is not checked here.
-diffusers main 58eb52c0 (2026-08-23) src/diffusers/loaders/lora_conversion_utils.py (HunyuanVideo 1.0 only, no 1.5
-converter) and the installed 0.42.1 `lora_base.write_lora_layers` / `peft.load_lora_adapter` (metadata layout).
+Sources read (see the README, "Using a trained LoRA"): ComfyUI (Comfy-Org/ComfyUI) comfy/lora.py ec93dcac
+(`model_lora_keys_unet`: the generic `diffusion_model.<module>` rule and the HunyuanVideo branch; `load_lora`),
+comfy/weight_adapter/lora.py 6f98b150 (`lora_up`/`lora_down`, scale alpha / rank), comfy/supported_models.py e3c35527
+(`HunyuanVideo15(HunyuanVideo)` and its `process_unet_state_dict` renames), comfy/model_detection.py a9fc7512,
+comfy/model_base.py 26adb81a (`class HunyuanVideo15(HunyuanVideo)`), comfy/lora_convert.py 2bffe2f4; the model's
+modules from comfy/ldm/hunyuan_video/model.py and comfy/ldm/flux/layers.py (forks yzkee/ComfyUI 8d534945 and
+hiddenswitch/pip-and-uv-installable-ComfyUI 5c6c95ea, the index holds no Comfy-Org copy of them). diffusers main
+58eb52c0 (2026-08-23): loaders/lora_conversion_utils.py and lora_pipeline.py have no HunyuanVideo-1.5 LoRA
+converter or loader mixin (HunyuanVideo 1.0's `_convert_hunyuan_video_lora_to_diffusers` shares A over the split
+img_attn_qkv), scripts/convert_hunyuan_video1_5_to_diffusers.py (refiner self_attn_qkv split, final-layer
+swap_scale_shift); the installed 0.42.1 `lora_base.write_lora_layers` / `peft.load_lora_adapter` (metadata layout).
 """
 
 from __future__ import annotations
@@ -57,8 +66,11 @@ __all__ = [
     "Lora",
     "from_peft",
     "to_peft",
+    "COMFY_RULES",
     "diffusers_to_authors_lora",
     "authors_to_diffusers_lora",
+    "diffusers_to_comfy_lora",
+    "comfy_to_diffusers_lora",
     "write_lora",
     "read_lora_file",
     "detect_format",
@@ -263,6 +275,84 @@ def _split_qkv(a: Tensor, b: Tensor, alpha: float, module: str):
     return [(a, r.contiguous(), alpha) for r in rows]
 
 
+# ------------------------------------------------------------------------------------------- authors <-> ComfyUI
+
+# (authors' module, ComfyUI's module) where they differ; {i} a block index, {s} img or txt. The inverse of the renames
+# in ComfyUI's HunyuanVideo.process_unet_state_dict (comfy/supported_models.py), after the double blocks' q,k,v are
+# fused into `{s}_attn_qkv`. Every other linear has the same name in both: txt_in.input_embedder, the refiner's
+# adaLN_modulation.1, byt5_in.fc1/2/3, vision_in.proj.1/3, img_in.proj, final_layer.linear and
+# final_layer.adaLN_modulation.1 (ComfyUI's LastLayer chunks it (shift, scale) like the authors').
+_REFINER = "txt_in.individual_token_refiner.blocks.{i}."
+COMFY_RULES: list[tuple[str, str]] = [
+    ("time_in.mlp.0", "time_in.in_layer"),
+    ("time_in.mlp.2", "time_in.out_layer"),
+    ("txt_in.t_embedder.mlp.0", "txt_in.t_embedder.in_layer"),
+    ("txt_in.t_embedder.mlp.2", "txt_in.t_embedder.out_layer"),
+    ("txt_in.c_embedder.linear_1", "txt_in.c_embedder.in_layer"),
+    ("txt_in.c_embedder.linear_2", "txt_in.c_embedder.out_layer"),
+    (_REFINER + "self_attn_qkv", _REFINER + "self_attn.qkv"),
+    (_REFINER + "self_attn_proj", _REFINER + "self_attn.proj"),
+    (_REFINER + "mlp.fc1", _REFINER + "mlp.0"),
+    (_REFINER + "mlp.fc2", _REFINER + "mlp.2"),
+    ("double_blocks.{i}.{s}_mod.linear", "double_blocks.{i}.{s}_mod.lin"),
+    ("double_blocks.{i}.{s}_attn_qkv", "double_blocks.{i}.{s}_attn.qkv"),
+    ("double_blocks.{i}.{s}_attn_proj", "double_blocks.{i}.{s}_attn.proj"),
+    ("double_blocks.{i}.{s}_mlp.fc1", "double_blocks.{i}.{s}_mlp.0"),
+    ("double_blocks.{i}.{s}_mlp.fc2", "double_blocks.{i}.{s}_mlp.2"),
+]
+_DOUBLE_QKV = re.compile(r"^(double_blocks\.\d+\.(?:img|txt)_attn_)([qkv])$")
+
+
+def _module_rx(path: str) -> re.Pattern:
+    rx = re.escape(path).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{s\}", r"(?P<s>img|txt)")
+    return re.compile(rf"^{rx}$")
+
+
+_COMFY_RX = [(_module_rx(a), a, _module_rx(c), c) for a, c in COMFY_RULES]
+
+
+def _rename(module: str, to_comfy: bool) -> str:
+    for a_rx, a, c_rx, c in _COMFY_RX:
+        m = (a_rx if to_comfy else c_rx).match(module)
+        if m:
+            out = c if to_comfy else a
+            for k, v in m.groupdict().items():
+                out = out.replace("{" + k + "}", v)
+            return out
+    return module
+
+
+def diffusers_to_comfy_lora(lora: Lora) -> Lora:
+    """diffusers module names -> ComfyUI's (the authors' layout, then each double block's img/txt q,k,v fused into
+    one exact block-diagonal LoRA, then COMFY_RULES): ComfyUI's merged weight equals the converted diffusers merge."""
+    authors = diffusers_to_authors_lora(lora)
+    out: Lora = {}
+    fused: dict[str, dict[str, tuple[Tensor, Tensor, float]]] = {}
+    for m, v in authors.items():
+        hit = _DOUBLE_QKV.match(m)
+        if hit:
+            fused.setdefault(hit.group(1) + "qkv", {})[hit.group(2)] = v
+        else:
+            out[m] = v
+    for target, parts in fused.items():
+        out[target] = _fuse_qkv(parts, target)
+    return dict(sorted((_rename(m, to_comfy=True), v) for m, v in out.items()))
+
+
+def comfy_to_diffusers_lora(lora: Lora) -> Lora:
+    """ComfyUI module names (or the authors', which pass through) -> diffusers'; inverse of
+    `diffusers_to_comfy_lora` (a fused double-block q,k,v splits like the refiner's, see the module doc)."""
+    authors: Lora = {}
+    for m, (a, b, alpha) in lora.items():
+        m = _rename(m, to_comfy=False)
+        if re.match(r"^double_blocks\.\d+\.(img|txt)_attn_qkv$", m):
+            for p, part in zip("qkv", _split_qkv(a, b, alpha, m)):
+                authors[m[: -len("qkv")] + p] = part
+        else:
+            authors[m] = (a, b, alpha)
+    return authors_to_diffusers_lora(authors)
+
+
 # ------------------------------------------------------------------------------------------------ files
 
 
@@ -301,8 +391,9 @@ def write_lora(lora: Lora, out_dir: Path, fmt: str, *, base_model: str = "") -> 
     else:
         a_name, b_name = _AB_NAMES["comfy" if fmt == "comfy" else "peft"]
         prefix = COMFY_PREFIX if fmt == "comfy" else ""
+        converted = diffusers_to_comfy_lora(lora) if fmt == "comfy" else diffusers_to_authors_lora(lora)
         tensors = {}
-        for m, (a, b, alpha) in diffusers_to_authors_lora(lora).items():
+        for m, (a, b, alpha) in converted.items():
             tensors[f"{prefix}{m}.{a_name}"], tensors[f"{prefix}{m}.{b_name}"] = a, b
             tensors[f"{prefix}{m}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path, metadata=meta)
@@ -359,7 +450,7 @@ def file_to_lora(fmt: str, tensors: dict[str, Tensor], metadata: dict, path: Pat
     pairs = _pair(state, *names, what=str(path))
     # no alpha key: scale 1 (ComfyUI's and kohya's rule)
     lora = {m: (a, b, alphas.get(m, float(a.shape[0]))) for m, (a, b) in pairs.items()}
-    return authors_to_diffusers_lora(lora)
+    return comfy_to_diffusers_lora(lora) if fmt == "comfy" else authors_to_diffusers_lora(lora)
 
 
 def merge_into(weights: dict[str, Tensor], lora: Lora) -> dict[str, Tensor]:
