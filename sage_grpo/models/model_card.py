@@ -154,7 +154,9 @@ def _how_to_load(kind: str, files: list[str], base: str) -> list[str]:
         lines += ["```", ""]
     if kind == "comfy":
         lines += ["ComfyUI: copy the file into `ComfyUI/models/loras/` and apply it to the HunyuanVideo-1.5 model with "
-                  "a `LoraLoaderModelOnly` node (the original model's keys with ComfyUI's `diffusion_model.` prefix).",
+                  "a `LoraLoaderModelOnly` node. The keys are ComfyUI's own module names "
+                  "(`diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight`, per-module `.alpha`): ComfyUI's "
+                  "model fuses each block's q, k, v into one linear, so their three LoRAs are one exact LoRA here.",
                   ""]
     if kind == "original":
         lines += ["The keys are the authors' module names (`double_blocks.0.img_attn_q.lora_A.weight`, per-module "
