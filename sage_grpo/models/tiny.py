@@ -125,12 +125,19 @@ def tiny_crop_start(tokenizer, system_message: str) -> int:
     return ids.index(marker)
 
 
-def build_tiny_components(seed: int = 0) -> dict:
-    """Random tiny components keyed like HunyuanVideo15Pipeline's modules (plus `text_lengths`)."""
+def build_tiny_components(seed: int = 0, *, tokenizer: Qwen2Tokenizer | None = None,
+                          transformer_config: dict | None = None, vae_config: dict | None = None,
+                          perturb: bool = True) -> dict:
+    """Random tiny components keyed like HunyuanVideo15Pipeline's modules (plus `text_lengths`).
+
+    tokenizer / transformer_config / vae_config replace the defaults (the pretrained world model,
+    sage_grpo.world.pretrain, uses a tokenizer with word merges and a deeper transformer). perturb=False keeps
+    diffusers' initialisation (for training); the default perturbs every weight, see below.
+    """
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
 
     torch.manual_seed(seed)
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
     text_encoder = Qwen2_5_VLTextModel(
         Qwen2_5_VLTextConfig(
             vocab_size=len(tokenizer),
@@ -159,14 +166,15 @@ def build_tiny_components(seed: int = 0) -> dict:
             decoder_start_token_id=0,
         )
     ).eval()
-    transformer = HunyuanVideo15Transformer3DModel(**tiny_transformer_config()).eval()
-    vae = AutoencoderKLHunyuanVideo15(**tiny_vae_config()).eval()
+    transformer = HunyuanVideo15Transformer3DModel(**(transformer_config or tiny_transformer_config())).eval()
+    vae = AutoencoderKLHunyuanVideo15(**(vae_config or tiny_vae_config())).eval()
     # The transformer and VAE initialise some layers to zero (e.g. proj_out): perturb every parameter so that the
     # tiny model's output depends on all of its weights and the parity tests can fail.
-    with torch.no_grad():
-        for module in (transformer, vae):
-            for p in module.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
+    if perturb:
+        with torch.no_grad():
+            for module in (transformer, vae):
+                for p in module.parameters():
+                    p.add_(torch.randn_like(p) * 0.02)
     lengths = TextLengths(
         tokenizer_max_length=64,
         prompt_template_encode_start_idx=tiny_crop_start(tokenizer, default_system_message()),

@@ -1,0 +1,346 @@
+"""Pretraining of the tiny world model: a HunyuanVideo-1.5 (the same diffusers classes, the project's text path)
+that draws the synthetic world, trained on 2 CPU cores.
+
+Three stages, each seeded:
+1. clips: `num_clips` training clips of the world (`sage_grpo.world.sample_clip`, 9 frames of 32 x 32 px);
+2. the VAE (`AutoencoderKLHunyuanVideo15`, 4x spatial / 4x temporal, 8 latent channels) as an autoencoder on
+   them: L1 + MSE of the reconstruction from a posterior sample, plus a small KL; its `scaling_factor` is set to
+   1 / std of the posterior means, as for the real VAE, so the diffusion latents have unit scale;
+3. the transformer (`HunyuanVideo15Transformer3DModel`, 4 double-stream blocks of width 64) by the flow-matching
+   objective HunyuanVideo-1.5 trains with: x_s = (1 - s) x_0 + s eps, target velocity eps - x_0, s drawn as the
+   shifted uniform of the sampler's schedule (shift 5, so training sees the noise levels sampling visits), the
+   caption replaced by the negative prompt ("") 10% of the time so classifier-free guidance works. Its forward is
+   `sage_grpo.rollout.predict_velocity`, the one the rollout and the GRPO update call. Weights are averaged (EMA).
+
+The text encoders are the tiny random ones of `sage_grpo.models.tiny`, frozen; the Qwen tokenizer gets BPE merges
+for the world's words (the real Qwen tokenizer has a token per common English word; byte-level tokens would make
+the tiny transformer spend its budget learning to spell). `save_world_model` writes the diffusers layout, which
+`sage_grpo.models.loading.load_pipeline` reads like real weights; the transformer is stored in bf16 (as the real
+HunyuanVideo-1.5 weights are), which keeps the committed model under 25 MB.
+
+Deterministic for a seed and a thread count (CPU float sums depend on how the work is split across threads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sage_grpo.world.captions import make_caption
+from sage_grpo.world.render import DEFAULT_FRAMES, DEFAULT_SIZE
+from sage_grpo.world.sampler import sample_clip, single_object_attributes
+
+__all__ = [
+    "WORLD_MODEL_DIR",
+    "PretrainSettings",
+    "world_tokenizer",
+    "world_transformer_config",
+    "world_vae_config",
+    "build_world_components",
+    "batched_vae_attention",
+    "render_clips",
+    "train_vae",
+    "encode_latents",
+    "train_transformer",
+    "save_world_model",
+    "pretrain",
+]
+
+# The committed pretrained model (diffusers layout), relative to the repository root.
+WORLD_MODEL_DIR = "assets/tiny_world/hunyuanvideo15"
+
+WORLD_LATENT = 8  # latent channels: 4x4x4 pixels x RGB (192 values) -> 8, enough for flat shapes and their motion
+
+
+@dataclass(frozen=True)
+class PretrainSettings:
+    """Everything that decides the pretrained weights (saved beside them as pretrain_settings.json)."""
+
+    seed: int = 0
+    num_clips: int = 2000  # training clips, rendered once
+    two_object_prob: float = 0.25
+    vae_steps: int = 300
+    vae_batch: int = 8
+    vae_lr: float = 2e-3
+    vae_kl_weight: float = 1e-6
+    transformer_steps: int = 1000
+    transformer_batch: int = 32
+    transformer_lr: float = 1e-3
+    warmup_steps: int = 50
+    caption_dropout: float = 0.1
+    shift: float = 5.0  # flow shift of the sampler schedule (configs sample with the same)
+    ema_decay: float = 0.995
+    threads: int = 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def world_words() -> list[str]:
+    """Every word a world caption can contain, in a fixed order."""
+    words: set[str] = set()
+    for split in ("train", "heldout"):
+        for attrs in single_object_attributes(split):
+            words.update(make_caption(attrs).split())
+    words.update(("and", "move"))  # two-object captions: "a ... and a ... move right on ..."
+    return sorted(words)
+
+
+def world_tokenizer():
+    """The tiny byte-level Qwen2 tokenizer plus BPE merges that make each world word (with its leading space, "Ġ"
+    in byte-level BPE) one token. Merges grow every word from the left and are ranked by length, so no merge can
+    split another word's chain."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    from sage_grpo.models.tiny import QWEN_CHAT_TEMPLATE
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    by_length: dict[int, list[tuple[str, str]]] = {}
+    for w in world_words():
+        s = "Ġ" + w
+        for k in range(2, len(s) + 1):
+            by_length.setdefault(k, []).append((s[: k - 1], s[k - 1]))
+    merges = list(dict.fromkeys(pair for k in sorted(by_length) for pair in by_length[k]))
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.padding_side = "right"
+    return tok
+
+
+def world_transformer_config() -> dict:
+    from sage_grpo.models.tiny import TINY_BYT5_DIM, TINY_IMAGE_DIM, TINY_TEXT_DIM, tiny_transformer_config
+
+    return {**tiny_transformer_config(), "in_channels": 2 * WORLD_LATENT + 1, "out_channels": WORLD_LATENT,
+            "num_layers": 4, "mlp_ratio": 4.0, "text_embed_dim": TINY_TEXT_DIM, "text_embed_2_dim": TINY_BYT5_DIM,
+            "image_embed_dim": TINY_IMAGE_DIM}
+
+
+def world_vae_config() -> dict:
+    from sage_grpo.models.tiny import tiny_vae_config
+
+    return {**tiny_vae_config(), "latent_channels": WORLD_LATENT, "block_out_channels": (16, 32, 64),
+            "scaling_factor": 1.0}  # set from the data by train_vae
+
+
+def build_world_components(seed: int) -> dict:
+    """Untrained world-model components (diffusers' initialisation), keyed like HunyuanVideo15Pipeline's modules."""
+    from sage_grpo.models.tiny import build_tiny_components
+
+    return build_tiny_components(seed, tokenizer=world_tokenizer(), transformer_config=world_transformer_config(),
+                                 vae_config=world_vae_config(), perturb=False)
+
+
+@contextlib.contextmanager
+def batched_vae_attention() -> Iterator[None]:
+    """diffusers 0.42.1's HunyuanVideo-1.5 VAE attention builds its causal mask as [B, S, S], which scaled-dot-product
+    attention broadcasts against [B, 1, S, C] as if B were heads: batches > 1 fail (that is why
+    sage_grpo.rollout.decode_latents decodes one sample at a time). Training needs batches, so while this context is
+    open the mask is [B, 1, S, S] (same values, built without the per-token Python loop)."""
+    from diffusers.models.autoencoders import autoencoder_kl_hunyuanvideo15 as vae_module
+
+    block = vae_module.HunyuanVideo15AttnBlock
+    original = block.__dict__["prepare_causal_attention_mask"]
+
+    def causal_mask(n_frame: int, n_hw: int, dtype, device, batch_size: int | None = None) -> torch.Tensor:
+        frame = torch.arange(n_frame * n_hw, device=device) // n_hw  # [S] latent frame of each token
+        mask = torch.zeros(frame.numel(), frame.numel(), dtype=dtype, device=device)
+        mask = mask.masked_fill(frame[None, :] > frame[:, None], float("-inf"))  # a token sees frames <= its own
+        return mask if batch_size is None else mask[None, None].expand(batch_size, 1, -1, -1)
+
+    block.prepare_causal_attention_mask = staticmethod(causal_mask)
+    try:
+        yield
+    finally:
+        block.prepare_causal_attention_mask = original
+
+
+def render_clips(s: PretrainSettings) -> tuple[torch.Tensor, list[str]]:
+    """-> videos uint8 [N, F, 3, H, W] (uint8 keeps 2000 clips at 55 MB) and their captions."""
+    videos, captions = [], []
+    for i in range(s.num_clips):
+        clip = sample_clip(s.seed, i, "train", DEFAULT_SIZE, DEFAULT_FRAMES, s.two_object_prob)
+        videos.append((clip.video * 255).round().to(torch.uint8))
+        captions.append(clip.caption)
+    return torch.stack(videos), captions
+
+
+def _to_vae(videos_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, F, 3, H, W] -> the VAE's input [B, 3, F, H, W] in [-1, 1]."""
+    return (videos_u8.float() / 127.5 - 1.0).permute(0, 2, 1, 3, 4)
+
+
+def _lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def train_vae(vae, videos_u8: torch.Tensor, s: PretrainSettings,
+              log: Callable[[str], None] = print) -> dict[str, float]:
+    """Train `vae` in place on the clips; sets its scaling_factor. -> final losses.
+
+    The first 80% of steps see 5-frame windows (one lone frame + one 4-frame group: everything the causal VAE
+    does, at 5/9 of the cost), the rest whole 9-frame clips, as sampling decodes them.
+    """
+    g = torch.Generator().manual_seed(s.seed + 1)
+    opt = torch.optim.AdamW(vae.parameters(), lr=s.vae_lr, weight_decay=0.0)
+    vae.train()
+    n, frames = videos_u8.shape[0], videos_u8.shape[1]
+    stats: dict[str, float] = {}
+    with batched_vae_attention():
+        for step in range(s.vae_steps):
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, s.vae_steps, s.vae_lr, s.warmup_steps)
+            idx = torch.randint(n, (s.vae_batch,), generator=g)
+            window = 5 if step < int(0.8 * s.vae_steps) else frames
+            start = int(torch.randint(frames - window + 1, (1,), generator=g))
+            x = _to_vae(videos_u8[idx, start : start + window])  # [B, 3, F, H, W]
+            post = vae.encode(x).latent_dist
+            z = post.mean + post.std * torch.randn(post.mean.shape, generator=g)
+            y = vae.decode(z).sample
+            l1, mse = (y - x).abs().mean(), ((y - x) ** 2).mean()
+            kl = post.kl().mean() / x[0].numel()  # per pixel value, so the weight does not depend on clip size
+            loss = l1 + mse + s.vae_kl_weight * kl
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+            opt.step()
+            stats = {"l1": l1.item(), "mse": mse.item(), "kl": kl.item()}
+            if step % 50 == 0 or step == s.vae_steps - 1:
+                log(f"vae step {step + 1}/{s.vae_steps}: l1 {stats['l1']:.4f} mse {stats['mse']:.5f}")
+    vae.eval()
+    return stats
+
+
+@torch.no_grad()
+def encode_latents(vae, videos_u8: torch.Tensor, batch: int = 16) -> torch.Tensor:
+    """Posterior means of the clips, scaled: [N, C, F', H', W'] fp32. Sets vae.config.scaling_factor to 1 / their
+    std (the diffusion latents are VAE latents x scaling_factor; sage_grpo.rollout.decode_latents divides)."""
+    with batched_vae_attention():
+        means = torch.cat([vae.encode(_to_vae(videos_u8[i : i + batch])).latent_dist.mean
+                           for i in range(0, videos_u8.shape[0], batch)])
+    scale = float(1.0 / means.std())
+    vae.register_to_config(scaling_factor=scale)
+    return means * scale
+
+
+def _ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    with torch.no_grad():
+        for pe, pm in zip(ema.parameters(), model.parameters()):
+            pe.lerp_(pm, 1.0 - decay)
+
+
+def train_transformer(pipe, latents: torch.Tensor, captions: list[str], s: PretrainSettings,
+                      log: Callable[[str], None] = print) -> tuple[torch.nn.Module, dict[str, float]]:
+    """Flow-matching training of pipe.transformer on (latents, captions). -> (EMA transformer, final stats)."""
+    from sage_grpo.models.attention import use_valid_token_attention
+    from sage_grpo.models.text_cache import TextEmbeddingCache
+    from sage_grpo.rollout import SamplerSettings, predict_velocity
+
+    g = torch.Generator().manual_seed(s.seed + 2)
+    cache = TextEmbeddingCache(pipe, "cpu", torch.float32)
+    cache.precompute(sorted(set(captions)) + [""])  # "": the negative prompt the rollout's CFG uses
+    transformer = pipe.transformer
+    use_valid_token_attention(transformer)
+    transformer.train()
+    ema = copy.deepcopy(transformer).eval().requires_grad_(False)
+    settings = SamplerSettings(sde_type="ode", cfg_scale=1.0, shift=s.shift)
+    opt = torch.optim.AdamW(transformer.parameters(), lr=s.transformer_lr, weight_decay=0.01)
+    n = latents.shape[0]
+    stats: dict[str, float] = {}
+    running = None
+    for step in range(s.transformer_steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, s.transformer_steps, s.transformer_lr, s.warmup_steps)
+        idx = torch.randint(n, (s.transformer_batch,), generator=g)
+        x0 = latents[idx]  # [B, C, F, H, W]
+        drop = torch.rand(s.transformer_batch, generator=g) < s.caption_dropout
+        prompts = ["" if d else captions[int(i)] for i, d in zip(idx, drop)]
+        u = torch.rand(s.transformer_batch, generator=g)
+        sigma = s.shift * u / (1.0 + (s.shift - 1.0) * u)  # [B] the schedule's shift applied to uniform times
+        eps = torch.randn(x0.shape, generator=g)
+        sig = sigma.view(-1, 1, 1, 1, 1)
+        xt = (1.0 - sig) * x0 + sig * eps
+        v = predict_velocity(transformer, xt, sigma, cache.get(prompts), None, settings,
+                             image_tokens=pipe.vision_num_semantic_tokens)
+        loss = F.mse_loss(v, eps - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        opt.step()
+        _ema_update(ema, transformer, s.ema_decay if step >= s.warmup_steps else 0.0)
+        loss_value = loss.item()
+        running = loss_value if running is None else 0.98 * running + 0.02 * loss_value
+        stats = {"loss": loss_value, "loss_ema": running}
+        if step % 50 == 0 or step == s.transformer_steps - 1:
+            log(f"transformer step {step + 1}/{s.transformer_steps}: loss {loss_value:.4f} (smoothed {running:.4f})")
+    transformer.eval()
+    return ema, stats
+
+
+def save_world_model(comps: dict, out: str | Path, extra: dict | None = None) -> Path:
+    """Components -> `out` in the diffusers layout (transformer in bf16) + the text lengths and the settings."""
+    import json
+
+    from diffusers import HunyuanVideo15Pipeline
+
+    from sage_grpo.files import usual_permissions
+    from sage_grpo.models.tiny import TEXT_LENGTHS_FILE
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    comps = dict(comps)
+    lengths = comps.pop("text_lengths")
+    comps["transformer"] = comps["transformer"].to(torch.bfloat16)
+    HunyuanVideo15Pipeline(**comps).save_pretrained(out, safe_serialization=True)
+    (out / TEXT_LENGTHS_FILE).write_text(json.dumps(lengths.to_dict(), indent=1) + "\n")
+    if extra is not None:
+        (out / "pretrain_info.json").write_text(json.dumps(extra, indent=1) + "\n")
+    return usual_permissions(out)
+
+
+def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = print) -> dict:
+    """The three stages, timed; writes the model to `out`. -> info (settings, seconds and CPU seconds per stage,
+    final losses), also saved as out/pretrain_info.json."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    from sage_grpo.models.loading import apply_text_lengths
+
+    torch.set_num_threads(s.threads)
+    info: dict = {"settings": s.to_dict(), "torch": torch.__version__, "stages": {}}
+
+    def timed(name: str, fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        result = fn()
+        info["stages"][name] = {"seconds": round(time.perf_counter() - t0, 1),
+                                "cpu_seconds": round(time.process_time() - c0, 1)}
+        log(f"== {name}: {info['stages'][name]['seconds']} s")
+        return result
+
+    comps = build_world_components(s.seed)
+    lengths = comps.pop("text_lengths")
+    pipe = HunyuanVideo15Pipeline(**comps)
+    apply_text_lengths(pipe, lengths)
+    videos, captions = timed("render", lambda: render_clips(s))
+    info["vae"] = timed("vae", lambda: train_vae(pipe.vae, videos, s, log))
+    latents = timed("encode", lambda: encode_latents(pipe.vae, videos))
+    info["scaling_factor"] = pipe.vae.config.scaling_factor
+    ema, info["transformer"] = timed("transformer", lambda: train_transformer(pipe, latents, captions, s, log))
+    info["seconds"] = round(sum(v["seconds"] for v in info["stages"].values()), 1)
+    info["cpu_seconds"] = round(sum(v["cpu_seconds"] for v in info["stages"].values()), 1)
+    save_world_model({**comps, "transformer": ema, "text_lengths": lengths}, out, info)
+    return info
