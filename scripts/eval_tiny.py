@@ -97,8 +97,9 @@ def main(argv=None) -> dict:
     if a.grid:
         write_grid(videos[: a.grid], captions[: a.grid], out / "grid.png")
     print("\n".join(rows))
+    missed = [k for k, ok in passed.items() if not ok]
     print(f"{len(captions)} {a.split} captions, {a.steps} ODE steps, cfg {a.cfg_scale}: {seconds:.0f} s; "
-          f"targets {'met' if all(passed.values()) else 'NOT met: ' + ', '.join(k for k, v in passed.items() if not v)}")
+          f"targets {'NOT met: ' + ', '.join(missed) if missed else 'met'}")
     return result
 
 

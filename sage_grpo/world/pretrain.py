@@ -85,7 +85,8 @@ class PretrainSettings:
 
 
 def world_words() -> list[str]:
-    """Every word a world caption can contain, in a fixed order."""
+    """The words of every one-object caption plus the two-object "and" and "move", in a fixed order. (The
+    two-object "bounce" needs no entry: it is a prefix of "bounces", so its merge chain makes it a token too.)"""
     words: set[str] = set()
     for split in ("train", "heldout"):
         for attrs in single_object_attributes(split):

@@ -1,0 +1,94 @@
+"""The tiny world model's pretraining (sage_grpo.world.pretrain): its tokenizer, the batched VAE attention mask,
+the stages' determinism, and that what it writes loads through the real loader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sage_grpo.world import make_caption, world_captions
+from sage_grpo.world.pretrain import (
+    PretrainSettings,
+    batched_vae_attention,
+    pretrain,
+    world_tokenizer,
+    world_words,
+)
+from sage_grpo.world.sampler import single_object_attributes
+
+
+def test_world_words_cover_every_caption():
+    words = set(world_words())
+    captions = [make_caption(a) for split in ("train", "heldout") for a in single_object_attributes(split)]
+    assert {w for c in captions for w in c.split()} | {"and", "move"} == words
+    two = world_captions(300, seed=3, two_object_prob=1.0)
+    assert {w for c in two for w in c.split()} - words == {"bounce"}  # a token through "bounces", see below
+
+
+def test_world_tokenizer_makes_each_word_one_token_and_round_trips():
+    tok = world_tokenizer()
+    bounce = "a small red circle and a large blue square bounce on a green background"
+    for caption in [bounce, *world_captions(50, seed=1, two_object_prob=0.5)]:
+        ids = tok(caption, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(caption.split())  # one token per word (the first has no leading space)
+        assert tok.decode(ids) == caption
+    # words outside the world still encode, byte by byte, and decode back
+    other = "a purple hexagon spins"
+    ids = tok(other, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == other and len(ids) > len(other.split())
+
+
+def test_batched_vae_attention_mask_equals_diffusers_and_restores_it():
+    from diffusers.models.autoencoders import autoencoder_kl_hunyuanvideo15 as vae_module
+
+    block = vae_module.HunyuanVideo15AttnBlock
+    original = block.prepare_causal_attention_mask
+    ref = original(3, 4, torch.float32, "cpu")  # diffusers' loop, [S, S]
+    with batched_vae_attention():
+        ours = block.prepare_causal_attention_mask(3, 4, torch.float32, "cpu")
+        batched = block.prepare_causal_attention_mask(3, 4, torch.float32, "cpu", batch_size=2)
+    assert torch.equal(ours, ref)
+    assert batched.shape == (2, 1, 12, 12) and torch.equal(batched[1, 0], ref)
+    assert block.prepare_causal_attention_mask is original
+
+
+def test_batched_vae_attention_decodes_a_batch_like_one_at_a_time():
+    """The point of the patch: a batch of 2 through the VAE equals each sample alone (diffusers' mask fails)."""
+    from sage_grpo.world.pretrain import build_world_components
+
+    vae = build_world_components(0)["vae"]
+    z = torch.randn(2, vae.config.latent_channels, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), batched_vae_attention():
+        both = vae.decode(z).sample
+        alone = torch.cat([vae.decode(z[i : i + 1]).sample for i in range(2)])
+    torch.testing.assert_close(both, alone, rtol=1e-5, atol=1e-5)
+
+
+TINY = PretrainSettings(num_clips=6, vae_steps=2, vae_batch=2, transformer_steps=2, transformer_batch=2,
+                        warmup_steps=1, threads=1)
+
+
+@pytest.mark.slow
+def test_pretrain_is_deterministic_and_loads_through_the_real_loader(tmp_path):
+    from safetensors.torch import load_file
+
+    from sage_grpo.models.loading import load_pipeline
+
+    logs: list[str] = []
+    info = pretrain(TINY, tmp_path / "a", log=logs.append)
+    pretrain(TINY, tmp_path / "b", log=lambda _: None)
+    for part in ("transformer", "vae"):
+        a = load_file(tmp_path / "a" / part / "diffusion_pytorch_model.safetensors")
+        b = load_file(tmp_path / "b" / part / "diffusion_pytorch_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any("transformer step 2/2" in line for line in logs)
+    saved = json.loads((tmp_path / "a" / "pretrain_info.json").read_text())
+    assert saved["settings"] == TINY.to_dict() and set(saved["stages"]) == {"render", "vae", "encode", "transformer"}
+    assert info["scaling_factor"] > 0
+    pipe = load_pipeline(model_path=str(tmp_path / "a"), dtype="fp32")
+    assert pipe.transformer.config.num_layers == 4 and pipe.vae.config.latent_channels == 8
+    assert pipe.vae.config.scaling_factor == pytest.approx(info["scaling_factor"])
+    ids = pipe.tokenizer("a red circle", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 3  # the saved tokenizer keeps the word merges
