@@ -9,7 +9,9 @@ equals the rollout policy; then the shared GRPO update (sage_grpo/grpo.py) re-sc
 clipped surrogate by the equalizer S_t, adds lambda_KL (beta_pos KL_pos + beta_vel KL_vel) and backpropagates.
 Gradients of `gradient_accumulation_steps` rounds make one optimizer update (Muon + AdamW, warm-up, grad clip);
 the KL coefficient adapts once per update from the rank-averaged L_KL; the anchor is refreshed every
-`update_ref_model_step` updates. Validation samples ODE videos; checkpoints resume exactly.
+`update_ref_model_step` updates. Validation samples ODE videos and scores them with the reward and held-out metrics
+(`sage_grpo/heldout.py`), warning once per metric that falls while the reward rises (`sage_grpo/hacking.py`);
+checkpoints resume exactly.
 
     python post_train.py --config configs/tiny_cpu.yaml                          # tiny model, one CPU process
     torchrun --nproc_per_node 8 post_train.py --config configs/single_node_8gpu.yaml   # FSDP2 + Ulysses sp 2
@@ -31,7 +33,7 @@ import time
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from sage_grpo.anchor import Anchor
     from sage_grpo.data import GroupSampler, PromptRecord
     from sage_grpo.grpo import PairBatch, UpdateStats
+    from sage_grpo.heldout import HeldOut
     from sage_grpo.kl import AdaptiveKLController
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.optim import Optimizers
@@ -84,6 +87,7 @@ class Components:
     val_shape: tuple  # (C, F, H, W) validation latent
     step_weights: torch.Tensor  # [T] equalizer S_t (ones without --use_grad_balancing)
     variance: torch.Tensor  # [T] V_t of the rollout sampler
+    heldout: HeldOut  # the held-out metrics validation reports (--validation_metrics)
 
 
 @dataclass
@@ -95,7 +99,9 @@ class TrainState:
     step: rollout rounds done. updates: optimizer updates done. accum_rounds, pending_kl_sum, pending_kl_pairs: the
     rounds accumulated into the pending update and their L_KL sum and pair count (the controller moves with their
     mean when the update is taken). anchor_synced: the anchor equals the current policy (initial, or just refreshed,
-    and no update since); anchor_refreshed_at: the update of the last refresh (0 = the initial model)."""
+    and no update since); anchor_refreshed_at: the update of the last refresh (0 = the initial model). val_first:
+    {metric: [mean, std]} over the videos of the first validation (the hacking check's baseline; `reward_total` and
+    the held-out metrics); hacking_warned: {held-out metric: step of its warning} (each warns once per run)."""
 
     controller: AdaptiveKLController
     sampler: GroupSampler
@@ -109,6 +115,8 @@ class TrainState:
     failed_streak: int = 0  # ... in a row, up to now
     anchor_synced: bool = True
     anchor_refreshed_at: int = 0
+    val_first: dict = field(default_factory=dict)
+    hacking_warned: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return {f.name: _state_of(getattr(self, f.name)) for f in fields(self)}
@@ -140,6 +148,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     from sage_grpo.cli import check_writable_dir
     from sage_grpo.data import GroupSampler, read_prompts
     from sage_grpo.equalizer import equalizer_weights
+    from sage_grpo.heldout import HeldOut
     from sage_grpo.kl import AdaptiveKLController
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.models.tiny_checkpoint import ensure_tiny_checkpoint
@@ -182,16 +191,21 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     s_t = (equalizer_weights(r.sde_type, sigmas, r.eta, cps_logprob=r.cps_logprob, sage_clamp=r.sage_sigma_clamp)
            if cfg.optim.use_grad_balancing else torch.ones(r.grpo_sampling_steps))
     vh, vw = parse_size(v.validation_fixed_size, "--validation_fixed_size")
+    reward = build_reward_from_config(cfg, info.device)
+    spec = validation_metrics_spec(cfg, val_records)
+    # a reward named in --validation_metrics is built (its model loaded) only when the run validates
+    extra = {n: build_reward_from_config(replace(cfg, reward=replace(cfg.reward, reward_model=n, reward_weights="")),
+                                         info.device) for n in spec.rewards} if validates else {}
     val_settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=v.validation_num_inference_steps,
                                    shift=v.validation_timestep_shift, cfg_scale=v.validation_guidance_scale,
                                    compute_dtype=dtype, autocast=settings.autocast, master_dtype=settings.master_dtype)
     c = Components(
         cfg=cfg, info=info, out=out, pipe=pipe, transformer=transformer, trainable=trainable, optimizer=optimizer,
-        anchor=anchor, reward=build_reward_from_config(cfg, info.device), cache=cache, prompts=prompts,
+        anchor=anchor, reward=reward, cache=cache, prompts=prompts,
         val_records=val_records, settings=settings, val_settings=val_settings,
         shape=latent_shape(pipe.vae.config, r.sample_n_frames, r.height, r.width),
         val_shape=latent_shape(pipe.vae.config, v.validate_video_length, vh, vw),
-        step_weights=s_t.float(), variance=variance.float(),
+        step_weights=s_t.float(), variance=variance.float(), heldout=HeldOut(spec, reward, extra),
     )
     state = TrainState(
         controller=AdaptiveKLController.from_config(cfg.kl),
@@ -213,6 +227,15 @@ def load_validation_records(cfg: Config, prompts: list[PromptRecord]) -> list[Pr
     if v.validation_prompts:
         return [PromptRecord(prompt=p, index=i) for i, p in enumerate(v.validation_prompts)]
     return list(prompts[: min(4, len(prompts))])
+
+
+def validation_metrics_spec(cfg: Config, val_records: list[PromptRecord]):
+    """`--validation_metrics` resolved against the trained reward and the validation prompts (preflight checks it
+    before any model loads, setup uses it)."""
+    from sage_grpo.heldout import parse_validation_metrics
+
+    return parse_validation_metrics(cfg.validation.validation_metrics, cfg.reward.reward_model.split(","),
+                                    [rec.prompt for rec in val_records])
 
 
 def uses_fsdp(cfg: Config, info: DistInfo) -> bool:
@@ -297,7 +320,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
     v, ck, o = cfg.validation, cfg.checkpoint, cfg.optim
     if v.validate_at_step0 and state.step == 0:
         with PhaseClock(hook)("validation"):
-            log(logger, 0, validation(c, 0))
+            log(logger, 0, validation(c, state, 0))
             log_videos(logger, c, 0)
     last_saved = state.step
     live = LiveNumbers(info.is_main, o.max_steps, state.step, cfg.logging.log_interval)
@@ -351,7 +374,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
             metrics["train/failed_reward_steps"] = state.failed_reward_steps
             if v.validation_interval and state.step % v.validation_interval == 0:
                 with clock("validation"):
-                    metrics.update(validation(c, state.step))
+                    metrics.update(validation(c, state, state.step))
                     log_videos(logger, c, state.step)
                 if info.is_main:
                     plot_curves(c.out / "metrics.jsonl", c.out / "curves.png")
@@ -380,6 +403,9 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                 mark_clean_stop(info, state.step)
                 break
     live.close()
+    if state.hacking_warned:
+        print0(info, "warning: held-out metrics moved the wrong way while the trained reward rose (possible reward "
+               "hacking): " + ", ".join(f"{k} (step {s})" for k, s in state.hacking_warned.items()))
     if final_save and last_saved != state.step:  # the final checkpoint: collective, every rank calls it
         save(c, state)
 
@@ -669,33 +695,89 @@ def optimizer_step(c: Components, state: TrainState) -> dict:
     return metrics
 
 
-def validation(c: Components, step: int) -> dict:
-    """ODE videos of the validation prompts (split over ranks) -> output_dir/samples/step_{step:06d}/, scored."""
+def validation(c: Components, state: TrainState, step: int) -> dict:
+    """ODE videos of the validation prompts (split over ranks) -> output_dir/samples/step_{step:06d}/, scored by the
+    trained reward and the held-out metrics (`c.heldout`), reduced over ranks (one all-reduce) -> val/ metrics, and
+    the hacking check (`watch_hacking`), which every rank runs on the same numbers."""
     from sage_grpo.generation import sample_stem, sample_videos, write_sample
+    from sage_grpo.hacking import REWARD, Summary
     from sage_grpo.parallel.dist import all_reduce_sum
 
     cfg, info = c.cfg, c.info
     folder = samples_dir(c, step)
+    names = [REWARD, *c.heldout.names]
+    first = not state.val_first  # the first validation of the run: its videos are the drift reference
     # prompts split over data-parallel ranks (sp peers make each video together); every rank runs the same number
     # of forwards, since FSDP2 and Ulysses forwards are collective: short ranks repeat a prompt and discard it
     per_rank = -(-len(c.val_records) // info.dp_size)
     mine = c.val_records[info.dp_rank :: info.dp_size]
     todo = mine + [c.val_records[0]] * (per_rank - len(mine))
-    sums = torch.zeros(2, dtype=torch.float64, device=info.device)
+    sums = torch.zeros(len(names), 3, dtype=torch.float64, device=info.device)  # per metric: sum, sum of squares, n
     for j, (rec, frames) in enumerate(sample_videos(
             c.pipe, c.cache, todo, settings=c.val_settings, shape=c.val_shape,
             base_seed=cfg.validation.validation_seed, negative_prompt=cfg.rollout.neg_prompt,
             show_progress=info.is_main and cfg.logging.verbose, decode=info.sp_rank == 0)):
         if j >= len(mine) or info.sp_rank != 0:  # padding, or an sp peer's copy: the sp leader writes and scores
             continue
-        score = c.reward(frames[None].to(info.device), [rec.prompt])
-        total = float(score["total"][0])
+        score = {k: float(v[0]) for k, v in c.reward(frames[None].to(info.device), [rec.prompt]).items()}
+        reference = drift_reference(c, sample_stem(rec), frames, first) if c.heldout.drift else None
+        held = c.heldout.score(frames, rec.prompt, score, reference)
         write_sample(folder / f"{sample_stem(rec)}.mp4", frames, prompt=rec.prompt, fps=cfg.rollout.video_fps,
-                     meta={"step": step, "reward": {k: float(v[0]) for k, v in score.items()}})
-        if math.isfinite(total):
-            sums += torch.tensor([total, 1.0], dtype=torch.float64, device=info.device)
-    sums = all_reduce_sum(sums)  # every rank joins, sp peers add zeros
-    return {"val/reward_total": float(sums[0] / sums[1]) if sums[1] > 0 else math.nan, "val/videos": int(sums[1])}
+                     meta={"step": step, "reward": score, "heldout": held})
+        for i, x in enumerate([score["total"], *held.values()]):
+            if math.isfinite(x):
+                sums[i] += torch.tensor([x, x * x, 1.0], dtype=torch.float64, device=info.device)
+    sums = all_reduce_sum(sums).cpu()  # every rank joins, sp peers add zeros
+    summaries = {}
+    for name, (total, squares, n) in zip(names, sums.tolist()):
+        mean = total / n if n > 0 else math.nan
+        summaries[name] = Summary(mean, math.sqrt(max(squares / n - mean * mean, 0.0)) if n > 0 else math.nan)
+    metrics = {"val/reward_total": summaries[REWARD].mean, "val/videos": int(sums[0, 2])}
+    metrics.update({f"val/{k}": summaries[k].mean for k in c.heldout.names})
+    metrics.update(watch_hacking(c, state, step, summaries))
+    return metrics
+
+
+def drift_reference(c: Components, stem: str, frames: torch.Tensor, first: bool) -> torch.Tensor | None:
+    """The drift reference of a validation video (`sage_grpo.heldout.drift_frames` of the run's first validation's
+    video of that prompt): written by the first validation to output_dir/validation_reference/<stem>.safetensors,
+    read back by the later ones (None when it is not there, e.g. a resumed run on another filesystem)."""
+    from safetensors.torch import load_file, save_file
+
+    from sage_grpo.files import usual_permissions
+    from sage_grpo.heldout import drift_frames
+
+    path = c.out / "validation_reference" / f"{stem}.safetensors"
+    if first:
+        small = drift_frames(frames)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"frames": small}, str(path))
+        usual_permissions(path)
+        return small
+    return load_file(str(path))["frames"] if path.is_file() else None
+
+
+def watch_hacking(c: Components, state: TrainState, step: int, summaries: dict) -> dict:
+    """The hacking check of one validation (`sage_grpo.hacking`): the first validation's summaries become the
+    baseline (a metric without a finite one takes this validation's); each metric that moves the wrong way while
+    the reward rises warns once (printed, kept in `state.hacking_warned`) -> val_shift/<metric> (the change since
+    the first validation in spreads, as the check sees it) and val/hacking_warnings (warned metrics so far)."""
+    from sage_grpo.hacking import hacking_warnings, shift
+
+    if not c.heldout.senses:  # --validation_metrics none
+        return {}
+    for name, s in summaries.items():
+        if name not in state.val_first or not math.isfinite(state.val_first[name][0]):
+            state.val_first[name] = [s.mean, s.std]
+    v = c.cfg.validation
+    for w in hacking_warnings(state.val_first, summaries, c.heldout.senses, state.hacking_warned, step=step,
+                              reward_rise=v.hacking_reward_rise, metric_drop=v.hacking_metric_drop):
+        state.hacking_warned[w.metric] = step
+        print0(c.info, "warning: " + w.message())
+    out = {f"val_shift/{k}": shift(state.val_first[k], s) for k, s in summaries.items()
+           if c.heldout.senses.get(k, 0) is not None}  # not drift, which starts at 0 by construction
+    out["val/hacking_warnings"] = len(state.hacking_warned)
+    return out
 
 
 def samples_dir(c: Components, step: int) -> Path:
@@ -898,7 +980,7 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     if ck.resume_from_checkpoint and ck.overwrite_output_dir:
         raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
-    load_validation_records(cfg, read_prompts(cfg.data.train_video_csv))
+    validation_metrics_spec(cfg, load_validation_records(cfg, read_prompts(cfg.data.train_video_csv)))
 
 
 def check_resume_fits(cfg: Config, path: Path) -> None:

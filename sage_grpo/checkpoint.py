@@ -74,7 +74,8 @@ def resolve_resume(spec: str, output_dir: str | Path) -> Path | None:
     return p
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "curves.png", "samples", "tensorboard", "wandb", "config.yaml")
+RUN_OUTPUTS = ("metrics.jsonl", "curves.png", "samples", "tensorboard", "wandb", "config.yaml",
+               "validation_reference")
 
 
 def run_outputs(output_dir: str | Path) -> list[Path]:

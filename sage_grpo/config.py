@@ -297,6 +297,23 @@ class ValidationConfig:
     validation_num_inference_steps: int = opt(40, "ODE steps of validation sampling.")
     validation_guidance_scale: float = opt(6.0, "CFG scale of validation sampling.")
     validation_seed: int = opt(930, "Seed of validation sampling.")
+    validation_metrics: list[str] = opt(["auto"], "Held-out metrics validation reports beside the trained reward "
+                                                  "(val/<name>), computed on its videos: groups components (the "
+                                                  "trained reward's components --reward_weights leaves out), "
+                                                  "statistics (brightness, saturation, contrast, motion), world (the "
+                                                  "synthetic world's fidelity metrics; world-caption prompts only), "
+                                                  "drift (distance from the first validation's videos), or a reward "
+                                                  "name (clipscore, pickscore, ...: its model is loaded for "
+                                                  "validation); auto = components, statistics, drift and, when every "
+                                                  "validation prompt is a world caption, world; none = no held-out "
+                                                  "metric and no hacking check.")
+    hacking_reward_rise: float = opt(1.0, "The hacking check warns when the trained validation reward has risen by "
+                                          "more than this many spreads (its standard deviation over the validation "
+                                          "videos, pooled with the first validation's) since the first validation "
+                                          "...")
+    hacking_metric_drop: float = opt(1.0, "... while a held-out metric moved the wrong way (fell; a statistic: "
+                                          "either way) by more than this many of its own spreads; once per metric "
+                                          "per run (val/hacking_warnings counts them).")
 
 
 @dataclass
@@ -310,9 +327,9 @@ class CheckpointConfig:
                                           "one in output_dir.")
     checkpoints_total_limit: int = opt(0, "Keep at most this many checkpoints (oldest deleted first); 0 keeps all.")
     overwrite_output_dir: bool = opt(False, "Start a new run in an --output_dir that already holds one: its "
-                                            "checkpoints, metrics, curves, samples and TensorBoard logs are deleted "
-                                            "first. Without it such a folder is refused (continue it with "
-                                            "--resume_from_checkpoint latest).")
+                                            "checkpoints, metrics, curves, samples, validation references and "
+                                            "TensorBoard logs are deleted first. Without it such a folder is refused "
+                                            "(continue it with --resume_from_checkpoint latest).")
 
 
 @dataclass
@@ -680,6 +697,9 @@ def check_values(cfg: Config) -> None:
             f"--reward_min_pixels ({cfg.reward.reward_min_pixels}) must be <= --reward_max_pixels "
             f"({cfg.reward.reward_max_pixels})"
         )
+    for name, value in (("hacking_reward_rise", v.hacking_reward_rise), ("hacking_metric_drop", v.hacking_metric_drop)):
+        if value <= 0:
+            raise SageGRPOError(f"--{name} must be > 0 (a change in spreads of the metric), got {value:g}")
     if r.flow_shift <= 0 or v.validation_timestep_shift <= 0:
         raise SageGRPOError("--flow_shift and --validation_timestep_shift must be > 0")
     if not 0.0 < r.sage_sigma_clamp < 1.0:

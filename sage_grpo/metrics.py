@@ -1,8 +1,8 @@
 """Metrics of a run: `metrics.jsonl` always (one JSON object per step, slash keys: `reward/total`, `train/clipfrac`,
-`kl/coef`, `perf/rollout_s`, `mem/peak_gib`), TensorBoard or Weights & Biases behind `--report_to` (the scalars,
-the validation videos as frame strips and the resolved config), and `curves.png` (reward with its band, the KL
-terms, the KL coefficient, clip fraction, gradient norm and learning rate against step). Only rank 0 creates a
-logger."""
+`kl/coef`, `val/VQ`, `val_shift/saturation`, `perf/rollout_s`, `mem/peak_gib`), TensorBoard or Weights & Biases
+behind `--report_to` (the scalars, the validation videos as frame strips and the resolved config), and `curves.png`
+(reward with its band, the KL terms, the KL coefficient, clip fraction, gradient norm and learning rate against
+step, and the held-out metrics beside the trained reward). Only rank 0 creates a logger."""
 
 from __future__ import annotations
 
@@ -154,7 +154,10 @@ def curves_figure(rows: list[dict]):
     """The figure of `plot_curves` for metrics rows (matplotlib Figure; the caller closes it).
 
     Panels: rollout reward mean with a mean +- std band (and the validation reward), the KL terms, the KL
-    coefficient, the clip fraction, the gradient norm and the learning rate. The KL terms are on a log axis
+    coefficient, the clip fraction, the gradient norm and the learning rate; below them, across the figure, the
+    validation's trained reward and held-out metrics as `val_shift/<name>` (change since the first validation in
+    spreads over the validation videos, `sage_grpo.hacking.shift`: one axis for metrics of any scale), with the
+    validations that raised a hacking warning marked (red dashed lines). The KL terms are on a log axis
     (they span decades as the policy moves away from its anchor) without the steps where the anchor equals the
     policy (`kl/anchor_synced` = 1: the first step and the step after each refresh), where KL_pos and KL_vel are
     exactly 0: a log axis cannot show a zero, and clamping it to a tiny value drew a saw-tooth over ~28 decades at
@@ -164,8 +167,10 @@ def curves_figure(rows: list[dict]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
-    ax_r, ax_k, ax_c, ax_f, ax_g, ax_l = axes.ravel()
+    fig = plt.figure(figsize=(15, 11))
+    grid = fig.add_gridspec(3, 3)
+    ax_r, ax_k, ax_c, ax_f, ax_g, ax_l = (fig.add_subplot(grid[i // 3, i % 3]) for i in range(6))
+    ax_h = fig.add_subplot(grid[2, :])
     style = {"marker": "." if len(rows) <= 60 else None, "linewidth": 1.2}
 
     # reward: the band uses the rows that have both the mean and the std
@@ -209,11 +214,28 @@ def curves_figure(rows: list[dict]):
             if log:
                 ax.set_yscale("log")
         ax.set_title(title)
-    for ax in axes.ravel():
+    shifts = sorted({k for r in rows for k in r if k.startswith("val_shift/")} - {"val_shift/reward_total"})
+    xs, ys = _series(rows, "val_shift/reward_total")
+    if xs:
+        ax_h.plot(xs, ys, "o-", color="black", linewidth=2.5, label="trained reward")
+    for key in shifts:
+        ax_h.plot(*_series(rows, key), ".-" if len(rows) <= 60 else "-", linewidth=1.2, label=key.split("/", 1)[1])
+    count = 0
+    for r in rows:
+        n = r.get("val/hacking_warnings")
+        if n is not None and n > count:
+            ax_h.axvline(r["step"], color="red", linestyle="--", linewidth=1.2,
+                         label="hacking warning" if count == 0 else None)
+            count = n
+    if ax_h.lines:
+        ax_h.axhline(0, color="0.6", linewidth=0.8)
+    ax_h.set_title("validation: trained reward and held-out metrics, change since the first validation (in spreads "
+                   "over the validation videos)")
+    for ax in fig.axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, ncol=1 if ax is not ax_h else 4)
         if not ax.lines and not ax.collections:
             ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes,
                     color="0.5")

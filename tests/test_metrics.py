@@ -50,7 +50,7 @@ def test_curves_leave_out_the_exact_zeros_after_a_refresh_and_band_the_reward(tm
     rows = _rows()
     fig = curves_figure(rows)
     try:
-        ax_r, ax_k, ax_c, ax_f, ax_g, ax_l = fig.axes
+        ax_r, ax_k, ax_c, ax_f, ax_g, ax_l, ax_h = fig.axes
         synced = [r["step"] for r in rows if r["kl/anchor_synced"]]
         assert synced == [1, 4, 7, 10]
         for label, key in (("KL_pos", "kl/pos"), ("KL_vel", "kl/vel"), ("L_KL", "kl/loss")):
@@ -85,6 +85,31 @@ def test_curves_leave_out_the_exact_zeros_after_a_refresh_and_band_the_reward(tm
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = plot_curves(path, tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_curves_put_the_held_out_metrics_beside_the_trained_reward():
+    """The bottom panel: val_shift/* against step, the trained reward in bold, the validation that raised a hacking
+    warning marked once; a run without validation says so instead."""
+    import matplotlib.pyplot as plt
+
+    rows = _rows()
+    for step, (r, sat, n) in {2: (0.0, 0.0, 0), 6: (3.0, -2.0, 1), 10: (5.0, -4.0, 1)}.items():
+        rows[step - 1].update({"val_shift/reward_total": r, "val_shift/saturation": sat, "val_shift/VQ": r / 2,
+                               "val/hacking_warnings": n})
+    fig = curves_figure(rows)
+    try:
+        ax_h = fig.axes[-1]
+        assert _line(ax_h, "trained reward") == ([2, 6, 10], [0.0, 3.0, 5.0])
+        assert _line(ax_h, "saturation") == ([2, 6, 10], [0.0, -2.0, -4.0])
+        assert _line(ax_h, "VQ")[1] == [0.0, 1.5, 2.5]
+        assert [ln.get_xdata()[0] for ln in ax_h.lines if ln.get_label() == "hacking warning"] == [6]
+    finally:
+        plt.close(fig)
+    fig = curves_figure(_rows())
+    try:
+        assert [t.get_text() for t in fig.axes[-1].texts] == ["not logged in this run"]
+    finally:
+        plt.close(fig)
 
 
 def test_frame_strip_picks_evenly_spaced_frames_side_by_side():

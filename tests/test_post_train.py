@@ -46,6 +46,8 @@ def test_train_state_restores_every_field():
         elif f.name == "sampler":
             for _ in range(3):
                 value.next_step()
+        elif isinstance(value, dict):  # val_first, hacking_warned
+            value.update({f"metric{i}": [0.5 * i, 0.25], "saturation": 4})
         else:
             raise AssertionError(f"TrainState.{f.name}: no test value for its type, add one here")
     b = _fresh_train_state()
@@ -112,6 +114,77 @@ def test_tensorboard_gets_the_scalars_the_validation_videos_and_the_config(tiny_
         assert (img.step, img.height, img.width) == (1, frames.shape[2], 5 * frames.shape[3])  # frames side by side
     (text,) = acc.Tensors("config/text_summary")
     assert f"output_dir: {out}" in text.tensor_proto.string_val[0].decode()
+
+
+HACK = ("--kl_weight", "0", "--validate_at_step0", "--validation_interval", "2", "--validation_num_inference_steps",
+        "4", "--validate_video_length", "5")  # with tiny_cpu.yaml's brightness reward: a run built to hack
+
+
+def _warned(text: str) -> list[str]:
+    return re.findall(r"possible reward hacking at step \d+: .* while held-out (\w+) (?:fell|rose)", text)
+
+
+def test_validation_reports_held_out_metrics_and_warns_on_a_brightness_hack(tiny_model, tmp_path, capsys):
+    """The brightness reward with KL off, validated before the first update and after step 2: the videos get
+    brighter and greyer, flatter and stiller; validation reports the held-out metrics beside the reward
+    (metrics.jsonl, samples' JSON, curves.png), the check warns once per metric that fell, and the warnings are kept
+    in the checkpoint's train state. The `color` reward is named as a validation-only metric."""
+    import matplotlib.pyplot as plt
+
+    from sage_grpo.metrics import curves_figure
+
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, *HACK, "--validation_metrics", "auto", "color"))
+    shown = capsys.readouterr().out
+    rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert sorted(rows) == [0, 1, 2]
+    held = ["color", "saturation", "contrast", "motion", "drift"]  # color, auto less brightness (trained)
+    assert sorted(k for k in rows[0] if k.startswith("val/")) == sorted(
+        ["val/reward_total", "val/videos", "val/hacking_warnings", *[f"val/{k}" for k in held]])
+    assert rows[0]["val/drift"] == 0.0 and rows[0]["val/hacking_warnings"] == 0
+    assert all(v == 0.0 for k, v in rows[0].items() if k.startswith("val_shift/"))
+    assert "val/saturation" not in rows[1]  # validation steps only
+    after = rows[2]
+    assert after["val/reward_total"] > rows[0]["val/reward_total"] and after["val_shift/reward_total"] > 1.0
+    assert after["val/drift"] > 0.0 and after["val/saturation"] < rows[0]["val/saturation"]
+
+    warned = _warned(shown)
+    assert "saturation" in warned and len(warned) == len(set(warned)) == after["val/hacking_warnings"]
+    assert all(after[f"val_shift/{m}"] < -1.0 for m in warned)  # each fell by more than the default 1 spread
+    assert "held-out metrics moved the wrong way while the trained reward rose" in shown  # the end-of-run summary
+    state = json.loads((list_checkpoints(out)[-1][1] / "train_state.json").read_text())
+    assert state["hacking_warned"] == dict.fromkeys(warned, 2)
+    assert state["val_first"]["reward_total"][0] == pytest.approx(rows[0]["val/reward_total"])
+    assert len(list((out / "validation_reference").glob("*.safetensors"))) == 4
+    meta = json.loads(next((out / "samples" / "step_000002").glob("*_config.json")).read_text())
+    assert sorted(meta["heldout"]) == sorted(held)
+    fig = curves_figure(list(rows.values()))
+    try:
+        labels = [ln.get_label() for ln in fig.axes[-1].lines]
+        assert {"trained reward", "saturation", "contrast", "motion", "hacking warning"} <= set(labels)
+    finally:
+        plt.close(fig)
+    assert (out / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_hacking_warnings_and_baseline_survive_a_resume(tiny_model, tmp_path, capsys):
+    """Resumed after the warnings of step 2, the run keeps its step-0 baseline and drift references and does not
+    warn again about the metrics it warned about, though they keep falling."""
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, *HACK, "--save_interval", "2"))
+    first = _warned(capsys.readouterr().out)
+    assert first
+    pt.main(_args(tiny_model, out, *HACK, "--save_interval", "2", "--max_steps", "4", "--resume_from_checkpoint",
+                  "latest"))
+    again = _warned(capsys.readouterr().out)
+    assert not set(again) & set(first)
+    rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    assert rows[4]["val_shift/reward_total"] > rows[2]["val_shift/reward_total"]  # still against step 0
+    assert rows[4]["val/drift"] > rows[2]["val/drift"] > 0  # the references were read back
+    assert rows[4]["val/hacking_warnings"] == len(first) + len(again)
+    assert all(rows[4][f"val_shift/{m}"] < rows[2][f"val_shift/{m}"] for m in first)  # still falling, not re-warned
 
 
 @pytest.mark.slow
@@ -344,6 +417,12 @@ def test_user_errors_before_any_model_loads(tmp_path):
                  "--output_dir", str(tmp_path)])
     with pytest.raises(SageGRPOError, match="not a complete checkpoint"):
         pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--resume_from_checkpoint", str(tmp_path),
+                 "--output_dir", str(tmp_path)])
+    with pytest.raises(SageGRPOError, match="validation_metrics world needs world captions"):
+        pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--validation_metrics", "world",
+                 "--output_dir", str(tmp_path)])
+    with pytest.raises(SageGRPOError, match="hacking_metric_drop must be > 0"):
+        pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--hacking_metric_drop", "0",
                  "--output_dir", str(tmp_path)])
 
 

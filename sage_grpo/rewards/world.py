@@ -23,7 +23,7 @@ from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards.base import register_reward
 from sage_grpo.world.captions import COLORS
 from sage_grpo.world.detectors import detect, nearest_color, palette
-from sage_grpo.world.metrics import caption_scores
+from sage_grpo.world.metrics import ATTRIBUTE_KINDS, caption_scores
 
 __all__ = ["COLOR_TOL", "WorldCaptionReward", "WorldSizeReward", "WorldColorShareReward", "WorldMotionRightReward"]
 
@@ -42,6 +42,7 @@ class WorldCaptionReward:
 
     components = ("world_caption",)
     default_weights = {"world_caption": 1.0}
+    caption_kinds = ATTRIBUTE_KINDS  # the caption attributes it scores: not held out (sage_grpo.heldout)
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score [B, F, 3, H, W] -> {"world_caption": [B]}."""
@@ -54,6 +55,7 @@ class WorldSizeReward:
 
     components = ("world_size",)
     default_weights = {"world_size": 1.0}
+    caption_kinds = ("size",)
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score [B, F, 3, H, W] -> {"world_size": [B]}."""
@@ -70,6 +72,7 @@ class WorldColorShareReward:
 
     components = ("world_color_share",)
     default_weights = {"world_color_share": 1.0}
+    caption_kinds = ("color",)
 
     def __init__(self, color: str = "red"):
         """``color``: one of the world's colour names."""
@@ -93,6 +96,7 @@ class WorldMotionRightReward:
 
     components = ("world_motion_right",)
     default_weights = {"world_motion_right": 1.0}
+    caption_kinds = ("motion",)
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score [B, F, 3, H, W] -> {"world_motion_right": [B]}."""
