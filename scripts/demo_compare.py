@@ -42,7 +42,8 @@ def main(argv=None) -> dict:
     p.add_argument("--run", required=True, help="output_dir of a post_train.py run (config.yaml, metrics.jsonl, "
                                                 "checkpoint-N)")
     p.add_argument("--out", required=True, help="folder for the before/after videos and strip.png")
-    p.add_argument("--prompts", type=int, default=3, help="how many validation prompts to compare")
+    p.add_argument("--prompts", type=int, default=3,
+                   help="how many prompts to compare (the first of the run's data.train_video_csv)")
     args = p.parse_args(argv)
     run = Path(args.run)
     if not (run / "config.yaml").is_file():
@@ -95,9 +96,32 @@ def main(argv=None) -> dict:
     _write_strip(frames, scores, [r.prompt for r in records], strip)
     result = {**stats, "reward_before": sum(scores["before"]) / len(records),
               "reward_after": sum(scores["after"]) / len(records), "checkpoint": str(ckpts[-1][1]), "strip": str(strip)}
+    result.update(_world_metrics(frames, [r.prompt for r in records]))
     (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return result
+
+
+def _world_metrics(frames: dict, prompts: list[str]) -> dict:
+    """On world captions (configs/tiny_world.yaml): the held-out metrics of the before and after samples (what the
+    reward does not name: caption attributes, shape fidelity, background, temporal consistency) and the after
+    samples' distance from the before ones (same noise). Empty for other prompts."""
+    import torch
+
+    from sage_grpo.errors import SageGRPOError
+    from sage_grpo.world import parse_caption
+    from sage_grpo.world.metrics import heldout_metrics, reference_distance
+
+    try:
+        for p in prompts:
+            parse_caption(p)
+    except SageGRPOError:
+        return {}
+    before, after = torch.stack(frames["before"]), torch.stack(frames["after"])
+    mean = {tag: {k: round(float(v.mean()), 4) for k, v in heldout_metrics(x, prompts).items()}
+            for tag, x in (("before", before), ("after", after))}
+    return {"heldout_before": mean["before"], "heldout_after": mean["after"],
+            "drift_from_base": round(float(reference_distance(after, before).mean()), 4)}
 
 
 def _write_strip(frames: dict, scores: dict, prompts: list[str], path: Path) -> None:
@@ -115,7 +139,7 @@ def _write_strip(frames: dict, scores: dict, prompts: list[str], path: Path) -> 
             idx = [round(k * (video.shape[0] - 1) / (cols - 1)) for k in range(cols)]
             for c, f in enumerate(idx):
                 ax = axes[2 * i + j][c]
-                ax.imshow(video[f].permute(1, 2, 0).clamp(0, 1).numpy())
+                ax.imshow(video[f].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
                 ax.set_xticks([])
                 ax.set_yticks([])
                 if c == 0:

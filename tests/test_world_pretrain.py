@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from sage_grpo.world import make_caption, world_captions
+from sage_grpo.world import COLORS, make_caption, world_captions
 from sage_grpo.world.pretrain import (
     PretrainSettings,
     batched_vae_attention,
@@ -88,7 +88,32 @@ def test_pretrain_is_deterministic_and_loads_through_the_real_loader(tmp_path):
     assert saved["settings"] == TINY.to_dict() and set(saved["stages"]) == {"render", "vae", "encode", "transformer"}
     assert info["scaling_factor"] > 0
     pipe = load_pipeline(model_path=str(tmp_path / "a"), dtype="fp32")
-    assert pipe.transformer.config.num_layers == 4 and pipe.vae.config.latent_channels == 8
+    assert pipe.transformer.config.num_layers == 4 and pipe.vae.config.latent_channels == TINY.latent_channels == 16
     assert pipe.vae.config.scaling_factor == pytest.approx(info["scaling_factor"])
     ids = pipe.tokenizer("a red circle", add_special_tokens=False)["input_ids"]
     assert len(ids) == 3  # the saved tokenizer keeps the word merges
+
+
+def test_world_text_encoder_is_unit_scale_and_the_rest_keeps_diffusers_init():
+    from sage_grpo.world.pretrain import build_world_components
+
+    comps = build_world_components(0)
+    emb = comps["text_encoder"].get_input_embeddings().weight
+    assert 0.95 < float(emb.std()) < 1.05
+    proj = comps["text_encoder"].layers[0].self_attn.q_proj.weight
+    assert abs(float(proj.std()) * proj.shape[1] ** 0.5 - 1.0) < 0.05
+    # the transformer is not perturbed: diffusers' zero-initialised layers stay zero for training
+    assert any(float(p.abs().max()) == 0.0 for p in comps["transformer"].parameters())
+
+
+def test_off_background_marks_the_object_pixels():
+    from sage_grpo.world import render_caption
+    from sage_grpo.world.pretrain import _off_background, _to_vae
+
+    clip = (render_caption("a large red square moves right on a blue background", seed=0) * 255).round()
+    clip = clip.to(torch.uint8)[None]  # [1, F, 3, H, W]
+    mask = _off_background(clip, _to_vae(clip))  # [1, 1, F, H, W]
+    blue = (torch.tensor(COLORS["blue"]) * 255).round().view(1, 3, 1, 1) / 255  # as stored in the uint8 clip
+    off = (clip[0] / 255 - blue).abs().amax(dim=1) > 0.1  # [F, H, W] 0.1 in [0, 1] = the 0.2 in the VAE's [-1, 1]
+    assert mask.shape == (1, 1, *off.shape) and torch.equal(mask[0, 0].bool(), off)
+    assert 0.1 < float(off.float().mean()) < 0.3  # a large square: 2 x 0.2 of the side, squared, plus its edges

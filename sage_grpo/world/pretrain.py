@@ -57,7 +57,6 @@ __all__ = [
 # The committed pretrained model (diffusers layout), relative to the repository root.
 WORLD_MODEL_DIR = "assets/tiny_world/hunyuanvideo15"
 
-WORLD_LATENT = 8  # latent channels: 4x4x4 pixels x RGB (192 values) -> 8, enough for flat shapes and their motion
 
 
 @dataclass(frozen=True)
@@ -65,15 +64,18 @@ class PretrainSettings:
     """Everything that decides the pretrained weights (saved beside them as pretrain_settings.json)."""
 
     seed: int = 0
+    latent_channels: int = 16  # 4x4 pixels x 4 frames x RGB (192 values) -> 16 per latent cell
     num_clips: int = 2000  # training clips, rendered once
     two_object_prob: float = 0.25
-    vae_steps: int = 300
+    vae_steps: int = 1500
     vae_batch: int = 8
-    vae_lr: float = 2e-3
+    vae_lr: float = 1.5e-3
     vae_kl_weight: float = 1e-6
+    vae_crop: int = 16  # > 0: the first 80% of VAE steps train on random crops of this many pixels (0 = whole frames)
+    vae_object_weight: float = 10.0  # extra loss weight of pixels off the background (objects are ~3-10% of a frame)
     transformer_steps: int = 1000
     transformer_batch: int = 32
-    transformer_lr: float = 1e-3
+    transformer_lr: float = 2e-3
     warmup_steps: int = 50
     caption_dropout: float = 0.1
     shift: float = 5.0  # flow shift of the sampler schedule (configs sample with the same)
@@ -120,27 +122,39 @@ def world_tokenizer():
     return tok
 
 
-def world_transformer_config() -> dict:
+def world_transformer_config(latent_channels: int) -> dict:
     from sage_grpo.models.tiny import TINY_BYT5_DIM, TINY_IMAGE_DIM, TINY_TEXT_DIM, tiny_transformer_config
 
-    return {**tiny_transformer_config(), "in_channels": 2 * WORLD_LATENT + 1, "out_channels": WORLD_LATENT,
+    return {**tiny_transformer_config(), "in_channels": 2 * latent_channels + 1, "out_channels": latent_channels,
             "num_layers": 4, "mlp_ratio": 4.0, "text_embed_dim": TINY_TEXT_DIM, "text_embed_2_dim": TINY_BYT5_DIM,
             "image_embed_dim": TINY_IMAGE_DIM}
 
 
-def world_vae_config() -> dict:
+def world_vae_config(latent_channels: int) -> dict:
     from sage_grpo.models.tiny import tiny_vae_config
 
-    return {**tiny_vae_config(), "latent_channels": WORLD_LATENT, "block_out_channels": (16, 32, 64),
+    return {**tiny_vae_config(), "latent_channels": latent_channels, "block_out_channels": (16, 32, 64),
             "scaling_factor": 1.0}  # set from the data by train_vae
 
 
-def build_world_components(seed: int) -> dict:
+def build_world_components(seed: int, latent_channels: int = 16) -> dict:
     """Untrained world-model components (diffusers' initialisation), keyed like HunyuanVideo15Pipeline's modules."""
     from sage_grpo.models.tiny import build_tiny_components
 
-    return build_tiny_components(seed, tokenizer=world_tokenizer(), transformer_config=world_transformer_config(),
-                                 vae_config=world_vae_config(), perturb=False)
+    comps = build_tiny_components(seed, tokenizer=world_tokenizer(),
+                                  transformer_config=world_transformer_config(latent_channels),
+                                  vae_config=world_vae_config(latent_channels), perturb=False)
+    # The frozen random text encoder at unit scale: embeddings N(0, 1), matrices N(0, 1 / fan_in). At transformers'
+    # 0.02 its features are 50x smaller than the video tokens and its one layer barely mixes context, so the
+    # transformer could not tell "a red circle on a blue background" from "a blue circle on a red background" (text
+    # tokens get no position in HunyuanVideo-1.5: word order reaches it only through the encoder's context).
+    with torch.no_grad():
+        for name, p in comps["text_encoder"].named_parameters():
+            if "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    return comps
 
 
 @contextlib.contextmanager
@@ -182,6 +196,13 @@ def _to_vae(videos_u8: torch.Tensor) -> torch.Tensor:
     return (videos_u8.float() / 127.5 - 1.0).permute(0, 2, 1, 3, 4)
 
 
+def _off_background(clips_u8: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[B, 1, F, h, w] 1.0 where the pixels of `x` (VAE input, [-1, 1]) are not the background colour of their clip
+    (the median colour of its whole first frame: the background covers most of every frame)."""
+    bg = _to_vae(clips_u8[:, :1]).flatten(2).median(dim=2).values  # [B, 3]
+    return ((x - bg[:, :, None, None, None]).abs().amax(dim=1, keepdim=True) > 0.2).float()
+
+
 def _lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak."""
     if step < warmup:
@@ -195,25 +216,32 @@ def train_vae(vae, videos_u8: torch.Tensor, s: PretrainSettings,
     """Train `vae` in place on the clips; sets its scaling_factor. -> final losses.
 
     The first 80% of steps see 5-frame windows (one lone frame + one 4-frame group: everything the causal VAE
-    does, at 5/9 of the cost), the rest whole 9-frame clips, as sampling decodes them.
+    does, at 5/9 of the cost), cropped to `vae_crop` pixels when set (the VAE is convolutional apart from its
+    mid-block attention, so crops teach the same filters at a fraction of the cost per step);
+    the rest whole 9-frame clips, as sampling decodes them.
     """
     g = torch.Generator().manual_seed(s.seed + 1)
     opt = torch.optim.AdamW(vae.parameters(), lr=s.vae_lr, weight_decay=0.0)
     vae.train()
-    n, frames = videos_u8.shape[0], videos_u8.shape[1]
+    n, frames, size = videos_u8.shape[0], videos_u8.shape[1], videos_u8.shape[-1]
     stats: dict[str, float] = {}
     with batched_vae_attention():
         for step in range(s.vae_steps):
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, s.vae_steps, s.vae_lr, s.warmup_steps)
+            early = step < int(0.8 * s.vae_steps)
+            crop = s.vae_crop if early and 0 < s.vae_crop < size else size
             idx = torch.randint(n, (s.vae_batch,), generator=g)
-            window = 5 if step < int(0.8 * s.vae_steps) else frames
+            window = 5 if early else frames
             start = int(torch.randint(frames - window + 1, (1,), generator=g))
-            x = _to_vae(videos_u8[idx, start : start + window])  # [B, 3, F, H, W]
+            y0, x0 = (int(v) for v in torch.randint(size - crop + 1, (2,), generator=g)) if crop < size else (0, 0)
+            x = _to_vae(videos_u8[idx, start : start + window, :, y0 : y0 + crop, x0 : x0 + crop])  # [B, 3, F, h, w]
+            weight = 1.0 + s.vae_object_weight * _off_background(videos_u8[idx], x)  # [B, 1, F, h, w]
             post = vae.encode(x).latent_dist
             z = post.mean + post.std * torch.randn(post.mean.shape, generator=g)
             y = vae.decode(z).sample
-            l1, mse = (y - x).abs().mean(), ((y - x) ** 2).mean()
+            err = y - x
+            l1, mse = (weight * err.abs()).mean(), (weight * err**2).mean()
             kl = post.kl().mean() / x[0].numel()  # per pixel value, so the weight does not depend on clip size
             loss = l1 + mse + s.vae_kl_weight * kl
             opt.zero_grad(set_to_none=True)
@@ -332,13 +360,14 @@ def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = 
         log(f"== {name}: {info['stages'][name]['seconds']} s")
         return result
 
-    comps = build_world_components(s.seed)
+    comps = build_world_components(s.seed, s.latent_channels)
     lengths = comps.pop("text_lengths")
     pipe = HunyuanVideo15Pipeline(**comps)
     apply_text_lengths(pipe, lengths)
     videos, captions = timed("render", lambda: render_clips(s))
     info["vae"] = timed("vae", lambda: train_vae(pipe.vae, videos, s, log))
     latents = timed("encode", lambda: encode_latents(pipe.vae, videos))
+    pipe.vae.save_pretrained(Path(out) / "vae")  # the finished VAE can be inspected while the transformer trains
     info["scaling_factor"] = pipe.vae.config.scaling_factor
     ema, info["transformer"] = timed("transformer", lambda: train_transformer(pipe, latents, captions, s, log))
     info["seconds"] = round(sum(v["seconds"] for v in info["stages"].values()), 1)
