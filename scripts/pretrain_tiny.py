@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sage_grpo.cli import CLIParser, check_writable_dir, quiet_libraries  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
-from sage_grpo.world.pretrain import WORLD_MODEL_DIR, PretrainSettings, pretrain  # noqa: E402
+from sage_grpo.world.pretrain import WORLD_MODEL_DIR, PretrainSettings, pretrain, reusable_vae  # noqa: E402
 
 
 def main() -> None:
@@ -33,6 +33,8 @@ def main() -> None:
         p.add_argument(f"--{f.name}", type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name),
                        help=f"(default: {getattr(defaults, f.name)})")
     p.add_argument("--bench_out", default="", help="also write the timings as JSON here (default: none)")
+    p.add_argument("--reuse_vae", default="", help="model directory of an earlier run with the same VAE settings: "
+                                                   "take its VAE (the stage is deterministic) instead of training one")
     a = p.parse_args()
     s = PretrainSettings(**{f.name: getattr(a, f.name) for f in fields(PretrainSettings)})
     for name in ("num_clips", "vae_steps", "vae_batch", "transformer_steps", "transformer_batch", "threads"):
@@ -41,8 +43,10 @@ def main() -> None:
     if not 0.0 <= s.caption_dropout < 1.0 or not 0.0 <= s.ema_decay < 1.0:
         raise SageGRPOError("--caption_dropout and --ema_decay must be in [0, 1)")
     check_writable_dir(a.out, "--out")
+    if a.reuse_vae:
+        reusable_vae(s, a.reuse_vae)  # one line before anything is built
     quiet_libraries()
-    info = pretrain(s, a.out)
+    info = pretrain(s, a.out, reuse_vae=a.reuse_vae or None)
     print(f"wrote the tiny world model to {a.out}: {info['seconds']:.0f} s "
           f"({info['cpu_seconds']:.0f} CPU s on {s.threads} threads)")
     if a.bench_out:

@@ -4,15 +4,19 @@ the stages' determinism, and that what it writes loads through the real loader."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
+from sage_grpo.errors import SageGRPOError
 from sage_grpo.world import COLORS, make_caption, world_captions
 from sage_grpo.world.pretrain import (
+    LOCAL_QK,
     PretrainSettings,
     batched_vae_attention,
     pretrain,
+    reusable_vae,
     world_tokenizer,
     world_words,
 )
@@ -79,10 +83,17 @@ def test_pretrain_is_deterministic_and_loads_through_the_real_loader(tmp_path):
     logs: list[str] = []
     info = pretrain(TINY, tmp_path / "a", log=logs.append)
     pretrain(TINY, tmp_path / "b", log=lambda _: None)
+    reused = pretrain(TINY, tmp_path / "c", log=lambda _: None, reuse_vae=tmp_path / "a")
     for part in ("transformer", "vae"):
         a = load_file(tmp_path / "a" / part / "diffusion_pytorch_model.safetensors")
-        b = load_file(tmp_path / "b" / part / "diffusion_pytorch_model.safetensors")
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        for other in ("b", "c"):  # a second run, and one that takes the first run's VAE, give the same weights
+            b = load_file(tmp_path / other / part / "diffusion_pytorch_model.safetensors")
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (part, other)
+    assert reused["stages"]["vae"]["reused_from"] == str(tmp_path / "a") and reused["vae"] == info["vae"]
+    with pytest.raises(SageGRPOError, match="other settings.*vae_steps"):
+        reusable_vae(replace(TINY, vae_steps=3), tmp_path / "a")
+    with pytest.raises(SageGRPOError, match="no pretrain_info.json"):
+        reusable_vae(TINY, tmp_path)
     assert any("transformer step 2/2" in line for line in logs)
     saved = json.loads((tmp_path / "a" / "pretrain_info.json").read_text())
     assert saved["settings"] == TINY.to_dict() and set(saved["stages"]) == {"render", "vae", "encode", "transformer"}
@@ -100,8 +111,10 @@ def test_world_text_encoder_is_unit_scale_and_the_rest_keeps_diffusers_init():
     comps = build_world_components(0)
     emb = comps["text_encoder"].get_input_embeddings().weight
     assert 0.95 < float(emb.std()) < 1.05
-    proj = comps["text_encoder"].layers[0].self_attn.q_proj.weight
-    assert abs(float(proj.std()) * proj.shape[1] ** 0.5 - 1.0) < 0.05
+    attn = comps["text_encoder"].layers[0].self_attn
+    assert abs(float(attn.v_proj.weight.std()) * attn.v_proj.weight.shape[1] ** 0.5 - 1.0) < 0.1
+    for proj in (attn.q_proj, attn.k_proj):  # constant queries and keys: attention by rotary distance only
+        assert not proj.weight.any() and torch.all(proj.bias == LOCAL_QK)
     # the transformer is not perturbed: diffusers' zero-initialised layers stay zero for training
     assert any(float(p.abs().max()) == 0.0 for p in comps["transformer"].parameters())
 
@@ -117,3 +130,27 @@ def test_off_background_marks_the_object_pixels():
     off = (clip[0] / 255 - blue).abs().amax(dim=1) > 0.1  # [F, H, W] 0.1 in [0, 1] = the 0.2 in the VAE's [-1, 1]
     assert mask.shape == (1, 1, *off.shape) and torch.equal(mask[0, 0].bool(), off)
     assert 0.1 < float(off.float().mean()) < 0.3  # a large square: 2 x 0.2 of the side, squared, plus its edges
+
+
+def test_world_text_encoder_carries_word_order():
+    """The point of the local attention: the same colour word as the object's and as the background's colour gives
+    different features, and so does the word after it (at transformers' random init both differ by ~1%)."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    from sage_grpo.models.loading import apply_text_lengths
+    from sage_grpo.models.text_cache import TextEmbeddingCache
+    from sage_grpo.world.pretrain import build_world_components
+
+    comps = build_world_components(0)
+    lengths = comps.pop("text_lengths")
+    pipe = HunyuanVideo15Pipeline(**comps)
+    apply_text_lengths(pipe, lengths)
+    e = TextEmbeddingCache(pipe, "cpu", torch.float32).get([
+        "a small red circle moves left on a blue background", "a small blue circle moves left on a red background",
+    ]).prompt_embeds  # [2, L, D]; tokens: a, small, red/blue (2), circle (3), ..., blue/red (8), background (9)
+
+    def rel(x, y):
+        return float((x - y).norm() / x.norm())
+
+    assert rel(e[0, 2], e[1, 8]) > 0.2  # "red" as the object's colour vs as the background's
+    assert rel(e[0, 9], e[1, 9]) > 0.15  # "background" after "blue" vs after "red"

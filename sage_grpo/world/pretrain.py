@@ -54,6 +54,8 @@ __all__ = [
     "pretrain",
 ]
 
+# Query and key bias of the world text encoder's attention (see build_world_components).
+LOCAL_QK = 2.0
 # The committed pretrained model (diffusers layout), relative to the repository root.
 WORLD_MODEL_DIR = "assets/tiny_world/hunyuanvideo15"
 
@@ -73,7 +75,7 @@ class PretrainSettings:
     vae_kl_weight: float = 1e-6
     vae_crop: int = 16  # > 0: the first 80% of VAE steps train on random crops of this many pixels (0 = whole frames)
     vae_object_weight: float = 10.0  # extra loss weight of pixels off the background (objects are ~3-10% of a frame)
-    transformer_steps: int = 1000
+    transformer_steps: int = 1300
     transformer_batch: int = 32
     transformer_lr: float = 2e-3
     warmup_steps: int = 50
@@ -144,14 +146,21 @@ def build_world_components(seed: int, latent_channels: int = 16) -> dict:
     comps = build_tiny_components(seed, tokenizer=world_tokenizer(),
                                   transformer_config=world_transformer_config(latent_channels),
                                   vae_config=world_vae_config(latent_channels), perturb=False)
-    # The frozen random text encoder at unit scale: embeddings N(0, 1), matrices N(0, 1 / fan_in). At transformers'
-    # 0.02 its features are 50x smaller than the video tokens and its one layer barely mixes context, so the
-    # transformer could not tell "a red circle on a blue background" from "a blue circle on a red background" (text
-    # tokens get no position in HunyuanVideo-1.5: word order reaches it only through the encoder's context).
+    # The frozen text encoder. Text tokens get no position in HunyuanVideo-1.5: word order ("a red circle on a blue
+    # background" vs "a blue circle on a red background") reaches the transformer only through the encoder's
+    # context, which a pretrained Qwen provides and a random one does not (its attention spreads over the ~100
+    # template tokens, so a word's features hardly depend on its neighbours). So: unit scale (embeddings N(0, 1),
+    # matrices N(0, 1 / fan_in); at transformers' 0.02 the features are 50x smaller than the video tokens) and
+    # queries and keys that are a constant vector (zero weights, bias LOCAL_QK), so attention logits depend only on
+    # the rotary distance: each token attends mostly to itself and the word before it (weights ~1 : 0.37 : 0.04).
     with torch.no_grad():
         for name, p in comps["text_encoder"].named_parameters():
             if "embed_tokens" in name:
                 p.normal_(0.0, 1.0)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.zero_()
+            elif name.endswith(("q_proj.bias", "k_proj.bias")):
+                p.fill_(LOCAL_QK)
             elif p.dim() == 2:
                 p.normal_(0.0, p.shape[1] ** -0.5)
     return comps
@@ -342,9 +351,32 @@ def save_world_model(comps: dict, out: str | Path, extra: dict | None = None) ->
     return usual_permissions(out)
 
 
-def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = print) -> dict:
+VAE_FIELDS = ("seed", "latent_channels", "num_clips", "two_object_prob", "vae_steps", "vae_batch", "vae_lr",
+              "vae_kl_weight", "vae_crop", "vae_object_weight", "warmup_steps", "threads")
+
+
+def reusable_vae(s: PretrainSettings, model_dir: str | Path) -> dict:
+    """The info of an earlier pretraining in `model_dir` whose VAE stage had the same settings as `s` (the stage is
+    deterministic, so its VAE is the one `s` would train); SageGRPOError otherwise."""
+    import json
+
+    from sage_grpo.errors import SageGRPOError
+
+    path = Path(model_dir) / "pretrain_info.json"
+    if not path.is_file() or not (Path(model_dir) / "vae" / "config.json").is_file():
+        raise SageGRPOError(f"--reuse_vae {model_dir}: no pretrain_info.json and vae/ of a pretraining there")
+    info = json.loads(path.read_text())
+    differ = [k for k in VAE_FIELDS if info["settings"].get(k) != getattr(s, k)]
+    if differ:
+        raise SageGRPOError(f"--reuse_vae {model_dir}: its VAE was trained with other settings ({', '.join(differ)})")
+    return info
+
+
+def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = print,
+             reuse_vae: str | Path | None = None) -> dict:
     """The three stages, timed; writes the model to `out`. -> info (settings, seconds and CPU seconds per stage,
-    final losses), also saved as out/pretrain_info.json."""
+    final losses), also saved as out/pretrain_info.json. reuse_vae: a model directory of an earlier pretraining
+    with the same VAE settings (`reusable_vae`): its VAE and VAE-stage timings are taken instead of training."""
     from diffusers import HunyuanVideo15Pipeline
 
     from sage_grpo.models.loading import apply_text_lengths
@@ -365,7 +397,13 @@ def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = 
     pipe = HunyuanVideo15Pipeline(**comps)
     apply_text_lengths(pipe, lengths)
     videos, captions = timed("render", lambda: render_clips(s))
-    info["vae"] = timed("vae", lambda: train_vae(pipe.vae, videos, s, log))
+    if reuse_vae:
+        earlier = reusable_vae(s, reuse_vae)
+        pipe.vae.load_state_dict(type(pipe.vae).from_pretrained(Path(reuse_vae) / "vae").state_dict())
+        info["vae"], info["stages"]["vae"] = earlier["vae"], {**earlier["stages"]["vae"], "reused_from": str(reuse_vae)}
+        log(f"== vae: reused from {reuse_vae} (trained in {earlier['stages']['vae']['seconds']} s)")
+    else:
+        info["vae"] = timed("vae", lambda: train_vae(pipe.vae, videos, s, log))
     latents = timed("encode", lambda: encode_latents(pipe.vae, videos))
     pipe.vae.save_pretrained(Path(out) / "vae")  # the finished VAE can be inspected while the transformer trains
     info["scaling_factor"] = pipe.vae.config.scaling_factor
