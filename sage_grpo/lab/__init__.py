@@ -7,6 +7,8 @@
   `equalizer_weights` and KL machinery.
 - `metrics`: reward, off-manifold distance, mode coverage/entropy, per-step gradient norms (Fig. 3-4).
 - `report`: the Table-2-shaped table, CSV and figures used by scripts/lab_ablation.py.
+- `video`: the video lab's cell flags, rows, table and figures (scripts/video_ablation.py: the same grid as
+  post_train.py runs on the tiny world model; README "Video lab").
 """
 
 from .data import RingManifold

@@ -33,13 +33,15 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 def aggregate(rows: Iterable[dict], keys: Sequence[str] = ("dim", "sampler", "equalizer", "kl")) -> list[dict]:
     """Group per-run summary rows by `keys` -> one row per group with `<metric>_mean`, `<metric>_std`, `n`.
 
-    Also adds the base model's metrics (same for every cell of a seed) and `grad_spread_applied`: the spread of the
-    per-step gradient norms that the run actually applied (equalized if its equalizer is on, raw otherwise).
+    Also adds the base model's metrics (same for every cell of a seed) and, for rows that carry gradient spreads (the
+    toy lab), `grad_spread_applied`: the spread of the per-step gradient norms that the run actually applied
+    (equalized if its equalizer is on, raw otherwise).
     """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         r = dict(r)
-        r["grad_spread_applied"] = r["grad_spread_eq"] if _truthy(r["equalizer"]) else r["grad_spread_raw"]
+        if "grad_spread_eq" in r:  # toy-lab rows only: the video lab measures no per-step gradient norms
+            r["grad_spread_applied"] = r["grad_spread_eq"] if _truthy(r["equalizer"]) else r["grad_spread_raw"]
         groups[tuple(r[k] for k in keys)].append(r)
     out = []
     for key, members in groups.items():

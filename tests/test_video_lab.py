@@ -1,0 +1,211 @@
+"""The video lab (scripts/video_ablation.py, sage_grpo/lab/video.py): its pure pieces, its user errors, and (slow) its
+machinery end to end on a tiny grid against the tiny random model."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.lab.video import (
+    aggregate_runs,
+    cell_flags,
+    curve_gain,
+    format_video_table,
+    reward_curve,
+    run_row,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "video_ablation.py"
+CONFIG = ROOT / "configs" / "tiny_world.yaml"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("video_ablation", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ------------------------------------------------------------------------------------------------ cell flags
+
+
+@pytest.mark.parametrize("sampler", ["dance_grpo", "flow_grpo", "sage_grpo", "cps"])
+@pytest.mark.parametrize("kl", ["none", "dual"])
+@pytest.mark.parametrize("eq", [False, True])
+def test_cell_flags_are_real_post_train_flags_with_the_cell_values(sampler, kl, eq):
+    from sage_grpo.config import load_config
+
+    cfg = load_config(["--config", str(CONFIG), *cell_flags(sampler, kl, eq, kl_weight=1e-5)])
+    assert cfg.rollout.sde_type == sampler
+    assert cfg.optim.use_grad_balancing is eq
+    if kl == "none":
+        assert cfg.kl.kl_weight == 0  # no KL term, no anchor
+    else:
+        assert cfg.kl.kl_weight > 0 and cfg.kl.use_dual_kl and cfg.kl.use_moving_KL
+
+
+def test_cell_flags_refuse_what_they_cannot_run():
+    with pytest.raises(ValueError, match="kl_weight > 0"):
+        cell_flags("sage_grpo", "dual", True, kl_weight=0.0)  # "dual" with no KL term would be "none" in disguise
+    with pytest.raises(ValueError, match="unknown KL"):
+        cell_flags("sage_grpo", "fixed", True, kl_weight=1e-5)
+    with pytest.raises(ValueError, match="unknown sampler"):
+        cell_flags("ode", "none", True, kl_weight=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ rows, table
+
+
+def test_curve_gain_is_last_quarter_minus_first_quarter():
+    assert curve_gain([0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 4.0]) == pytest.approx(3.0 - 0.0)
+    assert curve_gain([0.5]) == 0.0
+    assert curve_gain([0.1, 0.4]) == pytest.approx(0.3)
+    with pytest.raises(ValueError):
+        curve_gain([])
+
+
+def test_reward_curve_reads_steps_with_a_reward(tmp_path):
+    rows = [{"step": 1, "reward/total_mean": 0.25}, {"step": 2, "reward/total_mean": None},
+            {"step": 3, "perf/step_s": 1.0}, {"step": 4, "reward/total_mean": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert reward_curve(tmp_path / "metrics.jsonl") == [(1, 0.25), (4, 0.5)]
+
+
+def _metrics(shift: float) -> dict[str, torch.Tensor]:
+    keys = ("shape_fidelity", "background_cleanliness", "temporal_consistency", "object_persistence",
+            "caption_agreement")
+    return {k: torch.tensor([0.5, 0.7]) + shift for k in keys}
+
+
+def test_run_row_pairs_gains_with_the_base_and_names_drift():
+    metrics = {**_metrics(-0.1), "reference_distance": torch.tensor([0.1, 0.3])}
+    row = run_row({"sampler": "cps", "seed": 3}, reward=torch.tensor([0.8, 0.6]), base_reward=torch.tensor([0.5, 0.5]),
+                  metrics=metrics, base_metrics=_metrics(0.0), curve=[(1, 0.2), (2, 0.3), (3, 0.4), (4, 0.6)])
+    assert row["sampler"] == "cps" and row["seed"] == 3
+    assert row["reward"] == pytest.approx(0.7) and row["base_reward"] == pytest.approx(0.5)
+    assert row["reward_gain"] == pytest.approx(0.2)
+    assert row["drift"] == pytest.approx(0.2)
+    assert "reference_distance" not in row and "base_drift" not in row
+    assert row["shape_fidelity"] == pytest.approx(0.5) and row["base_shape_fidelity"] == pytest.approx(0.6)
+    assert row["heldout_change"] == pytest.approx(-0.1)
+    assert (row["rollout_first"], row["rollout_last"], row["rollout_gain"]) == pytest.approx((0.2, 0.6, 0.4))
+
+
+def _row(sampler, eq, kl, seed, gain):
+    metrics = {**_metrics(0.0), "reference_distance": torch.tensor([0.01 * (seed + 1)] * 2)}
+    return run_row({"sampler": sampler, "equalizer": eq, "kl": kl, "seed": seed, "steps": 4},
+                   reward=torch.tensor([0.5 + gain] * 2), base_reward=torch.tensor([0.5] * 2), metrics=metrics,
+                   base_metrics=_metrics(0.0), curve=[(1, 0.1), (2, 0.1 + gain)])
+
+
+def test_table_is_mean_and_std_over_seeds_in_grid_order():
+    rows = [_row("sage_grpo", True, "dual", s, g) for s, g in ((0, 0.1), (1, 0.3))]
+    rows += [_row("flow_grpo", False, "none", 0, 0.2), _row("sage_grpo", False, "none", 0, -0.1)]
+    aggs = aggregate_runs(rows)
+    cell = next(a for a in aggs if (a["sampler"], a["equalizer"], a["kl"]) == ("sage_grpo", True, "dual"))
+    assert cell["n"] == 2
+    assert cell["reward_gain_mean"] == pytest.approx(0.2)
+    assert cell["reward_gain_std"] == pytest.approx(math.sqrt(0.02))  # sample std of 0.1, 0.3
+    assert cell["drift_mean"] == pytest.approx(0.015)
+    table = format_video_table(aggs, ["flow_grpo", "sage_grpo", "cps"], ["none", "dual"]).splitlines()
+    assert table[0].startswith("| Method | Equalizer | KL | Reward | Reward gain |")
+    assert table[2].startswith("| Base model | - | - | 0.500 ± 0.000 | - |")
+    assert [line.split(" | ")[:3] for line in table[3:]] == [
+        ["| flow_grpo", "off", "none"], ["| sage_grpo", "off", "none"], ["| sage_grpo", "on", "dual"]]
+    assert "0.200 ± 0.141" in table[5]
+    assert format_video_table([], ["sage_grpo"], ["none"]) == ""
+
+
+# ------------------------------------------------------------------------------------------------ the script
+
+
+def test_quick_defaults_and_subsets():
+    mod = _load_script()
+    a = mod.parse_args(["--quick"])
+    assert (a.seeds, a.steps, a.samplers, a.kls, a.equalizer) == (
+        1, mod.QUICK_STEPS, ["dance_grpo", "flow_grpo", "sage_grpo", "cps"], ["none", "dual"], [False, True])
+    a = mod.parse_args(["--samplers", "cps", "cps", "--equalizer", "on"])
+    assert (a.seeds, a.steps, a.samplers, a.equalizer) == (3, None, ["cps"], [True])  # None: the config's max_steps
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--samplers", "grpo"], "invalid choice: 'grpo'"),
+    (["--kls", "fixed"], "invalid choice: 'fixed'"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_flags_are_one_error(argv, message):
+    with pytest.raises(SageGRPOError, match=message):
+        _load_script().parse_args(argv)
+
+
+def test_missing_model_or_config_is_one_error_before_anything_loads(tmp_path):
+    mod = _load_script()
+    with pytest.raises(SageGRPOError, match="no HunyuanVideo-1.5 checkpoint found"):
+        mod.main(["--quick", "--model_path", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")])
+    with pytest.raises(SageGRPOError, match="is not a file"):
+        mod.main(["--quick", "--config", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "out")])
+
+
+def _small_config(tmp_path: Path, **changes) -> Path:
+    """configs/tiny_world.yaml at test size: 4 training captions, 2 SDE steps, 5 frames, 2 held-out captions, 2
+    videos per step."""
+    cfg = yaml.safe_load(CONFIG.read_text())
+    train = tmp_path / "train.txt"
+    train.write_text("\n".join((ROOT / cfg["data"]["train_video_csv"]).read_text().splitlines()[:4]) + "\n")
+    cfg["data"].update(train_video_csv=str(train), batch_size=2, num_generations=2)
+    cfg["rollout"].update(grpo_sampling_steps=2, sample_n_frames=5)
+    heldout = (ROOT / cfg["validation"]["valid_video_csv"]).read_text().splitlines()[:2]
+    cfg["validation"].update(valid_video_csv="", validation_prompts=heldout, validate_video_length=5,
+                             validation_num_inference_steps=2)
+    for group, values in changes.items():
+        cfg[group].update(values)
+    path = tmp_path / "lab.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_dual_needs_a_kl_weight_in_the_config(tmp_path, tiny_model):
+    config = _small_config(tmp_path, kl={"kl_weight": 0.0})
+    with pytest.raises(SageGRPOError, match="KL 'dual' needs kl_weight > 0"):
+        _load_script().main(["--config", str(config), "--model_path", str(tiny_model), "--out", str(tmp_path / "o")])
+
+
+@pytest.mark.slow
+def test_quick_machinery_runs_end_to_end(tmp_path, tiny_model, capsys):
+    mod = _load_script()
+    out = tmp_path / "lab"
+    argv = ["--quick", "--steps", "2", "--samplers", "sage_grpo", "flow_grpo", "--equalizer", "on", "--config",
+            str(_small_config(tmp_path)), "--model_path", str(tiny_model), "--out", str(out), "--threads", "1"]
+    assert mod.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| Base model |" in printed and "| flow_grpo | on | dual |" in printed
+
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [(r["sampler"], r["equalizer"], r["kl"], r["seed"]) for r in rows] == [
+        ("sage_grpo", "True", "none", "0"), ("sage_grpo", "True", "dual", "0"),
+        ("flow_grpo", "True", "none", "0"), ("flow_grpo", "True", "dual", "0")]
+    for r in rows:
+        for k in ("reward", "reward_gain", "rollout_gain", "drift", "heldout_change", "shape_fidelity",
+                  "background_cleanliness", "temporal_consistency", "caption_agreement", "train_s", "eval_s"):
+            assert math.isfinite(float(r[k])), (k, r[k])
+        assert float(r["drift"]) > 0  # two GRPO updates moved the weights, so the samples moved
+    curves = list(csv.DictReader((out / "curves.csv").open()))
+    assert len(curves) == 4 * 2  # runs x steps
+    table = (out / "table.md").read_text().splitlines()
+    assert len(table) == 2 + 1 + 4  # header, rule, base, cells
+    assert all("nan" not in line for line in table)
+    assert (out / "stability_plasticity.png").stat().st_size > 0 and (out / "reward_curves.png").is_file()
+    assert sorted(p.name for p in (out / "base").iterdir()) == ["base_s0.pt"]
+    assert not list((out / "runs").glob("*/checkpoint-*"))  # evaluated checkpoints are deleted
+    assert all((out / "runs" / n / "metrics.jsonl").is_file() for n in (
+        "sage_grpo_eqon_klnone_s0", "flow_grpo_eqon_kldual_s0"))
