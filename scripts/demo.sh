@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The main job on the embedded tiny default, on a CPU, in a few minutes after the one-time install:
+# The main job on the embedded tiny defaults, on a CPU, in a few minutes after the one-time install:
 #  1. the SDE noise / equalizer tables of the rollout schedule and their plots (paper Fig. 4 and 9);
 #  2. the pretrained tiny world model (assets/tiny_world/hunyuanvideo15: a tiny HunyuanVideo-1.5 that draws coloured
-#     shapes moving on plain backgrounds, made by scripts/pretrain_tiny.py), loaded through the real loading code,
+#     shapes on plain backgrounds, made by scripts/pretrain_tiny.py), loaded through the real loading code,
 #     generating a caption with the ODE and with the sage_grpo SDE;
 #  3. those videos scored by a tiny random VideoReward through the real VideoAlign loading / scoring path, and by
 #     the weight-free demo rewards (random reward weights: those numbers show the plumbing, not quality);
-#  4. GRPO training (post_train.py, configs/tiny_world.yaml) of the world model against the world_caption reward
-#     (does the video show what the caption says), validating on held-out captions with the hacking check, then
-#     before/after videos of fixed prompts and seeds, a frame grid, the held-out metrics and the learning statistics.
+#  4. GRPO training (post_train.py, configs/tiny_cpu.yaml) of the tiny random model against the brightness reward,
+#     then before/after videos of fixed prompts and seeds, a frame strip and the learning statistics;
+#  5. the world model's quality on held-out captions (scripts/eval_tiny.py): a frame grid and the detectors' shares.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/_setup.sh "plot,lora"
@@ -35,14 +35,17 @@ python scripts/score_videos.py --videos "$out/videos" --out "$out/scores" \
   --metrics videoalign_local,brightness,temporal_consistency --pretrained_model_root "$tiny" \
   --dtype fp32 --min_pixels 3136
 cat "$out/scores.csv"
-echo "== 4. GRPO training of the world model (configs/tiny_world.yaml, world_caption reward) -> $out/train"
+echo "== 4. GRPO training on the tiny random model (configs/tiny_cpu.yaml, brightness reward) -> $out/train"
 rm -rf "$out/train"
-python post_train.py --config configs/tiny_world.yaml --output_dir "$out/train"
-python scripts/demo_compare.py --run "$out/train" --out "$out/before_after" --prompts 6
+python post_train.py --config configs/tiny_cpu.yaml --output_dir "$out/train"
+python scripts/demo_compare.py --run "$out/train" --out "$out/before_after"
+echo "== 5. the world model on 12 held-out captions (scripts/eval_tiny.py) -> $out/world_eval"
+python scripts/eval_tiny.py --num_captions 12 --out "$out/world_eval"
 echo "== all demo steps done; outputs in $out"
 echo "   metrics:      $out/train/metrics.jsonl"
 echo "   curves:       $out/train/curves.png"
 echo "   checkpoint:   $(ls -d "$out"/train/checkpoint-* | tail -1)"
 echo "   videos:       $out/before_after/before/ and $out/before_after/after/"
-echo "   frame grid:   $out/before_after/strip.png (before / after rows per prompt)"
+echo "   frame strip:  $out/before_after/strip.png (before / after rows per prompt)"
 echo "   summary:      $out/before_after/summary.json"
+echo "   world model:  $out/world_eval/grid.png and eval.md"
