@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["TABLE_METRICS", "aggregate", "format_table", "write_csv", "plot_all"]
+__all__ = ["TABLE_METRICS", "aggregate", "format_table", "write_csv", "plot_all", "save_figure"]
 
 # (column title, summary key, decimals). Off-manifold: lower is better; the others: see the README.
 TABLE_METRICS = (
@@ -134,7 +134,7 @@ def plot_all(out_dir: Path, curves: list[dict], steps: list[dict], aggs: list[di
         axes[0][0].set_ylabel(metric.split("/")[1])
         axes[0][-1].legend(fontsize=6, ncol=2)
         fig.tight_layout()
-        written.append(_save(fig, out_dir / f"{fname}_d{dim}.png", plt))
+        written.append(save_figure(fig, out_dir / f"{fname}_d{dim}.png", plt))
 
     # 2. Fig. 3-4: measured per-step gradient norms (base model, mean over seeds) raw vs equalized, and N_t.
     fig, axes = plt.subplots(1, len(samplers), figsize=(4 * len(samplers), 3.4), squeeze=False)
@@ -156,7 +156,7 @@ def plot_all(out_dir: Path, curves: list[dict], steps: list[dict], aggs: list[di
     axes[0][0].set_ylabel("||grad log pi|| per step")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    written.append(_save(fig, out_dir / f"grad_norms_d{dim}.png", plt))
+    written.append(save_figure(fig, out_dir / f"grad_norms_d{dim}.png", plt))
 
     # 3. gradient-norm spread per cell (orders of magnitude), mean over seeds.
     fig, ax = plt.subplots(figsize=(1.2 * len(samplers) + 2, 3.4))
@@ -170,7 +170,7 @@ def plot_all(out_dir: Path, curves: list[dict], steps: list[dict], aggs: list[di
     ax.set_ylabel("log10(max/min) per-step grad norm")
     ax.legend()
     fig.tight_layout()
-    written.append(_save(fig, out_dir / f"grad_spread_d{dim}.png", plt))
+    written.append(save_figure(fig, out_dir / f"grad_spread_d{dim}.png", plt))
 
     # 4. Fig. 9: injected noise std per step.
     fig, ax = plt.subplots(figsize=(5, 3.4))
@@ -182,11 +182,12 @@ def plot_all(out_dir: Path, curves: list[dict], steps: list[dict], aggs: list[di
     ax.set_ylabel("noise std sqrt(V_t)")
     ax.legend()
     fig.tight_layout()
-    written.append(_save(fig, out_dir / "noise_std.png", plt))
+    written.append(save_figure(fig, out_dir / "noise_std.png", plt))
     return written
 
 
-def _save(fig, path: Path, plt) -> Path:
+def save_figure(fig, path: Path, plt) -> Path:
+    """Write `fig` as a PNG (parents created) and close it; the toy lab's and the video lab's figures."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .grpo import LAB_SAMPLERS
-from .report import aggregate
+from .report import aggregate, save_figure
 
 __all__ = [
     "VIDEO_SAMPLERS",
@@ -182,7 +182,7 @@ def plot_video_lab(out_dir: Path, rows: Sequence[dict], aggs: Sequence[dict], cu
     axes[1].legend(handles=handles, fontsize=7)
     fig.suptitle("stability (small drift, held-out kept) vs plasticity (reward gain)", fontsize=9)
     fig.tight_layout()
-    written.append(_save(fig, out_dir / "stability_plasticity.png", plt))
+    written.append(save_figure(fig, out_dir / "stability_plasticity.png", plt))
 
     fig, axes = plt.subplots(1, len(samplers), figsize=(3.6 * len(samplers), 3.2), sharey=True, squeeze=False)
     kls = list(dict.fromkeys(a["kl"] for a in aggs))
@@ -202,13 +202,6 @@ def plot_video_lab(out_dir: Path, rows: Sequence[dict], aggs: Sequence[dict], cu
     axes[0][0].set_ylabel("rollout reward (mean)")
     axes[0][-1].legend(fontsize=6)
     fig.tight_layout()
-    written.append(_save(fig, out_dir / "reward_curves.png", plt))
+    written.append(save_figure(fig, out_dir / "reward_curves.png", plt))
     return written
-
-
-def _save(fig, path: Path, plt) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
