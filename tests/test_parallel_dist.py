@@ -1,4 +1,5 @@
-"""The process mesh and the data-parallel/sequence-parallel plumbing of the loop on 4 gloo ranks (dp 2 x sp 2)."""
+"""The process mesh and the data-parallel/sequence-parallel plumbing of the loop on 4 gloo ranks (dp 2 x sp 2): one
+launch of tests/dist_workers/mesh_worker.py, read by the first two tests."""
 
 import json
 import subprocess
@@ -10,17 +11,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(tmp_path, dp_replicate: int) -> list[dict]:
+@pytest.fixture(scope="module")
+def mesh_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("mesh")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                        str(ROOT / "tests/dist_workers/mesh_worker.py"), str(tmp_path), str(dp_replicate)],
+                        str(ROOT / "tests/dist_workers/mesh_worker.py"), str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(4)]
+    return [json.loads((out / f"rank{i}.json").read_text()) for i in range(4)]
 
 
 @pytest.mark.dist
-def test_mesh_groups_metrics_and_sp_split_scoring(tmp_path):
-    ranks = _launch(tmp_path, dp_replicate=2)
+def test_mesh_groups_metrics_and_sp_split_scoring(mesh_ranks):
+    ranks = mesh_ranks
     for r in ranks:
         # contiguous sp groups (rank = dp_rank * sp + sp_rank); dp groups join the ranks with the same sp_rank
         assert (r["dp_rank"], r["sp_rank"]) == divmod(r["rank"], 2)
@@ -43,9 +46,9 @@ def test_mesh_groups_metrics_and_sp_split_scoring(tmp_path):
 
 
 @pytest.mark.dist
-def test_fsdp_mesh_without_replication(tmp_path):
-    ranks = _launch(tmp_path, dp_replicate=1)
-    assert all(r["fsdp_mesh"] == [0, 1, 2, 3] for r in ranks)
+def test_fsdp_mesh_without_replication(mesh_ranks):
+    """dp_replicate 1 (plain FSDP over dp_shard x sp): one flat mesh of the 4 ranks."""
+    assert all(r["fsdp_mesh_no_replication"] == [0, 1, 2, 3] for r in mesh_ranks)
 
 
 def _free_port() -> int:
