@@ -18,8 +18,13 @@ def _check(*args, cwd=ROOT):
                           text=True, cwd=cwd, timeout=120)
 
 
+def test_check_launch_passes_a_good_launch_silently():
+    """The script as the launchers run it (a subprocess): exit 0 and nothing on stderr (no library noise)."""
+    r = _check("--nnodes", "1", "--nproc_per_node", "8", *TINY)
+    assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--nnodes", "1", "--nproc_per_node", "8", *TINY], None),
     (["--nnodes", "1", "--nproc_per_node", "8", "--config", "nope.yaml"], "nope.yaml"),
     (["--nnodes", "2", "--nproc_per_node", "3", *TINY, "--sp_size", "4", "--batch_size", "4"],
      "--sp_size 4 must divide the world size 6"),
@@ -29,15 +34,27 @@ def _check(*args, cwd=ROOT):
     (["--nnodes", "1", "--nproc_per_node", "2", *TINY, "--resume_from_checkpoint", "/no/such/ckpt"],
      "not a complete checkpoint"),
 ])
-def test_check_launch_fails_in_one_line(args, message):
+def test_check_launch_fails_in_one_line(args, message, monkeypatch, capsys):
+    """scripts/check_launch.py's main through run_cli (what its `__main__` does), in this process from the
+    repository root as the launchers run it: exit 2 and one `error:` line. (The script as a subprocess:
+    test_check_launch_passes_a_good_launch_silently, and through run_post_train.sh
+    test_launcher_refuses_before_torchrun_with_one_line.)"""
+    import importlib.util
     import re
 
-    r = _check(*args)
-    if message is None:
-        assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
-        return
-    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    from sage_grpo.errors import run_cli
+
+    spec = importlib.util.spec_from_file_location("check_launch", ROOT / "scripts/check_launch.py")
+    check_launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_launch)
+    monkeypatch.chdir(ROOT)
+    # main() registers its own copy of post_train.py as sys.modules["post_train"]: whatever was there comes back after
+    monkeypatch.setitem(sys.modules, "post_train", sys.modules.get("post_train"))
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(check_launch.main, list(args))
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
     assert re.search(message, lines[0]), lines[0]
 
 
