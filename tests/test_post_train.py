@@ -280,22 +280,12 @@ def test_killed_run_resumes_from_its_last_checkpoint(tiny_model, tmp_path, monke
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True])
-def test_generate_loads_a_training_checkpoint(tiny_model, tmp_path, lora):
-    out = tmp_path / "run"
-    pt.main(_args(tiny_model, out, "--max_steps", "1", "--learning_rate", "1e-2", *(["--use_lora"] if lora else [])))
-    ckpt = list_checkpoints(out)[-1][1]
-    vids = []
-    for extra in ([], ["--checkpoint_path", str(ckpt / "transformer")]):
-        dest = tmp_path / f"gen{len(vids)}.mp4"
-        r = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"),
-                            "--model_path", str(tiny_model), "--prompt", "a red ball rolls", "--video_length", "5",
-                            "--num_inference_steps", "2", "--output_path", str(dest), *extra],
-                           capture_output=True, text=True, cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-2000:]
-        vids.append(dest.read_bytes())
-    assert vids[0] != vids[1]  # the trained weights were loaded
+def _load_script(name, path):
+    """A script of the repository (generate.py, scripts/export_checkpoint.py) as a module, to call its main()."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow
@@ -307,13 +297,8 @@ def test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_mo
 
     from sage_grpo.files import umask
 
-    def load(name, path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    generate, export = load("generate", ROOT / "generate.py"), load("export", ROOT / "scripts/export_checkpoint.py")
+    generate = _load_script("generate", ROOT / "generate.py")
+    export = _load_script("export", ROOT / "scripts/export_checkpoint.py")
     out = tmp_path / "run"
     pt.main(_args(tiny_model, out, "--max_steps", "1", "--learning_rate", "1e-2"))
     ckpt = list_checkpoints(out)[-1][1]
@@ -348,7 +333,12 @@ def test_user_errors_before_any_model_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_loads_with_from_pretrained(tiny_model, tmp_path):
+def test_a_lora_checkpoint_exports_for_from_pretrained_and_generates_the_trained_video(tiny_model, tmp_path):
+    """Train 1 LoRA step: scripts/export_checkpoint.py (a subprocess, as a user runs it) writes the merged weights,
+    which diffusers' from_pretrained loads equal to the checkpoint's and unlike the base; generate.py
+    --checkpoint_path checkpoint-N/transformer of the LoRA run makes another video than the base model. (The full
+    fine-tuning case of generate.py: test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_modes.
+    generate.py as a subprocess: tests/test_generate.py.)"""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     out = tmp_path / "run"
@@ -365,6 +355,15 @@ def test_export_loads_with_from_pretrained(tiny_model, tmp_path):
 
     base = load_pipeline(model_path=str(tiny_model), dtype="fp32", load_text_encoders=False).transformer.state_dict()
     assert any(not torch.equal(base[k], exported[k]) for k in base)
+
+    generate = _load_script("generate", ROOT / "generate.py")
+    videos = []
+    for name, extra in (("base", []), ("lora", ["--checkpoint_path", str(ckpt / "transformer")])):
+        [path] = generate.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_model),
+                                "--prompt", "a red ball rolls", "--video_length", "5", "--num_inference_steps", "2",
+                                "--output_path", str(tmp_path / f"{name}.mp4"), *extra])
+        videos.append(path.read_bytes())
+    assert videos[0] != videos[1]  # the trained weights were loaded
 
 
 # layout -> (flags of the 2-rank run, flags shared with the one-process reference, which runs 4 videos per step)
