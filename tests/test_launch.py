@@ -18,8 +18,13 @@ def _check(*args, cwd=ROOT):
                           text=True, cwd=cwd, timeout=120)
 
 
+def test_check_launch_passes_a_good_launch_silently():
+    """The script as the launchers run it (a subprocess): exit 0 and nothing on stderr (no library noise)."""
+    r = _check("--nnodes", "1", "--nproc_per_node", "8", *TINY)
+    assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--nnodes", "1", "--nproc_per_node", "8", *TINY], None),
     (["--nnodes", "1", "--nproc_per_node", "8", "--config", "nope.yaml"], "nope.yaml"),
     (["--nnodes", "2", "--nproc_per_node", "3", *TINY, "--sp_size", "4", "--batch_size", "4"],
      "--sp_size 4 must divide the world size 6"),
@@ -29,15 +34,27 @@ def _check(*args, cwd=ROOT):
     (["--nnodes", "1", "--nproc_per_node", "2", *TINY, "--resume_from_checkpoint", "/no/such/ckpt"],
      "not a complete checkpoint"),
 ])
-def test_check_launch_fails_in_one_line(args, message):
+def test_check_launch_fails_in_one_line(args, message, monkeypatch, capsys):
+    """scripts/check_launch.py's main through run_cli (what its `__main__` does), in this process from the
+    repository root as the launchers run it: exit 2 and one `error:` line. (The script as a subprocess:
+    test_check_launch_passes_a_good_launch_silently, and through run_post_train.sh
+    test_launcher_refuses_before_torchrun_with_one_line.)"""
+    import importlib.util
     import re
 
-    r = _check(*args)
-    if message is None:
-        assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
-        return
-    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    from sage_grpo.errors import run_cli
+
+    spec = importlib.util.spec_from_file_location("check_launch", ROOT / "scripts/check_launch.py")
+    check_launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_launch)
+    monkeypatch.chdir(ROOT)
+    # main() registers its own copy of post_train.py as sys.modules["post_train"]: whatever was there comes back after
+    monkeypatch.setitem(sys.modules, "post_train", sys.modules.get("post_train"))
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(check_launch.main, list(args))
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
     assert re.search(message, lines[0]), lines[0]
 
 
@@ -57,6 +74,50 @@ def test_launcher_without_torch_says_so(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "run_post_train.sh")], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHON": "/bin/false"})
     assert r.returncode == 2 and "/bin/false cannot import torch" in r.stderr
+
+
+def test_launchers_hand_torchrun_their_geometry_and_the_resume_flag(tmp_path):
+    """What the launchers hand scripts/check_launch.py and `python -m sage_grpo.launch`, read from a stub PYTHON that
+    records its arguments (and the shutdown timeout it was given): run_post_train.sh adds --resume_from_checkpoint
+    latest with AUTO_RESUME=1 or MAX_RESTARTS > 0 only, run_post_train_multinode.sh by default (MAX_RESTARTS 3) and
+    passes the node's rendezvous. The real launches: test_a_clean_stop_through_the_launcher_exits_0_and_two_nodes_
+    continue_it (the multinode pair resumes through that flag)."""
+    stub = tmp_path / "python"
+    stub.write_text('#!/usr/bin/env bash\nprintf "%s|%s\\n" "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" "$*" >> "$STUB_LOG"\n')
+    stub.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("AUTO_RESUME", "MAX_RESTARTS", "NGPU", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR",
+                          "MASTER_PORT", "RDZV_ID", "CONFIG", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")}
+
+    def calls(script, **env) -> tuple[str, str]:
+        log = tmp_path / f"{script}.{len(list(tmp_path.glob('*.log')))}.log"
+        r = subprocess.run(["bash", str(ROOT / script), "--max_steps", "3"], capture_output=True, text=True,
+                           timeout=60, env={**clean, "PYTHON": str(stub), "STUB_LOG": str(log), "CONFIG": "c.yaml",
+                                            **env})
+        assert r.returncode == 0, r.stderr
+        lines = log.read_text().splitlines()
+        [check] = [ln for ln in lines if "scripts/check_launch.py" in ln]
+        [launch] = [ln for ln in lines if "|-m sage_grpo.launch " in ln]
+        return check.split("scripts/check_launch.py ")[1], launch
+
+    resume = "--resume_from_checkpoint latest"
+    single = "1800|-m sage_grpo.launch --standalone --nproc_per_node 2 --max-restarts {} post_train.py --config c.yaml "
+    check, launch = calls("run_post_train.sh", NGPU="2")
+    assert check == "--nnodes 1 --nproc_per_node 2 --config c.yaml --max_steps 3"
+    assert launch == single.format(0) + "--max_steps 3"
+    for env, restarts in (({"AUTO_RESUME": "1"}, 0), ({"MAX_RESTARTS": "2"}, 2)):
+        check, launch = calls("run_post_train.sh", NGPU="2", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1800", **env)
+        assert check == f"--nnodes 1 --nproc_per_node 2 --config c.yaml {resume} --max_steps 3", env
+        assert launch == single.format(restarts) + f"{resume} --max_steps 3", env
+    node = dict(NNODES="2", NODE_RANK="1", NPROC_PER_NODE="4", MASTER_ADDR="head", MASTER_PORT="1234")
+    multi = ("1800|-m sage_grpo.launch --nnodes 2 --node_rank 1 --nproc_per_node 4 --max-restarts {} --rdzv_backend "
+             "c10d --rdzv_endpoint head:1234 --rdzv_id sage-grpo post_train.py --config c.yaml ")
+    check, launch = calls("run_post_train_multinode.sh", **node)
+    assert check == f"--nnodes 2 --nproc_per_node 4 --config c.yaml {resume} --max_steps 3"
+    assert launch == multi.format(3) + f"{resume} --max_steps 3"
+    check, launch = calls("run_post_train_multinode.sh", MAX_RESTARTS="0", **node)
+    assert check == "--nnodes 2 --nproc_per_node 4 --config c.yaml --max_steps 3"
+    assert launch == multi.format(0) + "--max_steps 3"
 
 
 @pytest.mark.dist
@@ -91,28 +152,48 @@ def _launcher_env(tmp_path, **extra):
     return env, args
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.dist
-def test_a_clean_stop_through_the_launcher_exits_0(tmp_path):
+def test_a_clean_stop_through_the_launcher_exits_0_and_two_nodes_continue_it(tmp_path):
     """SIGTERM to run_post_train.sh (2 workers): torchrun forwards it, both workers finish the step, agree and write
     one checkpoint, the launcher exits 0 with the one "stopped" line (printed by rank 0 only) and no traceback
-    (torchrun alone exits 1 with SignalException); AUTO_RESUME=1 continues from that checkpoint."""
+    (torchrun alone exits 1 with SignalException). Then run_post_train_multinode.sh started twice, as NODE_RANK 0 and
+    1 of NNODES 2 with one process each, meets through the c10d rendezvous and continues that checkpoint (its default
+    MAX_RESTARTS 3 adds --resume_from_checkpoint latest) for one more step of dp 2, a group spread over both
+    "nodes". (run_post_train.sh's AUTO_RESUME=1 passing --resume_from_checkpoint latest to the launch is checked by
+    test_launchers_hand_torchrun_their_geometry_and_the_resume_flag.)"""
     import signal
 
     from helpers import signal_after_steps
 
     from sage_grpo.checkpoint import list_checkpoints
+    from sage_grpo.metrics import read_metrics
 
     env, args = _launcher_env(tmp_path)
     code, log = signal_after_steps(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", "200"],
-                                   tmp_path / "run" / "metrics.jsonl", 2, signal.SIGTERM, env=env)
+                                   tmp_path / "run" / "metrics.jsonl", 1, signal.SIGTERM, env=env)
     [(step, _)] = list_checkpoints(tmp_path / "run")
     assert code == 0, log[-3000:]
     assert log.count(f"stopped by SIGTERM after step {step}; checkpoint-{step} is saved") == 1
     assert log.count("SIGTERM: finishing this step") == 2  # both workers got it from torchrun
     assert "Traceback" not in log and "SignalException" not in log
-    r = subprocess.run(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", str(step + 1)],
-                       env={**env, "AUTO_RESUME": "1"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+
+    env = {**env, "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "RDZV_ID": f"test-{os.getpid()}"}
+    nodes = [subprocess.Popen(["bash", str(ROOT / "run_post_train_multinode.sh"), *args, "--max_steps", str(step + 1)],
+                              cwd=tmp_path, env={**env, "NODE_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert f"resumed from {tmp_path / 'run' / f'checkpoint-{step}'} at step {step}" in outs[0], outs[0][-2000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, step + 2))
     assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [step, step + 1]
 
 

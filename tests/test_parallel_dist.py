@@ -1,4 +1,5 @@
-"""The process mesh and the data-parallel/sequence-parallel plumbing of the loop on 4 gloo ranks (dp 2 x sp 2)."""
+"""The process mesh and the data-parallel/sequence-parallel plumbing of the loop on 4 gloo ranks (dp 2 x sp 2): one
+launch of tests/dist_workers/mesh_worker.py, read by the first two tests."""
 
 import json
 import subprocess
@@ -10,17 +11,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(tmp_path, dp_replicate: int) -> list[dict]:
+@pytest.fixture(scope="module")
+def mesh_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("mesh")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                        str(ROOT / "tests/dist_workers/mesh_worker.py"), str(tmp_path), str(dp_replicate)],
+                        str(ROOT / "tests/dist_workers/mesh_worker.py"), str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(4)]
+    return [json.loads((out / f"rank{i}.json").read_text()) for i in range(4)]
 
 
 @pytest.mark.dist
-def test_mesh_groups_metrics_and_sp_split_scoring(tmp_path):
-    ranks = _launch(tmp_path, dp_replicate=2)
+def test_mesh_groups_metrics_and_sp_split_scoring(mesh_ranks):
+    ranks = mesh_ranks
     for r in ranks:
         # contiguous sp groups (rank = dp_rank * sp + sp_rank); dp groups join the ranks with the same sp_rank
         assert (r["dp_rank"], r["sp_rank"]) == divmod(r["rank"], 2)
@@ -43,42 +46,9 @@ def test_mesh_groups_metrics_and_sp_split_scoring(tmp_path):
 
 
 @pytest.mark.dist
-def test_fsdp_mesh_without_replication(tmp_path):
-    ranks = _launch(tmp_path, dp_replicate=1)
-    assert all(r["fsdp_mesh"] == [0, 1, 2, 3] for r in ranks)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.dist
-def test_multinode_launcher_two_nodes_on_one_machine(tmp_path):
-    """run_post_train_multinode.sh started twice, as NODE_RANK 0 and 1 of NNODES 2 with one process each, meets
-    through the c10d rendezvous and trains one step of dp 2 (a group spread over both "nodes")."""
-    import os
-
-    from sage_grpo.checkpoint import list_checkpoints
-    from sage_grpo.metrics import read_metrics
-    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
-
-    model = write_tiny_checkpoint(tmp_path / "hv")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "NNODES": "2",
-           "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "CONFIG": str(ROOT / "configs/tiny_cpu.yaml"), "RDZV_ID": f"test-{os.getpid()}"}
-    args = ["--model_path", str(model), "--output_dir", str(tmp_path / "run"), "--batch_size", "2",
-            "--grpo_sampling_steps", "4", "--sample_n_frames", "5", "--max_steps", "1", "--report_to", "none"]
-    nodes = [subprocess.Popen(["bash", str(ROOT / "run_post_train_multinode.sh"), *args], cwd=tmp_path,
-                              env={**env, "NODE_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=300)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
-    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [1]
+def test_fsdp_mesh_without_replication(mesh_ranks):
+    """dp_replicate 1 (plain FSDP over dp_shard x sp): one flat mesh of the 4 ranks."""
+    assert all(r["fsdp_mesh_no_replication"] == [0, 1, 2, 3] for r in mesh_ranks)
 
 
 def test_multinode_launcher_refuses_missing_variables(tmp_path):

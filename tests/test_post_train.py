@@ -353,22 +353,12 @@ def test_killed_run_resumes_from_its_last_checkpoint(tiny_model, tmp_path, monke
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True])
-def test_generate_loads_a_training_checkpoint(tiny_model, tmp_path, lora):
-    out = tmp_path / "run"
-    pt.main(_args(tiny_model, out, "--max_steps", "1", "--learning_rate", "1e-2", *(["--use_lora"] if lora else [])))
-    ckpt = list_checkpoints(out)[-1][1]
-    vids = []
-    for extra in ([], ["--checkpoint_path", str(ckpt / "transformer")]):
-        dest = tmp_path / f"gen{len(vids)}.mp4"
-        r = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"),
-                            "--model_path", str(tiny_model), "--prompt", "a red ball rolls", "--video_length", "5",
-                            "--num_inference_steps", "2", "--output_path", str(dest), *extra],
-                           capture_output=True, text=True, cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-2000:]
-        vids.append(dest.read_bytes())
-    assert vids[0] != vids[1]  # the trained weights were loaded
+def _load_script(name, path):
+    """A script of the repository (generate.py, scripts/export_checkpoint.py) as a module, to call its main()."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow
@@ -380,13 +370,8 @@ def test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_mo
 
     from sage_grpo.files import umask
 
-    def load(name, path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    generate, export = load("generate", ROOT / "generate.py"), load("export", ROOT / "scripts/export_checkpoint.py")
+    generate = _load_script("generate", ROOT / "generate.py")
+    export = _load_script("export", ROOT / "scripts/export_checkpoint.py")
     out = tmp_path / "run"
     pt.main(_args(tiny_model, out, "--max_steps", "1", "--learning_rate", "1e-2"))
     ckpt = list_checkpoints(out)[-1][1]
@@ -427,7 +412,12 @@ def test_user_errors_before_any_model_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_loads_with_from_pretrained(tiny_model, tmp_path):
+def test_a_lora_checkpoint_exports_for_from_pretrained_and_generates_the_trained_video(tiny_model, tmp_path):
+    """Train 1 LoRA step: scripts/export_checkpoint.py (a subprocess, as a user runs it) writes the merged weights,
+    which diffusers' from_pretrained loads equal to the checkpoint's and unlike the base; generate.py
+    --checkpoint_path checkpoint-N/transformer of the LoRA run makes another video than the base model. (The full
+    fine-tuning case of generate.py: test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_modes.
+    generate.py as a subprocess: tests/test_generate.py.)"""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     out = tmp_path / "run"
@@ -445,24 +435,14 @@ def test_export_loads_with_from_pretrained(tiny_model, tmp_path):
     base = load_pipeline(model_path=str(tiny_model), dtype="fp32", load_text_encoders=False).transformer.state_dict()
     assert any(not torch.equal(base[k], exported[k]) for k in base)
 
-
-@pytest.mark.dist
-def test_two_ranks_match_one_process(tiny_model, tmp_path):
-    """torchrun with 2 gloo ranks (a group of 4 spans both) against one process with the same 4 videos."""
-    common = ["--grpo_sampling_steps", "4", "--sample_n_frames", "5", "--max_steps", "2", "--save_interval", "0",
-              "--report_to", "none", "--model_path", str(tiny_model), "--enable_fsdp", "False"]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(ROOT / "post_train.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"), *common,
-                        "--batch_size", "2", "--output_dir", str(tmp_path / "two")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), *common, "--batch_size", "4",
-             "--output_dir", str(tmp_path / "one")])
-    two, one = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("two", "one"))
-    assert len(two) == len(one) == 2
-    for a, b in zip(two, one):  # the same rollouts (hash-seeded noise), rewards and gradients up to float rounding
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
-        assert a["reward/total_mean"] == pytest.approx(b["reward/total_mean"], rel=1e-5)
+    generate = _load_script("generate", ROOT / "generate.py")
+    videos = []
+    for name, extra in (("base", []), ("lora", ["--checkpoint_path", str(ckpt / "transformer")])):
+        [path] = generate.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_model),
+                                "--prompt", "a red ball rolls", "--video_length", "5", "--num_inference_steps", "2",
+                                "--output_path", str(tmp_path / f"{name}.mp4"), *extra])
+        videos.append(path.read_bytes())
+    assert videos[0] != videos[1]  # the trained weights were loaded
 
 
 # layout -> (flags of the 2-rank run, flags shared with the one-process reference, which runs 4 videos per step)
@@ -477,35 +457,90 @@ LAYOUTS = {
 }
 
 
+def _common(tiny_model) -> list[str]:
+    return ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--grpo_sampling_steps", "4", "--sample_n_frames", "5",
+            "--save_interval", "2", "--report_to", "none", "--model_path", str(tiny_model),
+            "--train_video_csv", str(ROOT / "configs/tiny_prompts.txt")]
+
+
+def _torchrun_runs(spec, runs: list[list[str]]) -> str:
+    """One torchrun launch on 2 gloo ranks running `runs` (post_train.py argument lists) in turn -> its stdout."""
+    spec.write_text(json.dumps(runs))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "tests/dist_workers/post_train_runs_worker.py"), str(spec)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model, tmp_path_factory):
+    """Every 2-rank training run of this module in two torchrun launches (start-up paid twice, not once per run).
+    Launch 1: each layout trains 3 steps straight (checkpoint-2 on the way, checkpoint-3 at the end), then the bf16
+    master-weight run. Between the launches checkpoint-3 and the metrics of each straight run move aside to
+    `<layout>/uninterrupted`; launch 2 (fresh processes) resumes each run from its checkpoint-2 to step 3 again.
+    -> the root folder: `<layout>/run`, `<layout>/uninterrupted`, `bf16`."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("two_rank")
+    common = _common(tiny_model)
+    runs = {name: [*common, *shared, *two, "--output_dir", str(root / name / "run"), "--max_steps", "3"]
+            for name, (two, shared) in LAYOUTS.items()}
+    bf16 = _args(tiny_model, root / "bf16", "--max_steps", "1", "--batch_size", "2", "--enable_fsdp", "True",
+                 "--master_weight_type", "bf16", "--dtype", "bf16")
+    _torchrun_runs(root / "launch1.json", [*runs.values(), bf16])
+    for name in LAYOUTS:
+        run, aside = root / name / "run", root / name / "uninterrupted"
+        assert [s for s, _ in list_checkpoints(run)] == [2, 3]
+        aside.mkdir()
+        shutil.move(run / "checkpoint-3", aside / "checkpoint-3")
+        shutil.copy(run / "metrics.jsonl", aside / "metrics.jsonl")  # 3 rows: the resume drops row 3, writes it anew
+    out = _torchrun_runs(root / "launch2.json",
+                         [[*argv, "--resume_from_checkpoint", "latest"] for argv in runs.values()])
+    for name in LAYOUTS:
+        assert f"resumed from {root / name / 'run' / 'checkpoint-2'} at step 2" in out, out[-3000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tiny_model, tmp_path_factory):
+    """The one-process reference of each layout (4 videos per step, 3 steps), run once per distinct flag set (sp2
+    and dp2 share theirs) -> {layout: run folder}."""
+    root, done = tmp_path_factory.mktemp("one_process"), {}
+
+    def get(layout):
+        shared = LAYOUTS[layout][1]
+        key = " ".join(shared) or "default"
+        if key not in done:
+            done[key] = root / key.replace(" ", "_").replace("-", "")
+            pt.main([*_common(tiny_model), *shared, "--batch_size", "4", "--max_steps", "3", "--output_dir",
+                     str(done[key])])
+        return done[key]
+
+    return get
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_rank_layouts_train_resume_and_match_one_process(tiny_model, tmp_path, layout):
+def test_two_rank_layouts_train_resume_and_match_one_process(tiny_model, two_rank_runs, one_process_runs, layout):
     """torchrun on 2 gloo ranks, sp 2 (one data-parallel rank, Ulysses inside) or dp 2 (a group spread over both
-    ranks), replicated or FSDP2-sharded: 2 steps, then a resume to 3 on 2 ranks, against one process."""
-    common = ["--grpo_sampling_steps", "4", "--sample_n_frames", "5", "--save_interval", "2", "--report_to", "none",
-              "--model_path", str(tiny_model), "--train_video_csv", str(ROOT / "configs/tiny_prompts.txt")]
-    two, shared = LAYOUTS[layout]
-    common += shared
+    ranks), replicated or FSDP2-sharded: 3 steps; resumed on 2 fresh ranks from checkpoint-2, step 3 ends bitwise
+    where the uninterrupted run did (weights, train state, metrics; the checkpoints load in one process, as
+    generate.py --checkpoint_path does); against one process with the same 4 videos per step. (dp2 is also the old
+    test_two_ranks_match_one_process: a group of 4 spread over both ranks, 2 steps against one process.)"""
+    from sage_grpo.checkpoint import read_train_state
 
-    def torchrun(out, *extra):
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                            str(ROOT / "post_train.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"), *common,
-                            *two, "--output_dir", str(tmp_path / out), *extra],
-                           capture_output=True, text=True, cwd=ROOT, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+    run, aside = two_rank_runs / layout / "run", two_rank_runs / layout / "uninterrupted"
+    assert [s for s, _ in list_checkpoints(run)] == [2, 3]
+    assert _stable(read_metrics(run / "metrics.jsonl")) == _stable(read_metrics(aside / "metrics.jsonl"))
+    sa, sb = (read_train_state(list_checkpoints(d)[-1][1]) for d in (run, aside))
+    assert sa["step"] == sb["step"] == 3
+    assert {k: v for k, v in sa.items() if k != "config"} == {k: v for k, v in sb.items() if k != "config"}
+    resumed, straight = _weights(run), _weights(aside)
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
-    torchrun("two", "--max_steps", "2")
-    torchrun("two", "--max_steps", "3", "--resume_from_checkpoint", "latest")
-    if layout == "fsdp_dp2":  # exact resume of a sharded run: 2 + 1 steps == 3 steps, bitwise, both on 2 ranks; the
-        # checkpoints load in one process (what generate.py --checkpoint_path does)
-        torchrun("straight", "--max_steps", "3")
-        assert _stable(read_metrics(tmp_path / "two" / "metrics.jsonl")) == \
-            _stable(read_metrics(tmp_path / "straight" / "metrics.jsonl"))
-        resumed, straight = _weights(tmp_path / "two"), _weights(tmp_path / "straight")
-        assert all(torch.equal(resumed[k], straight[k]) for k in straight)
-    pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), *common, "--batch_size", "4", "--max_steps", "3",
-             "--output_dir", str(tmp_path / "one")])
-    a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("two", "one"))
+    one = one_process_runs(layout)
+    a, b = read_metrics(run / "metrics.jsonl"), read_metrics(one / "metrics.jsonl")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     for x, y in zip(a, b):  # the same rollouts (hash-seeded noise), rewards and gradients up to float rounding
         assert x["reward/total_mean"] == pytest.approx(y["reward/total_mean"], rel=1e-5)
@@ -517,10 +552,11 @@ def test_two_rank_layouts_train_resume_and_match_one_process(tiny_model, tmp_pat
     # with LoRA), Muon's bf16 Newton-Schulz flips roundings (measured 19%).
     from sage_grpo.models.loading import load_pipeline
 
+    shared = LAYOUTS[layout][1]
     base = load_pipeline(model_path=str(tiny_model), dtype="fp32", load_text_encoders=False).transformer.state_dict()
-    w2, w1 = _weights(tmp_path / "two"), _weights(tmp_path / "one")
+    w1 = _weights(one)
     moved = max(float((w1[k] - base[k]).abs().max()) for k in base)
-    diff = max(float((w2[k] - w1[k]).abs().max()) for k in base)
+    diff = max(float((resumed[k] - w1[k]).abs().max()) for k in base)
     assert moved > 1e-3 and diff <= (0.3 if "--use_muon" not in shared else 0.05) * moved, (moved, diff)
 
 
@@ -544,18 +580,15 @@ def test_trains_against_the_tiny_videoreward(tiny_model, tmp_path):
 
 
 @pytest.mark.dist
-def test_fsdp_keeps_bf16_master_weights(tiny_model, tmp_path):
-    """--master_weight_type bf16 under FSDP2: the meta-built model takes the master dtype before sharding (as
-    from_pretrained(torch_dtype=...) does unsharded), trains, and its checkpoint holds bf16 weights."""
+def test_fsdp_keeps_bf16_master_weights(two_rank_runs):
+    """--master_weight_type bf16 under FSDP2 (2 ranks, dp 2; a run of the module's first 2-rank launch): the
+    meta-built model takes the master dtype before sharding (as from_pretrained(torch_dtype=...) does unsharded),
+    trains, and its checkpoint holds bf16 weights."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(ROOT / "post_train.py"), *_args(tiny_model, tmp_path, "--max_steps", "1", "--batch_size",
-                        "2", "--enable_fsdp", "True", "--master_weight_type", "bf16", "--dtype", "bf16")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert math.isfinite(read_metrics(tmp_path / "metrics.jsonl")[0]["train/grad_norm"])
-    meta = FileSystemReader(str(list_checkpoints(tmp_path)[-1][1] / "transformer")).read_metadata()
+    out = two_rank_runs / "bf16"
+    assert math.isfinite(read_metrics(out / "metrics.jsonl")[0]["train/grad_norm"])
+    meta = FileSystemReader(str(list_checkpoints(out)[-1][1] / "transformer")).read_metadata()
     dtypes = {m.properties.dtype for k, m in meta.state_dict_metadata.items() if k.endswith(".weight")}
     assert dtypes == {torch.bfloat16}
 

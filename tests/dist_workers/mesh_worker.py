@@ -1,6 +1,7 @@
 """torchrun worker for tests/test_parallel_dist.py: the mesh layout, metric reduction, gradient sync without FSDP2
-and the sp-split reward scoring of post_train.score_videos, on 4 gloo ranks (dp 2 x sp 2). Writes one JSON per rank to
-argv[1]."""
+and the sp-split reward scoring of post_train.score_videos, on 4 gloo ranks (dp 2 x sp 2, HSDP with 2 replicas); the
+FSDP mesh of the same ranks without replication (a second mesh on the same process group). Writes one JSON per rank
+to argv[1]."""
 
 import json
 import sys
@@ -16,10 +17,11 @@ sys.path.insert(0, str(ROOT))
 import post_train as pt  # noqa: E402
 from sage_grpo.parallel.dist import init_distributed, mean_metrics, sync_gradients  # noqa: E402
 
-info = init_distributed(sp_size=2, dp_replicate=int(sys.argv[2]))
+info = init_distributed(sp_size=2, dp_replicate=2)
 out = {"rank": info.rank, "dp_rank": info.dp_rank, "sp_rank": info.sp_rank,
        "sp_group": dist.get_process_group_ranks(info.sp_group), "dp_group": dist.get_process_group_ranks(info.dp_group),
-       "fsdp_mesh": info.fsdp_mesh.mesh.tolist()}
+       "fsdp_mesh": info.fsdp_mesh.mesh.tolist(),
+       "fsdp_mesh_no_replication": init_distributed(sp_size=2, dp_replicate=1).fsdp_mesh.mesh.tolist()}
 
 # ranks report different keys: each key is averaged over the ranks that have it
 out["metrics"] = mean_metrics({"all": float(info.rank), **({"odd": 10.0 * info.rank} if info.rank % 2 else {})})

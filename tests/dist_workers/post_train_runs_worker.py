@@ -1,0 +1,26 @@
+"""torchrun worker for tests/test_post_train.py: several post_train.py runs (`post_train.main`, the code a torchrun
+launch of post_train.py runs) one after the other in one launch, so the 2-rank training tests pay torchrun's and the
+imports' start-up once instead of once per run. argv[1]: a JSON file holding a list of argument lists.
+
+The runs share the launch's default process group: `main` creates it on the first run (with that run's timeout) and
+each run builds its own device mesh on it; the group is destroyed once, after the last run (gloo does not reliably
+come back from destroy_process_group + init_process_group in one torchrun worker: the third init hangs)."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import post_train as pt  # noqa: E402
+import sage_grpo.parallel.dist as dist_mod  # noqa: E402
+
+destroy = dist_mod.destroy
+dist_mod.destroy = lambda: None  # main() imports it from the module at call time
+try:
+    for argv in json.loads(Path(sys.argv[1]).read_text()):
+        pt.main(argv)
+        dist_mod.barrier()  # every rank done with this run before any starts the next
+finally:
+    destroy()
