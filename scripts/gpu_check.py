@@ -317,22 +317,26 @@ def stage_memory(ck: Check) -> dict:
     import measure_memory
 
     argv = ["--device", ck.device, "--out", str(ck.out / "measure_memory.json")]
-    res = measure_memory.main(argv + (["--small"] if ck.tiny else []))
+    # --tiny skips the VAE decode here: the lora and full stages decode through post_train's tiled path anyway
+    res = measure_memory.main(argv + (["--small", "--skip_vae"] if ck.tiny else []))
     ck.write("memory", {}, {"measure_memory": res}, [])
     return res
 
 
-def planned_phases(argv: list[str], tcfg: dict, parts: dict, gpu_gib: float, overhead_gib: float = 0.0) -> dict:
-    """scripts/plan_memory.py's plan of the post_train run `argv` on one GPU, for the transformer `tcfg` and the other
-    parts' counts `parts`; overhead_gib 0 leaves out what the allocator does not see (the CUDA context)."""
+def planned_phases(argv: list[str], tcfg: dict, parts: dict, gpu_gib: float, overhead_gib: float = 0.0,
+                   counts: dict | None = None) -> dict:
+    """scripts/plan_memory.py's plan of the post_train run `argv` on one GPU, for the transformer `tcfg` (its
+    parameter `counts` when already known) and the other parts' counts `parts`; overhead_gib 0 leaves out what the
+    allocator does not see (the CUDA context)."""
     from plan_memory import PlanOptions, build_transformer, count_transformer, plan
 
     from sage_grpo.config import load_config
 
     cfg = load_config(argv, prog="gpu_check.py")
     m = cfg.model
-    counts = count_transformer(build_transformer(tcfg), use_lora=m.use_lora, lora_r=m.lora_r,
-                               lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules)
+    if counts is None:
+        counts = count_transformer(build_transformer(tcfg), use_lora=m.use_lora, lora_r=m.lora_r,
+                                   lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules)
     return plan(cfg, PlanOptions(world_size=1, gpu_memory_gib=gpu_gib, overhead_gib=overhead_gib), counts, parts,
                 tcfg=tcfg)
 
@@ -529,7 +533,8 @@ def parse(argv=None):
                     help="folder of the JSON reports and gpu_check.md (default $OUT or outputs/gpu_check)")
     ap.add_argument("--ckpt_dir", default="outputs/gpu_check/ckpt", help="random checkpoints and run folders")
     ap.add_argument("--steps", type=int, default=2, help="GRPO steps per measured run (default 2)")
-    ap.add_argument("--sampling_steps", type=int, default=8, help="T of the measured runs (default 8)")
+    ap.add_argument("--sampling_steps", type=int, default=None, help="T of the measured runs (default 8; 4 with "
+                    "--tiny)")
     ap.add_argument("--tolerance", type=float, default=0.10, help="planner vs measured, relative (default 0.10)")
     ap.add_argument("--gpu_memory_gib", type=float, default=0.0, help="memory the full fine-tuning depth is planned "
                     "for (default: the GPU's; a nominal 16 on the CPU)")
@@ -546,6 +551,8 @@ def parse(argv=None):
     for s in a.stages:
         if s not in STAGES:
             ap.error(f"unknown stage {s!r}; choose from {', '.join(STAGES)} or all")
+    if a.sampling_steps is None:
+        a.sampling_steps = 4 if a.tiny else 8
     if a.steps < 1 or a.sampling_steps < 1:
         ap.error("--steps and --sampling_steps must be >= 1")
     a.compile_backend = a.compile_backend or ("eager" if a.tiny else "inductor")

@@ -34,7 +34,9 @@ def _weight(inputs):
 
 @pytest.mark.slow  # inductor compiles a forward and a backward graph on the CPU: ~20-60 s on 2 cores
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_blocks_equal_eager_with_inductor(checkpointing):
+def test_compiled_blocks_equal_eager_with_inductor(checkpointing, tmp_path, monkeypatch):
+    # a private kernel cache: the shared /tmp/torchinductor_<user> can hold a half-written kernel of another process
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch._dynamo.reset()
     eager = use_valid_token_attention(_model(torch.float32, layers=2))
     compiled = compile_blocks(copy.deepcopy(eager))
@@ -46,9 +48,18 @@ def test_compiled_blocks_equal_eager_with_inductor(checkpointing):
     out_e, g_e = _run(eager, inputs, w)
     out_c, g_c = _run(compiled, inputs, w)
     assert _max_rel(out_c, out_e) < 1e-5
-    assert g_c.keys() == g_e.keys() and g_e
-    worst = max(_max_rel(g_c[k], g_e[k]) for k in g_e)
-    assert worst < 1e-5, worst
+    # the last block's text-stream output is discarded, so eager autograd leaves its to_add_out / ff_context
+    # gradients None; the compiled backward returns zeros for them (the module docstring says what that changes)
+    assert g_e and set(g_e) <= set(g_c)
+    unused = set(g_c) - set(g_e)
+    assert all(k.startswith(f"transformer_blocks.{len(eager.transformer_blocks) - 1}.") for k in unused), unused
+    assert all(float(g_c[k].abs().max()) == 0.0 for k in unused)
+    # per parameter, relative to its largest gradient; attention key biases have an exactly-zero gradient (softmax
+    # ignores a shift shared by every key), ~1e-10 of rounding noise in both runs: those are held to the floor
+    floor = 1e-4 * max(float(g.abs().max()) for g in g_e.values())
+    errors = {k: float((g_c[k] - g_e[k]).abs().max()) / max(float(g_e[k].abs().max()), floor) for k in g_e}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-5, (worst, errors[worst])
 
 
 def test_blocks_share_graphs_and_recompilations_are_bounded_across_text_lengths():

@@ -18,6 +18,11 @@ longer, shorter or as long as the negative prompt), and a different processor or
 disables the adapters): 8 graphs for batches of 1 and 2 in both grad modes (tests/test_compile.py), well under
 RECOMPILE_LIMIT.
 
+One difference from eager: the last block's text-stream output is discarded by the model, so eager autograd leaves
+the gradients of that block's `to_add_out` and `ff_context` None, while the compiled backward returns zeros for them.
+The outputs and every other gradient are the same (tests/test_compile.py); those parameters never affect an output,
+but with zeros instead of None the optimizer steps them (weight decay shrinks them a little each update).
+
 `compile_blocks` is idempotent, survives `copy.deepcopy` (the anchor copy runs compiled too) and is undone by
 `uncompile_blocks`. Apply it before FSDP2's `fully_shard` (sage_grpo.models.parallelize does), as torchtitan does.
 """
