@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
       f"model.text_embedding_cache_dir, {m.text_embedding_cache_dir!r}; empty = in memory)")
     a("--offload_text_encoder", default=None, metavar="BOOL", help="move the text encoders off the device once the "
       f"prompts are encoded (default: model.offload_text_encoder, {str(m.offload_text_encoder).lower()})")
+    a("--compile", default=None, metavar="BOOL", help="compile each transformer block with torch.compile (default: "
+      f"model.compile, {str(m.compile).lower()}; the first video pays the compilation)")
     a("--sp_size", type=int, default=1, help="Ulysses sequence-parallel degree under torchrun: each group of sp_size "
       "ranks samples one video at a time (must divide the world size and the 16 heads; default %(default)s; the "
       "prompts are split over the world_size / sp_size groups)")
@@ -169,14 +171,18 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         "sage_sigma_clamp": r.sage_sigma_clamp,
         "text_embedding_cache_dir": m.text_embedding_cache_dir,
         "offload_text_encoder": m.offload_text_encoder,
+        "compile": m.compile,
     }
     explicit_clamp = args.sage_sigma_clamp is not None
     for k, val in fill.items():
         if getattr(args, k) is None:
             setattr(args, k, val)
     args.offload_text_encoder = parse_bool(args.offload_text_encoder, "--offload_text_encoder")
+    args.compile = parse_bool(args.compile, "--compile")
     args.lora = dict(r=m.lora_r, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=list(m.lora_target_modules))
     args.height, args.width = parse_size(args.fixed_size, "--fixed_size")
+    if args.compile and args.sp_size > 1:  # the config's rule (sage_grpo.config.validate)
+        raise SageGRPOError(f"--compile is not yet verified with --sp_size {args.sp_size}; use --compile False")
     if args.sampler == "ode" and args.eta:
         raise SageGRPOError("--eta applies to SDE samplers; pass --sampler sage_grpo (or another) with it")
     if explicit_clamp and args.sampler != "sage_grpo":
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
                         lora_target_modules=args.lora["targets"], pretrained_lora_path=args.lora_path)
     pipe.transformer.requires_grad_(False).eval()
     # an sp group samples each of its videos together: same prompts and seeds on every peer, so the same inputs
-    parallelize(pipe.transformer, info)
+    parallelize(pipe.transformer, info, compile=args.compile)
     if args.height * args.width > 256 * 256:
         pipe.vae.enable_tiling()
 

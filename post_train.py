@@ -268,7 +268,7 @@ def load_policy(cfg: Config, info: DistInfo):
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices: drawn exactly as the unsharded path draws them
         transformer, trainable = load_sharded_transformer(
             loc.root / "transformer", info, master_dtype=torch_dtype(m.master_weight_type), param_dtype=dtype,
-            lora=lora, gradient_checkpointing=m.enable_gradient_checkpointing)
+            lora=lora, gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
         pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
                              device=info.device, transformer=transformer)
     else:
@@ -277,7 +277,7 @@ def load_policy(cfg: Config, info: DistInfo):
         transformer = pipe.transformer
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
         trainable = setup_trainable(transformer, **lora)
-        parallelize(transformer, info, gradient_checkpointing=m.enable_gradient_checkpointing)
+        parallelize(transformer, info, gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
     return pipe, transformer, trainable
 
 

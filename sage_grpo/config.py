@@ -94,6 +94,11 @@ class ModelConfig:
     master_weight_type: str = opt("fp32", "Dtype of the trained (master) weights and optimizer state.", DTYPES)
     enable_gradient_checkpointing: bool = opt(True, "Recompute transformer block activations in backward (saves "
                                                     "memory, ~30% slower).")
+    compile: bool = opt(False, "Compile each of the transformer's dual-stream blocks with torch.compile (fullgraph, "
+                               "dynamic shapes; the blocks share one compiled function) for the rollout, re-scoring, "
+                               "anchor and validation forwards, and in generate.py. The first forwards of a run pay "
+                               "the compilation (a few graphs, see sage_grpo/models/compile.py); inductor on the CPU "
+                               "needs a C compiler.")
     use_lora: bool = opt(False, "Train LoRA adapters (peft) instead of the full transformer.")
     lora_r: int = opt(8, "LoRA rank.")
     lora_alpha: int = opt(16, "LoRA alpha (scale = alpha / r).")
@@ -795,6 +800,13 @@ def validate(cfg: Config, world_size: int, num_heads: int = 16, *, training: boo
     if p.dp_replicate > 1 and not (p.enable_fsdp and world_size > 1):
         raise SageGRPOError(f"--dp_replicate {p.dp_replicate} (HSDP) needs --enable_fsdp under torchrun; without "
                             "FSDP2 every rank holds the whole model anyway: use --dp_replicate 1")
+    if cfg.model.compile and world_size > 1 and (p.enable_fsdp or sp > 1):
+        # compile_blocks runs before fully_shard, as torchtitan orders it, and the Ulysses collectives are traceable,
+        # but neither combination has been run compiled: refused rather than left to fail inside a job
+        raise SageGRPOError(f"--compile is not yet verified with {'FSDP2' if p.enable_fsdp else ''}"
+                            f"{' and ' if p.enable_fsdp and sp > 1 else ''}{f'--sp_size {sp}' if sp > 1 else ''} "
+                            "under torchrun; use --compile False, or --enable_fsdp False --sp_size 1 (replicated "
+                            "weights)")
     if training and not cfg.data.train_video_csv:
         raise SageGRPOError("--train_video_csv is required: a prompt file (.csv with a `prompt` column, .txt or "
                             ".jsonl)")

@@ -492,6 +492,8 @@ def summarise(cfg, c, meter: Meter, steps: list[dict], train_s: float, setup_s: 
             "overhead_ratio_transformer_only": m.get("perf/step_s") / (inside["fwd"] + inside["bwd"])
             if inside["fwd"] + inside["bwd"] else math.nan,
             "remainder_s": remainder, "peak_gpu_gib": rec["peak_gpu_gib"], "mem_peak_gib": m.get("mem/peak_gib"),
+            "ratio_min": m.get("train/ratio_min"), "ratio_max": m.get("train/ratio_max"),
+            "approx_kl": m.get("train/approx_kl"),
         })
     timed = per_step[1:] if len(per_step) > 1 else per_step  # the first step pays one-time costs
     needed = text_prompts_needed(cfg, c)

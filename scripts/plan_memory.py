@@ -251,10 +251,13 @@ class PlanOptions:
     gpus_per_node: int = 8
 
 
-def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dict | None = None) -> dict:
-    """The per-GPU budget of `cfg` on `opts.world_size` GPUs. counts / frozen: precomputed parameter counts."""
+def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dict | None = None,
+         tcfg: dict | None = None) -> dict:
+    """The per-GPU budget of `cfg` on `opts.world_size` GPUs. counts / frozen: precomputed parameter counts. tcfg: the
+    transformer config to plan (default: the --pretrained_transformer_version one; scripts/gpu_check.py passes the
+    config of the model it measures, e.g. fewer blocks or tiny)."""
     version = cfg.model.pretrained_transformer_version
-    tcfg = TRANSFORMER_CONFIGS.get(version)
+    tcfg = tcfg or TRANSFORMER_CONFIGS.get(version)
     if tcfg is None:
         raise SageGRPOError(f"no transformer config for --pretrained_transformer_version {version!r} in diffusers' "
                             f"converter; planned versions: {', '.join(TRANSFORMER_CONFIGS)}")

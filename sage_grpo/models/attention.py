@@ -19,7 +19,8 @@ outputs and gradients:
 
 The valid lengths come from the mask with one host sync per forward: they are cached on the mask tensor, which the
 forward passes unchanged to every block (also through non-reentrant gradient checkpointing; a detached copy
-just recomputes them).
+just recomputes them). The block pre-hook reads them and hands the block plain ints in place of the mask, so the
+block's forward itself never syncs: `--compile` (sage_grpo.models.compile) compiles that forward with fullgraph.
 
 Measured on an H100 at the rollout size, bf16, CFG pair of different lengths (scripts/bench_attention.py), whole
 block forward / forward+backward as a fraction of diffusers': one flash call per length run 0.39 / 0.50; one packed
@@ -48,11 +49,14 @@ _LENGTHS_ATTR = "_sage_grpo_valid_lengths"
 _HOOK_FLAG = "_sage_grpo_valid_token_hook"
 
 
-def valid_lengths(mask: torch.Tensor | None, batch: int, n_tokens: int) -> tuple[int, ...]:
+def valid_lengths(mask: torch.Tensor | tuple[int, ...] | None, batch: int, n_tokens: int) -> tuple[int, ...]:
     """Per-sample count of valid encoder tokens (a valid prefix, as diffusers' forward orders them), at most
-    `n_tokens`. Cached on `mask`: one host sync per forward, not one per block."""
+    `n_tokens`. Cached on `mask`: one host sync per forward, not one per block. A tuple is the lengths already (what
+    the padding-cut hook hands the block in place of the mask)."""
     if mask is None:
         return (n_tokens,) * batch
+    if isinstance(mask, tuple):  # the padding-cut hook's ints: read from a mask of at most n_tokens already
+        return mask
     cached = getattr(mask, _LENGTHS_ATTR, None)
     if cached is None:
         m = mask.bool()
@@ -154,7 +158,9 @@ class ValidTokenAttnProcessor:
 
 
 def _cut_padding_hook(block, args, kwargs):
-    """Block pre-hook: cut the encoder tokens (args[1]) to the longest valid length of the batch (mask: args[3])."""
+    """Block pre-hook: cut the encoder tokens (args[1]) to the longest valid length of the batch and replace the mask
+    (args[3]) by the valid lengths as ints. The hook runs eagerly outside the block's forward, so a compiled forward
+    (sage_grpo.models.compile) receives ints it can trace instead of a mask it would have to sync on."""
     if not isinstance(getattr(block.attn, "processor", None), ValidTokenAttnProcessor):
         return None
     args, kwargs = list(args), dict(kwargs)
@@ -171,10 +177,11 @@ def _cut_padding_hook(block, args, kwargs):
     enc, mask = get(1, "encoder_hidden_states"), get(3, "attention_mask")
     if enc is None or mask is None:
         return None
-    keep = max(valid_lengths(mask, enc.shape[0], enc.shape[1]))
-    if keep >= enc.shape[1]:
-        return None
-    put(1, "encoder_hidden_states", enc[:, :keep])
+    lengths = valid_lengths(mask, enc.shape[0], enc.shape[1])
+    keep = max(lengths)
+    if keep < enc.shape[1]:
+        put(1, "encoder_hidden_states", enc[:, :keep])
+    put(3, "attention_mask", lengths)
     return tuple(args), kwargs
 
 

@@ -6,12 +6,14 @@
    processor and the split/gather hooks; a no-op at sp = 1);
 2. activation checkpointing (diffusers' per-block checkpointing; under FSDP2 a recomputed block re-gathers its
    parameters);
-3. FSDP2 when asked: `fully_shard` on every block of `BLOCK_LISTS` (the 54 double-stream blocks and the text
+3. regional compilation when asked (`--compile`, sage_grpo.models.compile: each dual-stream block's forward; before
+   fully_shard, as torchtitan orders it; its hooks, FSDP2's included, stay eager);
+4. FSDP2 when asked: `fully_shard` on every block of `BLOCK_LISTS` (the 54 double-stream blocks and the text
    refiner's blocks), then on the root (embedders, norm_out, proj_out), over `info.fsdp_mesh`
    (`sage_grpo.parallel.fsdp.shard_modules`). Only the transformer is sharded: the VAE, the text encoders and the
    reward model stay replicated (frozen, no optimizer state, and small next to the 8.3B transformer's fp32 master
    weights + gradients + optimizer state).
-Steps 1 and 2 touch attention processors, three modules' forward hooks and a flag per block, not parameters;
+Steps 1 to 3 touch attention processors, three modules' forward hooks, a flag and a forward per block, not parameters;
 sharding comes last because fully_shard groups the parameters that exist when it runs, so LoRA is injected before
 `parallelize` (peft wraps the Linear layers that FSDP2 then shards). `use_valid_token_attention`, which
 `load_pipeline` applies to the transformer it is given, keeps step 1's processor.
@@ -64,9 +66,9 @@ def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
 
 def parallelize(transformer: nn.Module, info, *, fsdp: bool = False, param_dtype: torch.dtype | None = None,
                 master_dtype: torch.dtype | None = None, gradient_checkpointing: bool = False,
-                offload: bool = False) -> nn.Module:
-    """Sequence parallelism, activation checkpointing, then (fsdp=True) FSDP2 per block and at the root, in that
-    order (module docstring) -> the same module.
+                offload: bool = False, compile: bool = False) -> nn.Module:
+    """Sequence parallelism, activation checkpointing, compiled blocks (compile=True), then (fsdp=True) FSDP2 per
+    block and at the root, in that order (module docstring) -> the same module.
 
     fsdp=True needs world size > 1 and works on a materialised module or a meta-device one (then
     `materialize_sharded`); param_dtype / master_dtype: the compute dtype (--dtype) and the master weights' (default:
@@ -77,6 +79,10 @@ def parallelize(transformer: nn.Module, info, *, fsdp: bool = False, param_dtype
     enable_sequence_parallel(transformer, info.sp_group)
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if compile:
+        from sage_grpo.models.compile import compile_blocks
+
+        compile_blocks(transformer)
     if fsdp:
         shard_modules(transformer, transformer_blocks(transformer), info, param_dtype=param_dtype,
                       master_dtype=master_dtype, offload=offload)
@@ -136,7 +142,7 @@ def build_meta_transformer(config: dict, *, dtype: torch.dtype = torch.float32, 
 
 
 def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch.dtype, param_dtype: torch.dtype,
-                             lora: dict | None = None, gradient_checkpointing: bool = False):
+                             lora: dict | None = None, gradient_checkpointing: bool = False, compile: bool = False):
     """The policy transformer, parallelised (FSDP2-sharded), each rank reading only its rows -> (transformer,
     trainable params).
 
@@ -150,7 +156,7 @@ def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch
     model_dir = Path(model_dir)
     model, lora_init = build_meta_transformer(read_transformer_config(model_dir), dtype=master_dtype, lora=lora)
     parallelize(model, info, fsdp=True, param_dtype=param_dtype, master_dtype=master_dtype,
-                gradient_checkpointing=gradient_checkpointing)
+                gradient_checkpointing=gradient_checkpointing, compile=compile)
     with transformer_row_reader(model_dir) as rows:
         def reader(name, start, stop):  # peft keeps a wrapped layer's weight under `.base_layer.`, the file does not
             return rows(name.replace(".base_layer.", "."), start, stop)
@@ -164,8 +170,12 @@ def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch
 def build_sharded_anchor(policy: nn.Module, info, *, param_dtype: torch.dtype | None = None,
                          offload: bool = False) -> ShardedAnchor:
     """A frozen copy of the FSDP2 full-fine-tuning `policy`, built on meta from its config (no weights read),
-    parallelised with the policy's settings (sequence parallelism included) and filled from its local shards."""
+    parallelised with the policy's settings (sequence parallelism and compiled blocks included) and filled from its
+    local shards."""
+    from sage_grpo.models.compile import blocks_compiled
+
     master = next(policy.parameters()).dtype
     module, _ = build_meta_transformer(dict(policy.config), dtype=master)
-    parallelize(module, info, fsdp=True, param_dtype=param_dtype or master, master_dtype=master, offload=offload)
+    parallelize(module, info, fsdp=True, param_dtype=param_dtype or master, master_dtype=master, offload=offload,
+                compile=blocks_compiled(policy))
     return ShardedAnchor(module, policy, torch.device("cpu") if offload else info.device)

@@ -1,0 +1,609 @@
+#!/usr/bin/env python
+"""The first command on a new GPU cluster: real-size HunyuanVideo-1.5 on one GPU, measured against the memory planner.
+
+    python scripts/gpu_check.py                      # every stage, one after another (each ends within ~10 min)
+    python scripts/gpu_check.py --stage lora         # one stage (e.g. one `run` call of the device tool each)
+    python scripts/gpu_check.py --update_readme      # also write the tables into README.md ("Measured on a GPU")
+    python scripts/gpu_check.py --tiny               # the same stages with a tiny random model on the CPU (a test)
+
+Needs torch, diffusers, transformers, safetensors, peft, einops, imageio (pip install -e '.[lora]'); what is missing
+is named before anything runs. Random weights unless --model_path names a diffusers-layout HunyuanVideo-1.5 (then its
+weights and text encoders are used). Stages, each writing $OUT/gpu_check_<stage>.json (sage_grpo.benchjson's format;
+outputs/gpu_check/ without $OUT) and rewriting gpu_check.md, the markdown tables of every stage present:
+
+  build      the 480p_t2v transformer (54 blocks) built on the meta device and materialised on the GPU with random
+             weights, the real VAE and the text path: resident GiB per part next to the planner's parameter bytes.
+  attention  scripts/bench_attention.py: one real-width block, valid-token attention vs diffusers' processor (bf16
+             outputs agree to bf16 rounding at the real size; fp32 outputs and gradients on the device).
+  memory     scripts/measure_memory.py: per-block activations and VAE decode, measured beside the planner.
+  lora       2 GRPO steps of post_train.py itself (post_train.setup + post_train.train through
+             scripts/bench_step.py's instrumentation) at 81x352x624, LoRA on a bf16 frozen base, valid-token
+             attention, gradient checkpointing, tiled decode: seconds per phase and per video, per-sample transformer
+             forwards per phase, peak GiB per phase next to scripts/plan_memory.py's plan for the same flags
+             (PASS within --tolerance, else FAIL), and the first update's ratio (exactly 1: re-scoring reproduces the
+             rollout's log-probs).
+  full       the same for full fine-tuning (fp32 master weights, AdamW + Muon, anchor copy), at the depth the planner
+             says fits this GPU.
+  compile    the lora flags at --compile_blocks blocks, eager and --compile: seconds per phase of each.
+  bench_step scripts/bench_step.py --real_width (a 2-block real-width model: overhead ratio, work at the minimum,
+             our rollout vs diffusers' pipeline).
+
+The planner's comparison uses the memory the CUDA allocator reports (max_memory_allocated per phase), so the plan is
+taken without its --overhead_gib (CUDA context, NCCL, fragmentation: not allocated tensors), and with the parts this
+run really has: the text encoders and reward of the checkpoint (tiny text encoders with the real text lengths and the
+demo brightness reward for random weights: no reward model). On the CPU (--tiny) there is no allocator to read:
+every comparison says "not measured", and the run proves that the stages, the planner call and the report work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+GIB = 2**30
+STAGES = ("build", "attention", "memory", "lora", "full", "compile", "bench_step")
+NEEDED = ("torch", "diffusers", "transformers", "safetensors", "peft", "einops", "imageio", "yaml")
+# PhaseClock's phase (post_train.train) -> the planner's phase (scripts/plan_memory.plan)
+PHASE_MAP = {"rollout": "rollout", "reward": "decode+reward", "anchor": "anchor", "update": "update",
+             "optimizer": "optimizer step"}
+README_BEGIN, README_END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
+NOT_MEASURED = "not yet measured on a GPU"
+# the real rollout size and the tiny one (tiny VAE: 4x spatial, 4x temporal)
+GEOMETRY = {"real": (81, 352, 624), "tiny": (9, 32, 32)}
+
+
+# ------------------------------------------------------------------------------------------------ comparison
+
+
+def compare_phases(measured: dict, planned: dict, tolerance: float) -> list[dict]:
+    """Measured peak GiB per PhaseClock phase against the planner's phases (PHASE_MAP) -> one row per phase:
+    verdict PASS when |planned - measured| <= tolerance x measured, FAIL otherwise, "not measured" when the run
+    did not measure the phase (no CUDA allocator, or the phase did not run)."""
+    rows = []
+    for phase, plan_phase in PHASE_MAP.items():
+        m, p = measured.get(phase), planned.get(plan_phase)
+        row = {"phase": phase, "plan_phase": plan_phase, "measured_gib": m, "planned_gib": p}
+        if m is None or p is None or m <= 0:
+            row.update(error=None, verdict="not measured")
+        else:
+            row["error"] = (p - m) / m
+            row["verdict"] = "PASS" if abs(row["error"]) <= tolerance else "FAIL"
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def transformer_config(tiny: bool, blocks: int) -> dict:
+    """480p_t2v (diffusers' converter) with `blocks` double-stream blocks, or the tiny config with `blocks`; the text
+    input widths follow the tiny text encoders of the random checkpoints (one projection each: negligible)."""
+    from plan_memory import TRANSFORMER_CONFIGS
+
+    from sage_grpo.models.tiny import TINY_BYT5_DIM, TINY_IMAGE_DIM, TINY_TEXT_DIM, tiny_transformer_config
+
+    if tiny:
+        return {**tiny_transformer_config(), "num_layers": blocks}
+    cfg = dict(TRANSFORMER_CONFIGS["480p_t2v"])
+    cfg.update(num_layers=blocks, text_embed_dim=TINY_TEXT_DIM, text_embed_2_dim=TINY_BYT5_DIM,
+               image_embed_dim=TINY_IMAGE_DIM)
+    cfg["rope_axes_dim"] = tuple(cfg["rope_axes_dim"])
+    return cfg
+
+
+def random_fill_(module, seed: int = 0) -> None:
+    """Small random values in every parameter, on the parameter's device (no host copy of a large model)."""
+    import torch
+
+    g = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+
+
+def random_components(tiny: bool) -> tuple[dict, object]:
+    """The parts of a random checkpoint besides the transformer: tiny text encoders and tokenizers (the real text
+    lengths unless tiny) and the real VAE (the tiny one when tiny) -> (components, text lengths)."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    from sage_grpo.models.tiny import TextLengths, build_tiny_components, default_system_message, tiny_crop_start
+
+    comps = build_tiny_components(0)
+    lengths = comps.pop("text_lengths")
+    comps.pop("transformer")
+    if not tiny:
+        comps["vae"] = AutoencoderKLHunyuanVideo15().eval()
+        lengths = TextLengths(prompt_template_encode_start_idx=tiny_crop_start(comps["tokenizer"],
+                                                                                default_system_message()))
+    return comps, lengths
+
+
+def parts_of(comps: dict) -> dict:
+    """The planner's `frozen` counts of `comps`: no reward model (the demo brightness reward has no weights)."""
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    return {"vae": n(comps["vae"]), "vae_config": dict(comps["vae"].config), "text_encoder": n(comps["text_encoder"]),
+            "byt5": n(comps["text_encoder_2"]), "reward": 0}
+
+
+def write_checkpoint(out: Path, tcfg: dict, tiny: bool, device) -> Path:
+    """A diffusers-layout HunyuanVideo-1.5 with random weights: the transformer of `tcfg` (built on meta, materialised
+    on `device`, saved in bf16) and random_components. Written once: a complete folder is reused."""
+    import torch
+    from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+
+    from sage_grpo.models.tiny import TEXT_LENGTHS_FILE
+
+    if (out / TEXT_LENGTHS_FILE).exists():  # written last
+        return out
+    comps, lengths = random_components(tiny)
+    with torch.device("meta"):
+        transformer = HunyuanVideo15Transformer3DModel(**tcfg).to(torch.bfloat16)
+    transformer = transformer.to_empty(device=device)  # bf16 from the start: no fp32 copy of 8.3B parameters
+    random_fill_(transformer)
+    comps["transformer"] = transformer.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    HunyuanVideo15Pipeline(**comps).save_pretrained(out, safe_serialization=True)
+    (out / TEXT_LENGTHS_FILE).write_text(json.dumps(lengths.to_dict(), indent=1) + "\n")
+    del comps, transformer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def frozen_parts(ck, blocks: int) -> dict:
+    """Parameter counts of the parts besides the transformer (the planner's `frozen`): random_components' for random
+    weights; the public configs (plan_memory.count_frozen_parts) for real weights; no reward model (the demo
+    reward)."""
+    if not ck.real_weights(blocks):
+        if ck.parts is None:
+            ck.parts = parts_of(random_components(ck.tiny)[0])
+        return ck.parts
+    from plan_memory import count_frozen_parts
+
+    return {**count_frozen_parts(), "reward": 0}
+
+
+# ------------------------------------------------------------------------------------------------ context
+
+
+class Check:
+    """Arguments, device, output folder and the per-stage reports."""
+
+    def __init__(self, a):
+        import torch
+
+        self.a = a
+        self.tiny = a.tiny
+        self.device = "cpu" if a.tiny or not torch.cuda.is_available() else "cuda"
+        self.out = Path(a.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.ckpts = Path(a.ckpt_dir)
+        self.frames, self.height, self.width = GEOMETRY["tiny" if a.tiny else "real"]
+        self.parts = None  # frozen_parts, computed once
+        self.gpu_gib = (a.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / GIB
+                                             if self.device == "cuda" else 16.0))
+
+    def real_weights(self, blocks: int) -> bool:
+        return bool(self.a.model_path) and blocks == self.tcfg_of_model_path()["num_layers"]
+
+    def tcfg_of_model_path(self) -> dict:
+        from sage_grpo.models.loading import locate_model, read_transformer_config
+
+        return dict(read_transformer_config(locate_model("", self.a.model_path, "").root / "transformer"))
+
+    def tcfg(self, blocks: int) -> dict:
+        """The transformer config of the model measured at `blocks` blocks."""
+        return self.tcfg_of_model_path() if self.real_weights(blocks) else transformer_config(self.tiny, blocks)
+
+    def model_dir(self, kind: str, blocks: int) -> Path:
+        """--model_path when given and as deep (real weights), else a random checkpoint with `blocks` blocks."""
+        if self.real_weights(blocks):
+            return Path(self.a.model_path)
+        return write_checkpoint(self.ckpts / f"{kind}_{blocks}", transformer_config(self.tiny, blocks), self.tiny,
+                                self.device)
+
+    def post_train_argv(self, model_dir: Path, run: str, flags: list[str]) -> list[str]:
+        """post_train.py's flags for a measured run: configs/tiny_cpu.yaml's demo reward and prompts, this check's
+        geometry, `flags` on top (see bench_step.config_argv)."""
+        return ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(model_dir),
+                "--pretrained_model_root", str(model_dir.parent), "--output_dir", str(self.ckpts / "runs" / run),
+                "--overwrite_output_dir", "True",
+                "--train_video_csv", str(ROOT / "configs/tiny_prompts.txt"),
+                "--sample_n_frames", str(self.frames), "--height", str(self.height), "--width", str(self.width),
+                "--batch_size", "2", "--num_generations", "2", "--grpo_sampling_steps", str(self.a.sampling_steps),
+                "--enable_gradient_checkpointing", "True", "--vae_tiling", "True", "--offload_text_encoder", "True",
+                "--max_steps", str(self.a.steps), "--save_interval", "0", "--validation_interval", "0",
+                "--log_interval", "1", "--report_to", "none", *flags]
+
+    def write(self, stage: str, ratios: dict, results: dict, notes: list[str]) -> Path:
+        from sage_grpo.benchjson import write_report
+
+        path = write_report(self.out / f"gpu_check_{stage}.json", f"gpu_check_{stage}", self.device, ratios,
+                            {"tiny": self.tiny, **results}, notes)
+        (self.out / "gpu_check.md").write_text(render_markdown(self.out) + "\n")
+        return path
+
+
+LORA_FLAGS = ["--use_lora", "True", "--dtype", "bf16", "--master_weight_type", "bf16"]
+FULL_FLAGS = ["--use_lora", "False", "--dtype", "bf16", "--master_weight_type", "fp32"]
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+def stage_build(ck: Check) -> dict:
+    """Materialise the transformer from the meta device on the device, then the VAE and the text encoders; resident
+    GiB of each next to its parameter bytes (the planner's weight terms)."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+
+    from sage_grpo.models.attention import use_valid_token_attention
+
+    blocks = 2 if ck.tiny else 54
+    tcfg = transformer_config(ck.tiny, blocks)
+    cuda = ck.device == "cuda"
+    allocated = (lambda: torch.cuda.memory_allocated() / GIB) if cuda else (lambda: math.nan)
+    rows, t0 = [], time.perf_counter()
+    base = allocated()
+    with torch.device("meta"):
+        transformer = HunyuanVideo15Transformer3DModel(**tcfg).to(torch.bfloat16)
+    use_valid_token_attention(transformer)
+    if ck.a.model_path:  # real weights: what load_pipeline reads (text encoders included)
+        from sage_grpo.models.loading import load_pipeline
+
+        pipe = load_pipeline(model_path=ck.a.model_path, dtype="bf16", device=ck.device)
+        parts = {"transformer": pipe.transformer, "vae": pipe.vae, "text_encoder": pipe.text_encoder,
+                 "text_encoder_2": pipe.text_encoder_2}
+    else:
+        transformer = transformer.to_empty(device=ck.device)
+        random_fill_(transformer)
+        from sage_grpo.models.tiny import build_tiny_components, tiny_vae_config
+
+        vae = AutoencoderKLHunyuanVideo15(**(tiny_vae_config() if ck.tiny else {}))
+        comps = build_tiny_components(0)
+        parts = {"transformer": transformer, "vae": vae, "text_encoder": comps["text_encoder"],
+                 "text_encoder_2": comps["text_encoder_2"]}
+    build_s = time.perf_counter() - t0
+    for name, mod in parts.items():
+        before = allocated()
+        mod = mod.to(ck.device, torch.bfloat16)
+        parts[name] = mod
+        params = sum(p.numel() for p in mod.parameters())
+        planned = params * 2 / GIB
+        # the transformer is already resident when it was materialised there: its bytes are counted from the start
+        measured = allocated() - (base if name == "transformer" else before)
+        rows.append({"part": name, "params": params, "planned_gib": planned, "measured_gib": measured,
+                     "verdict": "not measured" if not cuda else
+                     "PASS" if abs(planned - measured) <= ck.a.tolerance * max(measured, 1e-9) else "FAIL"})
+    from plan_memory import build_transformer, count_transformer
+
+    counted = count_transformer(build_transformer(tcfg))
+    exact = counted["total"] == rows[0]["params"]
+    res = {"blocks": blocks, "build_s": build_s, "parts": rows, "planner_counts_transformer_exactly": exact,
+           "config": tcfg}
+    notes = [] if cuda else [f"resident memory: {NOT_MEASURED} (CPU)"]
+    ck.write("build", {"transformer_params": rows[0]["params"]}, res, notes)
+    return res
+
+
+def stage_attention(ck: Check) -> dict:
+    import bench_attention
+
+    res = bench_attention.main(["--cpu"] if ck.tiny else ["--reps", "5"])
+    ok = {}
+    for b in (1, 2):
+        diff, mean = res.get(f"b{b}_block_out_max_abs_diff"), res.get(f"b{b}_block_out_mean_abs")
+        # to bf16 rounding: gpu_facts.md measured 0.0156 max abs on outputs of mean |x| 0.46 (a few bf16 ulps of the
+        # largest outputs); on the CPU in fp32 the difference is ~1e-7
+        ok[f"b{b}"] = "PASS" if diff is not None and diff <= 0.05 * mean else "FAIL"
+    chk = res["check"]
+    ok["fp32"] = "PASS" if chk["fp32_out_max_rel_diff"] < 1e-5 and chk["fp32_grad_max_rel_diff"] < 1e-4 else "FAIL"
+    ck.write("attention", {f"{r['part']}/b{r['batch']}/{r['impl']}": r["fwdbwd_ratio"] for r in res["rows"]},
+             {"bench_attention": res, "verdicts": ok}, [])
+    return ok
+
+
+def stage_memory(ck: Check) -> dict:
+    import measure_memory
+
+    argv = ["--device", ck.device, "--out", str(ck.out / "measure_memory.json")]
+    # --tiny skips the VAE decode here: the lora and full stages decode through post_train's tiled path anyway
+    res = measure_memory.main(argv + (["--small", "--skip_vae"] if ck.tiny else []))
+    ck.write("memory", {}, {"measure_memory": res}, [])
+    return res
+
+
+def planned_phases(argv: list[str], tcfg: dict, parts: dict, gpu_gib: float, overhead_gib: float = 0.0,
+                   counts: dict | None = None) -> dict:
+    """scripts/plan_memory.py's plan of the post_train run `argv` on one GPU, for the transformer `tcfg` (its
+    parameter `counts` when already known) and the other parts' counts `parts`; overhead_gib 0 leaves out what the
+    allocator does not see (the CUDA context)."""
+    from plan_memory import PlanOptions, build_transformer, count_transformer, plan
+
+    from sage_grpo.config import load_config
+
+    cfg = load_config(argv, prog="gpu_check.py")
+    m = cfg.model
+    if counts is None:
+        counts = count_transformer(build_transformer(tcfg), use_lora=m.use_lora, lora_r=m.lora_r,
+                                   lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules)
+    return plan(cfg, PlanOptions(world_size=1, gpu_memory_gib=gpu_gib, overhead_gib=overhead_gib), counts, parts,
+                tcfg=tcfg)
+
+
+def measured_run(ck: Check, stage: str, kind: str, blocks: int, flags: list[str]) -> dict:
+    """Train ck.a.steps steps of post_train.py instrumented (bench_step.measure) and compare with the plan."""
+    import bench_step
+
+    model_dir = ck.model_dir(kind, blocks)
+    argv = ck.post_train_argv(model_dir, f"{stage}_{blocks}", flags)
+    tcfg = ck.tcfg(blocks)
+    pl = planned_phases(argv, tcfg, frozen_parts(ck, blocks), ck.gpu_gib)
+    t0 = time.perf_counter()
+    res = bench_step.measure(argv, ck.a.steps, pipeline_repeats=0, quiet=not ck.a.verbose)
+    wall = time.perf_counter() - t0
+    measured = res["peak_gpu_gib_by_phase"]
+    rows = compare_phases(measured, pl["phases_gib"], ck.a.tolerance)
+    first = res["per_step"][0]
+    videos = res["batch_size"]
+    phase_s = res["median"]["phase_s"]
+    out = {
+        "blocks": blocks, "flags": flags, "argv": argv, "wall_s": wall, "videos_per_step": videos,
+        "seconds_per_phase": phase_s, "seconds_per_phase_per_video": {k: v / videos for k, v in phase_s.items()},
+        "forwards_per_step": [s["counts"] for s in res["per_step"]],
+        "minimum_forwards_per_step": [s["minimum"] for s in res["per_step"]],
+        "peak_gib_by_phase": measured, "plan_phases_gib": pl["phases_gib"], "plan_terms_gib": pl["terms_gib"],
+        "plan_comparison": rows,
+        # step 1 re-scores the rollout before any optimizer update: every ratio must be exactly 1
+        "first_update_ratio": {"min": first["ratio_min"], "max": first["ratio_max"], "approx_kl": first["approx_kl"],
+                               "verdict": "PASS" if first["ratio_min"] == 1.0 == first["ratio_max"] else "FAIL"},
+        "bench_step": res,
+    }
+    notes = [] if ck.device == "cuda" else [f"peak memory per phase: {NOT_MEASURED} (CPU)"]
+    ck.write(stage, {f"plan_error/{r['phase']}": r["error"] for r in rows}, out, notes)
+    return out
+
+
+def depth_that_fits(ck: Check, flags: list[str], max_blocks: int) -> tuple[int, dict]:
+    """The most double-stream blocks (<= max_blocks) whose plan for `flags` fits this GPU with --headroom_gib free."""
+    from sage_grpo.errors import SageGRPOError
+
+    argv = ck.post_train_argv(ck.ckpts / "plan", "plan", flags)  # the plan reads no files
+    for blocks in range(max_blocks, 0, -1):
+        pl = planned_phases(argv, ck.tcfg(blocks), frozen_parts(ck, blocks), ck.gpu_gib,
+                            overhead_gib=ck.a.headroom_gib)
+        if pl["fits"]:
+            return blocks, pl
+    raise SageGRPOError(f"by the plan not even one block of full fine-tuning fits {ck.gpu_gib:.1f} GiB")
+
+
+def stage_lora(ck: Check) -> dict:
+    return measured_run(ck, "lora", "lora", 2 if ck.tiny else 54, LORA_FLAGS)
+
+
+def stage_full(ck: Check) -> dict:
+    blocks, pl = depth_that_fits(ck, FULL_FLAGS, 2 if ck.tiny else 54)
+    out = measured_run(ck, "full", "full", blocks, FULL_FLAGS)
+    print(f"[gpu_check] full fine-tuning: {blocks} blocks fit by the plan (peak {pl['peak_gib']:.1f} of "
+          f"{ck.gpu_gib:.1f} GiB with {ck.a.headroom_gib:g} GiB headroom)")
+    return out
+
+
+def stage_compile(ck: Check) -> dict:
+    from sage_grpo.models import compile as compiled_blocks
+
+    blocks = 2 if ck.tiny else ck.a.compile_blocks
+    compiled_blocks.DEFAULT_BACKEND = ck.a.compile_backend
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile", "True"])):
+        runs[name] = measured_run(ck, f"compile_{name}", "compile", blocks, [*LORA_FLAGS, *extra])
+    ratio = {k: runs["compiled"]["seconds_per_phase"][k] / v for k, v in runs["eager"]["seconds_per_phase"].items()
+             if v and runs["compiled"]["seconds_per_phase"].get(k)}
+    res = {"blocks": blocks, "backend": ck.a.compile_backend,
+           "seconds_per_phase": {k: r["seconds_per_phase"] for k, r in runs.items()},
+           "peak_gib_by_phase": {k: r["peak_gib_by_phase"] for k, r in runs.items()},
+           "compiled_over_eager": ratio}
+    ck.write("compile", {f"compiled_over_eager/{k}": v for k, v in ratio.items()}, res,
+             ["timed steps exclude the first (it pays the compilation) when --steps > 1"])
+    return res
+
+
+def stage_bench_step(ck: Check) -> dict:
+    import bench_step
+
+    argv = ["--json", str(ck.out / "bench_step.json"), "--steps", str(ck.a.steps)]
+    if ck.tiny:
+        argv += ["--presets", "tiny", "--pipeline_repeats", "0"]
+    else:
+        argv += ["--device", "cuda", "--presets", "real", "--real_width", "--real_blocks", "2"]
+    bench_step.main(argv)
+    res = json.loads((ck.out / "bench_step.json").read_text())
+    ck.write("bench_step", res["ratios"], {"bench_step_json": str(ck.out / "bench_step.json")}, [])
+    return res
+
+
+STAGE_FNS = {"build": stage_build, "attention": stage_attention, "memory": stage_memory, "lora": stage_lora,
+             "full": stage_full, "compile": stage_compile, "bench_step": stage_bench_step}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return NOT_MEASURED if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def render_markdown(out: Path) -> str:
+    """The tables of every stage report in `out`."""
+    reports = {}
+    for stage in STAGES:
+        p = out / f"gpu_check_{stage}.json"
+        if p.exists():
+            reports[stage] = json.loads(p.read_text())
+    if not reports:
+        return f"No stage measured yet: {NOT_MEASURED}."
+    host = next(iter(reports.values()))["host"]
+    lines = [f"GPU: {host.get('gpu') or NOT_MEASURED}; torch {host.get('torch')}, diffusers {host.get('diffusers')}"
+             f"{' (--tiny: CPU, tiny model)' if next(iter(reports.values()))['results'].get('tiny') else ''}.", ""]
+    for stage in ("lora", "full"):
+        r = reports.get(stage)
+        if not r:
+            continue
+        res = r["results"]
+        lines += [f"**{stage}** ({res['blocks']} blocks, {res['videos_per_step']} videos per step; "
+                  f"first update's ratio {res['first_update_ratio']['verdict']})", "",
+                  "| phase | s per step | s per video | per-sample forwards (step 2) | peak GiB | plan GiB | error | "
+                  "plan check |", "|---|---|---|---|---|---|---|---|"]
+        last = res["forwards_per_step"][-1]
+        for row in res["plan_comparison"]:
+            ph = row["phase"]
+            lines.append(f"| {ph} | {_f(res['seconds_per_phase'].get(ph))} | "
+                         f"{_f(res['seconds_per_phase_per_video'].get(ph))} | {last.get(ph, '-')} | "
+                         f"{_f(row['measured_gib'])} | {_f(row['planned_gib'])} | "
+                         f"{_f(row['error'], '{:+.0%}')} | {row['verdict']} |")
+        lines.append("")
+    r = reports.get("compile")
+    if r:
+        res = r["results"]
+        lines += [f"**compile** ({res['blocks']} blocks, backend {res['backend']}): seconds per step", "",
+                  "| phase | eager | compiled | compiled / eager |", "|---|---|---|---|"]
+        for ph, v in res["seconds_per_phase"]["eager"].items():
+            c = res["seconds_per_phase"]["compiled"].get(ph)
+            lines.append(f"| {ph} | {_f(v)} | {_f(c)} | {_f(res['compiled_over_eager'].get(ph))} |")
+        lines.append("")
+    r = reports.get("build")
+    if r:
+        lines += ["**build** (bf16 parts resident on the device)", "", "| part | parameters | GiB | plan GiB | check |",
+                  "|---|---|---|---|---|"]
+        for row in r["results"]["parts"]:
+            lines.append(f"| {row['part']} | {row['params']:,} | {_f(row['measured_gib'])} | "
+                         f"{_f(row['planned_gib'])} | {row['verdict']} |")
+        lines.append("")
+    r = reports.get("attention")
+    if r:
+        v = r["results"]["verdicts"]
+        verdicts = ", ".join(f"{k} {x}" for k, x in v.items())
+        lines.append(f"**attention** valid-token vs diffusers' processor: {verdicts}")
+    return "\n".join(lines)
+
+
+def update_readme(text: str, readme: Path = ROOT / "README.md") -> None:
+    from sage_grpo.errors import SageGRPOError
+
+    body = readme.read_text()
+    if README_BEGIN not in body or README_END not in body:
+        raise SageGRPOError(f"{readme} has no {README_BEGIN} ... {README_END} block to fill")
+    head, rest = body.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_BEGIN}\n{text}\n{README_END}{tail}")
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def check_requirements() -> None:
+    from sage_grpo.errors import SageGRPOError
+
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SageGRPOError(f"gpu_check needs {', '.join(missing)}: pip install -e '.[lora]' (on a machine without "
+                            "an index, carry the wheels: pip download them elsewhere and pip install --no-index "
+                            "--find-links DIR)")
+
+
+def parse(argv=None):
+    from sage_grpo.cli import CLIParser
+
+    ap = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", default="all", help="comma list of stages or all: " + ", ".join(STAGES))
+    ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU, same stages (the CPU test)")
+    ap.add_argument("--model_path", default="", help="diffusers-layout HunyuanVideo-1.5 with real weights (default: "
+                    "random weights)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "outputs/gpu_check",
+                    help="folder of the JSON reports and gpu_check.md (default $OUT or outputs/gpu_check)")
+    ap.add_argument("--ckpt_dir", default="outputs/gpu_check/ckpt", help="random checkpoints and run folders")
+    ap.add_argument("--steps", type=int, default=2, help="GRPO steps per measured run (default 2)")
+    ap.add_argument("--sampling_steps", type=int, default=None, help="T of the measured runs (default 8; 4 with "
+                    "--tiny)")
+    ap.add_argument("--tolerance", type=float, default=0.10, help="planner vs measured, relative (default 0.10)")
+    ap.add_argument("--gpu_memory_gib", type=float, default=0.0, help="memory the full fine-tuning depth is planned "
+                    "for (default: the GPU's; a nominal 16 on the CPU)")
+    ap.add_argument("--headroom_gib", type=float, default=None, help="kept free when choosing that depth (default 4; "
+                    "0 with --tiny)")
+    ap.add_argument("--compile_blocks", type=int, default=8, help="blocks of the compile stage's model (default 8)")
+    ap.add_argument("--compile_backend", default="", help="torch.compile backend of the compile stage (default "
+                    "inductor; eager with --tiny, which keeps the CPU check quick)")
+    ap.add_argument("--update_readme", action="store_true", help="write the tables into README.md's 'Measured on a "
+                    "GPU' block")
+    ap.add_argument("--verbose", action="store_true")
+    a = ap.parse_args(argv)
+    a.stages = list(STAGES) if a.stage == "all" else [s.strip() for s in a.stage.split(",") if s.strip()]
+    for s in a.stages:
+        if s not in STAGES:
+            ap.error(f"unknown stage {s!r}; choose from {', '.join(STAGES)} or all")
+    if a.sampling_steps is None:
+        a.sampling_steps = 4 if a.tiny else 8
+    if a.steps < 1 or a.sampling_steps < 1:
+        ap.error("--steps and --sampling_steps must be >= 1")
+    a.compile_backend = a.compile_backend or ("eager" if a.tiny else "inductor")
+    if a.headroom_gib is None:
+        a.headroom_gib = 0.0 if a.tiny else 4.0
+    if a.tiny:
+        a.ckpt_dir = a.ckpt_dir if a.ckpt_dir != "outputs/gpu_check/ckpt" else str(Path(a.out) / "ckpt")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    check_requirements()
+    from sage_grpo.errors import SageGRPOError
+
+    if a.tiny:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # init_distributed picks CUDA whenever it is there
+    import torch
+
+    from sage_grpo.cli import quiet_libraries
+
+    if a.update_readme and a.tiny:
+        raise SageGRPOError("--update_readme writes GPU figures; a --tiny run has none")
+    if not a.tiny and not torch.cuda.is_available():
+        raise SageGRPOError("no CUDA device: run on a GPU, or pass --tiny for the CPU check of this script")
+    quiet_libraries()
+    ck = Check(a)
+    verdicts = {}
+    for stage in a.stages:
+        t0 = time.perf_counter()
+        print(f"[gpu_check] {stage} ...", flush=True)
+        res = STAGE_FNS[stage](ck)
+        for key in ("plan_comparison",):
+            for row in (res or {}).get(key, []) if isinstance(res, dict) else []:
+                verdicts[f"{stage}/{row['phase']}"] = row["verdict"]
+        if isinstance(res, dict) and "first_update_ratio" in res:
+            verdicts[f"{stage}/first_update_ratio"] = res["first_update_ratio"]["verdict"]
+        if stage == "attention":
+            verdicts.update({f"attention/{k}": v for k, v in res.items()})
+        print(f"[gpu_check] {stage} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    md = render_markdown(ck.out)
+    print(md)
+    if a.update_readme:
+        update_readme(md)
+    failed = sorted(k for k, v in verdicts.items() if v == "FAIL")
+    print(f"[gpu_check] {len(verdicts)} checks: " + (f"FAIL {', '.join(failed)}" if failed else
+                                                     "no FAIL") + f"; reports in {ck.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    from sage_grpo.errors import run_cli
+
+    sys.exit(run_cli(main))
