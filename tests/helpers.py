@@ -7,6 +7,9 @@ import math
 from pathlib import Path
 
 import torch
+from diffusers import HunyuanVideo15Transformer3DModel
+
+from sage_grpo.models.tiny import tiny_transformer_config
 
 TINY_FRAMES, TINY_H, TINY_W = 9, 32, 48  # -> latent [4, 3, 8, 12]: 288 video tokens
 TINY_MIN_PIXELS = 28 * 28 * 4  # keeps tiny frames tiny (the real default would upscale 32x48 to ~100k pixels)
@@ -43,3 +46,41 @@ def signal_after_steps(cmd: list[str], metrics: Path, steps: int, sig: int, **po
         if proc.poll() is None:
             proc.kill()
     return proc.returncode, log
+
+
+# Valid-token attention fixtures (test_attention, test_compile)
+TXT, B5, IMG = 24, 8, 4  # MLLM, ByT5 and image token slots (the real model: 1000, 256, 729)
+
+
+def perturbed_transformer(dtype=torch.float64, layers=2, seed=0):
+    torch.manual_seed(seed)
+    m = HunyuanVideo15Transformer3DModel(**{**tiny_transformer_config(), "num_layers": layers})
+    with torch.no_grad():  # some layers start at zero (proj_out): perturb all so every weight matters
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m.to(dtype)
+
+
+def attention_inputs(dtype, txt_valid=(17, 3), b5_valid=(5, 1), image=False, seed=1):
+    """A CFG-like batch: prompts with different valid MLLM and ByT5 lengths (right padding, as the encoders give)."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(txt_valid)
+    cfg = tiny_transformer_config()
+
+    def mask(n, valid):
+        return torch.stack([torch.arange(n) < v for v in valid]).long()
+
+    return dict(
+        hidden_states=torch.randn(b, cfg["in_channels"], 3, 4, 6, generator=g).to(dtype),  # 72 video tokens
+        timestep=torch.tensor([700.0, 300.0, 500.0][:b]).to(dtype),
+        encoder_hidden_states=torch.randn(b, TXT, cfg["text_embed_dim"], generator=g).to(dtype),
+        encoder_attention_mask=mask(TXT, txt_valid),
+        encoder_hidden_states_2=torch.randn(b, B5, cfg["text_embed_2_dim"], generator=g).to(dtype),
+        encoder_attention_mask_2=mask(B5, b5_valid),
+        image_embeds=torch.randn(b, IMG, cfg["image_embed_dim"], generator=g).to(dtype) * float(image),
+        return_dict=False,
+    )
+
+
+def max_rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))

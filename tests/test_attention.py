@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from diffusers import HunyuanVideo15Transformer3DModel
+from helpers import attention_inputs, max_rel, perturbed_transformer
 
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.models.attention import (
@@ -17,38 +17,6 @@ from sage_grpo.models.attention import (
     valid_token_attention_enabled,
 )
 from sage_grpo.models.tiny import tiny_transformer_config
-
-TXT, B5, IMG = 24, 8, 4  # MLLM, ByT5 and image token slots (the real model: 1000, 256, 729)
-
-
-def _model(dtype=torch.float64, layers=2, seed=0):
-    torch.manual_seed(seed)
-    m = HunyuanVideo15Transformer3DModel(**{**tiny_transformer_config(), "num_layers": layers})
-    with torch.no_grad():  # some layers start at zero (proj_out): perturb all so every weight matters
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m.to(dtype)
-
-
-def _inputs(dtype, txt_valid=(17, 3), b5_valid=(5, 1), image=False, seed=1):
-    """A CFG-like batch: prompts with different valid MLLM and ByT5 lengths (right padding, as the encoders give)."""
-    g = torch.Generator().manual_seed(seed)
-    b = len(txt_valid)
-    cfg = tiny_transformer_config()
-
-    def mask(n, valid):
-        return torch.stack([torch.arange(n) < v for v in valid]).long()
-
-    return dict(
-        hidden_states=torch.randn(b, cfg["in_channels"], 3, 4, 6, generator=g).to(dtype),  # 72 video tokens
-        timestep=torch.tensor([700.0, 300.0, 500.0][:b]).to(dtype),
-        encoder_hidden_states=torch.randn(b, TXT, cfg["text_embed_dim"], generator=g).to(dtype),
-        encoder_attention_mask=mask(TXT, txt_valid),
-        encoder_hidden_states_2=torch.randn(b, B5, cfg["text_embed_2_dim"], generator=g).to(dtype),
-        encoder_attention_mask_2=mask(B5, b5_valid),
-        image_embeds=torch.randn(b, IMG, cfg["image_embed_dim"], generator=g).to(dtype) * float(image),
-        return_dict=False,
-    )
 
 
 def _run(model, inputs, weight):
@@ -62,24 +30,20 @@ def _run(model, inputs, weight):
     return out.detach().double(), grads, x.grad.double()
 
 
-def _max_rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def _compare(dtype, tol_out, tol_grad, checkpointing=False, **kw):
-    stock = _model(dtype)
+    stock = perturbed_transformer(dtype)
     ours = use_valid_token_attention(copy.deepcopy(stock))
     if checkpointing:
         stock.enable_gradient_checkpointing()
         ours.enable_gradient_checkpointing()
-    inputs = _inputs(dtype, **kw)
+    inputs = attention_inputs(dtype, **kw)
     w = torch.randn(inputs["hidden_states"].shape[0], tiny_transformer_config()["out_channels"], 3, 4, 6,
                     generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     out_s, g_s, gx_s = _run(stock, inputs, w)
     out_o, g_o, gx_o = _run(ours, inputs, w)
     assert torch.isfinite(out_o).all()
     assert (out_o - out_s).abs().max() <= tol_out * out_s.abs().max(), float((out_o - out_s).abs().max())
-    assert _max_rel(gx_o, gx_s) <= tol_grad
+    assert max_rel(gx_o, gx_s) <= tol_grad
     worst = max(g_s, key=lambda n: float((g_o[n] - g_s[n]).abs().max()))
     g_max = max(float(g.abs().max()) for g in g_s.values())
     assert float((g_o[worst] - g_s[worst]).abs().max()) <= tol_grad * g_max, worst
@@ -105,8 +69,8 @@ def test_other_batches(kw):
 
 def test_bf16_to_bf16_rounding():
     """bf16: ours is as close to the fp64 result as diffusers' processor is (and to a few bf16 ulps of it)."""
-    ref = _model(torch.float64)
-    inputs64 = _inputs(torch.float64)
+    ref = perturbed_transformer(torch.float64)
+    inputs64 = attention_inputs(torch.float64)
     inputs16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
                 for k, v in inputs64.items()}
     with torch.no_grad():
@@ -123,7 +87,7 @@ def test_bf16_to_bf16_rounding():
 def test_lora_adapters_train_through_the_processor():
     from sage_grpo.models.lora import setup_trainable
 
-    stock = _model(torch.float32)
+    stock = perturbed_transformer(torch.float32)
     setup_trainable(stock, use_lora=True, lora_r=4, lora_alpha=8)
     with torch.no_grad():  # lora_B starts at zero: make the adapters change the output
         for n, p in stock.named_parameters():
@@ -131,18 +95,18 @@ def test_lora_adapters_train_through_the_processor():
                 p.normal_(0, 0.05)
     ours = use_valid_token_attention(copy.deepcopy(stock))
     assert type(ours.transformer_blocks[0].attn.to_q).__module__.startswith("peft")
-    inputs = _inputs(torch.float32)
+    inputs = attention_inputs(torch.float32)
     w = torch.randn(2, 4, 3, 4, 6, dtype=torch.float64)
     out_s, g_s, _ = _run(stock, inputs, w)
     out_o, g_o, _ = _run(ours, inputs, w)
     assert g_s and all("lora_" in n for n in g_s)
-    assert _max_rel(out_o, out_s) <= 1e-5
+    assert max_rel(out_o, out_s) <= 1e-5
     for n in g_s:
         assert (g_o[n] - g_s[n]).abs().max() <= 1e-5 * max(float(g.abs().max()) for g in g_s.values()), n
 
 
 def test_switching_is_idempotent_and_survives_deepcopy():
-    stock = _model(torch.float64, layers=1)
+    stock = perturbed_transformer(torch.float64, layers=1)
     m = copy.deepcopy(stock)
     use_valid_token_attention(m)
     use_valid_token_attention(m)
@@ -151,7 +115,7 @@ def test_switching_is_idempotent_and_survives_deepcopy():
     assert not isinstance(m.context_embedder.token_refiner.refiner_blocks[0].attn.processor, ValidTokenAttnProcessor)
     twin = copy.deepcopy(m)
     assert valid_token_attention_enabled(twin)
-    inputs = _inputs(torch.float64)
+    inputs = attention_inputs(torch.float64)
     with torch.no_grad():
         ref = stock(**inputs)[0]
         torch.testing.assert_close(twin(**inputs)[0], ref, rtol=0, atol=1e-12)
@@ -167,7 +131,7 @@ def test_a_valid_token_processor_is_kept():
     class Subclass(ValidTokenAttnProcessor):
         pass
 
-    m = use_valid_token_attention(_model(torch.float64, layers=1))
+    m = use_valid_token_attention(perturbed_transformer(torch.float64, layers=1))
     proc = Subclass()
     m.transformer_blocks[0].attn.set_processor(proc)
     use_valid_token_attention(m)

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from test_attention import _inputs, _max_rel, _model
+from helpers import attention_inputs, max_rel, perturbed_transformer
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from sage_grpo.config import load_config
@@ -38,16 +38,16 @@ def test_compiled_blocks_equal_eager_with_inductor(checkpointing, tmp_path, monk
     # a private kernel cache: the shared /tmp/torchinductor_<user> can hold a half-written kernel of another process
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch._dynamo.reset()
-    eager = use_valid_token_attention(_model(torch.float32, layers=2))
+    eager = use_valid_token_attention(perturbed_transformer(torch.float32, layers=2))
     compiled = compile_blocks(copy.deepcopy(eager))
     if checkpointing:
         eager.enable_gradient_checkpointing()
         compiled.enable_gradient_checkpointing()
-    inputs = _inputs(torch.float32)  # a CFG-like pair of different valid lengths
+    inputs = attention_inputs(torch.float32)  # a CFG-like pair of different valid lengths
     w = _weight(inputs)
     out_e, g_e = _run(eager, inputs, w)
     out_c, g_c = _run(compiled, inputs, w)
-    assert _max_rel(out_c, out_e) < 1e-5
+    assert max_rel(out_c, out_e) < 1e-5
     # the last block's text-stream output is discarded, so eager autograd leaves its to_add_out / ff_context
     # gradients None; the compiled backward returns zeros for them (the module docstring says what that changes)
     assert g_e and set(g_e) <= set(g_c)
@@ -68,18 +68,18 @@ def test_blocks_share_graphs_and_recompilations_are_bounded_across_text_lengths(
     depth."""
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
-    model = compile_blocks(use_valid_token_attention(_model(torch.float32, layers=3)), backend=counter)
-    reference = use_valid_token_attention(_model(torch.float32, layers=3))
+    model = compile_blocks(use_valid_token_attention(perturbed_transformer(torch.float32, layers=3)), backend=counter)
+    reference = use_valid_token_attention(perturbed_transformer(torch.float32, layers=3))
     lengths = [(17, 3), (12, 5), (20, 20), (9, 2), (24, 1), (12, 16), (16, 8), (2, 23)]  # (12, 16): equal
     seen = []
     for batch in (2, 1):
         for grad in (False, True):
             for txt in lengths:
-                inputs = _inputs(torch.float32, txt_valid=txt[:batch], b5_valid=(5, 1)[:batch])
+                inputs = attention_inputs(torch.float32, txt_valid=txt[:batch], b5_valid=(5, 1)[:batch])
                 w = _weight(inputs)
                 out, _ = _run(model, inputs, w, grad)
                 ref, _ = _run(reference, inputs, w, grad)
-                assert _max_rel(out, ref) < 1e-6
+                assert max_rel(out, ref) < 1e-6
             seen.append(counter.frame_count)
     # no_grad / grad x (a batch of 1, and a pair whose first or second sample is longer or both equal: which samples
     # get zero padding and share an attention call); without dynamic shapes every new length would add graphs
@@ -87,14 +87,14 @@ def test_blocks_share_graphs_and_recompilations_are_bounded_across_text_lengths(
     assert seen == [3, 6, 7, 8], seen
     again = counter.frame_count
     for txt in [(11, 4), (19, 7)]:
-        _run(model, _inputs(torch.float32, txt_valid=txt), None, False)
+        _run(model, attention_inputs(torch.float32, txt_valid=txt), None, False)
     assert counter.frame_count == again  # lengths never seen: no new graph
 
 
 def test_compiled_blocks_survive_deepcopy_and_uncompile():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
-    model = compile_blocks(use_valid_token_attention(_model(torch.float32, layers=2)), backend=counter)
+    model = compile_blocks(use_valid_token_attention(perturbed_transformer(torch.float32, layers=2)), backend=counter)
     copied = copy.deepcopy(model)  # what the full-fine-tuning anchor is
     assert blocks_compiled(copied)
     for block in copied.transformer_blocks:
@@ -102,17 +102,17 @@ def test_compiled_blocks_survive_deepcopy_and_uncompile():
     with torch.no_grad():
         for p in copied.parameters():
             p.mul_(1.5)
-    inputs = _inputs(torch.float32)
+    inputs = attention_inputs(torch.float32)
     out_m, _ = _run(model, inputs, None, False)
     out_c, _ = _run(copied, inputs, None, False)
     assert counter.frame_count >= 1
-    assert _max_rel(out_c, out_m) > 1e-2  # the copy runs its own weights
+    assert max_rel(out_c, out_m) > 1e-2  # the copy runs its own weights
     uncompile_blocks(copied)
     assert not blocks_compiled(copied)
     frames = counter.frame_count
     out_u, _ = _run(copied, inputs, None, False)
     assert counter.frame_count == frames
-    assert _max_rel(out_u, out_c) < 1e-6
+    assert max_rel(out_u, out_c) < 1e-6
 
 
 def test_compile_is_a_config_flag():
