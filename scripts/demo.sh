@@ -6,8 +6,10 @@
 #     generating a caption with the ODE and with the sage_grpo SDE;
 #  3. those videos scored by a tiny random VideoReward through the real VideoAlign loading / scoring path, and by
 #     the weight-free demo rewards (random reward weights: those numbers show the plumbing, not quality);
-#  4. GRPO training (post_train.py, configs/tiny_cpu.yaml) of the tiny random model against the brightness reward,
-#     then before/after videos of fixed prompts and seeds, a frame strip and the learning statistics;
+#  4. GRPO training (post_train.py, configs/tiny_world.yaml) of the world model against world_size (the share of the
+#     frame the object covers) inside the calibrated trust region, validated on held-out captions with the hacking
+#     check; then before/after videos of 32 training captions with fixed seeds, a frame strip of the first 4, the
+#     paired change of the reward in standard errors and the held-out metrics (summary.json);
 #  5. the world model's quality on held-out captions (scripts/eval_tiny.py): a frame grid and the detectors' shares.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,17 +37,17 @@ python scripts/score_videos.py --videos "$out/videos" --out "$out/scores" \
   --metrics videoalign_local,brightness,temporal_consistency --pretrained_model_root "$tiny" \
   --dtype fp32 --min_pixels 3136
 cat "$out/scores.csv"
-echo "== 4. GRPO training on the tiny random model (configs/tiny_cpu.yaml, brightness reward) -> $out/train"
+echo "== 4. GRPO training of the world model (configs/tiny_world.yaml, world_size reward) -> $out/train"
 rm -rf "$out/train"
-python post_train.py --config configs/tiny_cpu.yaml --output_dir "$out/train"
-python scripts/demo_compare.py --run "$out/train" --out "$out/before_after"
+python post_train.py --config configs/tiny_world.yaml --output_dir "$out/train"
+python scripts/demo_compare.py --run "$out/train" --out "$out/before_after" --prompts 32 --strip_prompts 4
 echo "== 5. the world model on 12 held-out captions (scripts/eval_tiny.py) -> $out/world_eval"
 python scripts/eval_tiny.py --num_captions 12 --out "$out/world_eval"
 echo "== all demo steps done; outputs in $out"
 echo "   metrics:      $out/train/metrics.jsonl"
-echo "   curves:       $out/train/curves.png"
+echo "   curves:       $out/train/curves.png (trained reward beside the held-out metrics)"
 echo "   checkpoint:   $(ls -d "$out"/train/checkpoint-* | tail -1)"
 echo "   videos:       $out/before_after/before/ and $out/before_after/after/"
 echo "   frame strip:  $out/before_after/strip.png (before / after rows per prompt)"
-echo "   summary:      $out/before_after/summary.json"
+echo "   summary:      $out/before_after/summary.json (paired_std_errors: the reward's rise on fixed seeds)"
 echo "   world model:  $out/world_eval/grid.png and eval.md"

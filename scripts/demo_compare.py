@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Before/after of a training run: the same prompts and seeds sampled (ODE, the validation settings of the run's
 config) with the base weights and with the run's last checkpoint, scored by the run's reward, written as mp4s and a
-side-by-side frame strip; and the learning statistics of metrics.jsonl (mean reward of the first and last 10 steps,
-their difference in standard errors).
+side-by-side frame strip, the paired change of that reward (after - before on the same prompt and noise, its mean
+over the prompts in standard errors); and the learning statistics of metrics.jsonl (mean rollout reward of the first
+and last 10 steps, their difference in standard errors).
 
     python scripts/demo_compare.py --run outputs/tiny_run --out outputs/demo/before_after
 """
@@ -37,6 +38,20 @@ def learning_stats(metrics_path: Path, window: int = 10) -> dict:
     return {"steps": len(r), "first_mean": m1, "last_mean": m2, "std_errors": (m2 - m1) / se if se > 0 else math.inf}
 
 
+def paired_stats(before: list[float], after: list[float]) -> dict:
+    """The mean of after - before over paired samples (same prompt, same noise) and that mean / its standard error
+    (inf when every pair moved by the same amount, NaN for fewer than two pairs)."""
+    diff = [a - b for a, b in zip(after, before, strict=True)]
+    n = len(diff)
+    mean = sum(diff) / n if n else math.nan
+    if n < 2:
+        return {"paired_change": mean, "paired_std_errors": math.nan}
+    se = math.sqrt(sum((d - mean) ** 2 for d in diff) / (n - 1) / n)
+    if se == 0:
+        return {"paired_change": mean, "paired_std_errors": math.copysign(math.inf, mean) if mean else math.nan}
+    return {"paired_change": mean, "paired_std_errors": mean / se}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="output_dir of a post_train.py run (config.yaml, metrics.jsonl, "
@@ -44,7 +59,11 @@ def main(argv=None) -> dict:
     p.add_argument("--out", required=True, help="folder for the before/after videos and strip.png")
     p.add_argument("--prompts", type=int, default=3,
                    help="how many prompts to compare (the first of the run's data.train_video_csv)")
+    p.add_argument("--strip_prompts", type=int, default=4,
+                   help="how many of those prompts the frame strip shows (all are scored and written as mp4s)")
     args = p.parse_args(argv)
+    if args.prompts < 1 or args.strip_prompts < 1:
+        raise SageGRPOError(f"--prompts and --strip_prompts must be >= 1, got {args.prompts} and {args.strip_prompts}")
     run = Path(args.run)
     if not (run / "config.yaml").is_file():
         raise SageGRPOError(f"--run {args.run!r} holds no config.yaml: pass a post_train.py output_dir")
@@ -93,9 +112,12 @@ def main(argv=None) -> dict:
             frames[tag].append(video)
             scores[tag].append(score)
     strip = out / "strip.png"
-    _write_strip(frames, scores, [r.prompt for r in records], strip)
+    shown = min(args.strip_prompts, len(records))
+    _write_strip({k: v[:shown] for k, v in frames.items()}, {k: v[:shown] for k, v in scores.items()},
+                 [r.prompt for r in records[:shown]], strip)
     result = {**stats, "reward_before": sum(scores["before"]) / len(records),
-              "reward_after": sum(scores["after"]) / len(records), "checkpoint": str(ckpts[-1][1]), "strip": str(strip)}
+              "reward_after": sum(scores["after"]) / len(records), **paired_stats(scores["before"], scores["after"]),
+              "checkpoint": str(ckpts[-1][1]), "strip": str(strip)}
     result.update(_world_metrics(frames, [r.prompt for r in records]))
     (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -50,3 +50,25 @@ def test_committed_model_draws_heldout_captions(world_pipe):
     q = quality(videos, captions, seeds=list(range(len(captions))))
     for k, floor in FLOOR.items():
         assert q[k] >= floor, (k, q)
+
+
+@pytest.mark.slow  # the demo's first 20 GRPO steps on the world model: ~2 minutes on 2 cores
+def test_the_demo_training_rises_with_the_hacking_check_silent(tmp_path, monkeypatch):
+    """scripts/demo.sh's training (configs/tiny_world.yaml: world_size inside the calibrated trust region) for its
+    first 20 steps, validated on the held-out captions at steps 0, 10 and 20: the size reward rises and the hacking
+    check stays silent. The same run with a weaker trust region (--kl_weight 0.01) warned at step 20 (background
+    cleanliness, caption background, motion), and with KL off at step 20 (README)."""
+    from post_train_helpers import pt
+
+    from sage_grpo.metrics import read_metrics
+
+    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository
+    torch.set_num_threads(2)
+    out = tmp_path / "run"
+    pt.main(["--config", "configs/tiny_world.yaml", "--output_dir", str(out), "--max_steps", "20",
+             "--save_interval", "0"])
+    val = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "val/reward_total" in r}
+    assert sorted(val) == [0, 10, 20]
+    assert [val[s]["val/hacking_warnings"] for s in (0, 10, 20)] == [0, 0, 0]
+    assert val[20]["val/reward_total"] > val[0]["val/reward_total"] + 0.03, (val[0], val[20])
+    assert val[20]["val/drift"] > 0.0
