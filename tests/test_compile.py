@@ -32,14 +32,17 @@ def _weight(inputs):
                        generator=torch.Generator().manual_seed(2))
 
 
-@pytest.mark.slow  # inductor compiles a forward and a backward graph on the CPU: ~20-60 s on 2 cores
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_blocks_equal_eager_with_inductor(checkpointing, tmp_path, monkeypatch):
+# inductor's kernels once (50 s on 2 cores: C++ code generation of a forward and a backward graph); checkpointing's
+# recomputation through the same compiled blocks with aot_eager (AOTAutograd's joint graph without code generation,
+# ~10 s), which is where checkpointing and compilation meet
+@pytest.mark.slow
+@pytest.mark.parametrize(("checkpointing", "backend"), [(False, "inductor"), (True, "aot_eager")])
+def test_compiled_blocks_equal_eager(checkpointing, backend, tmp_path, monkeypatch):
     # a private kernel cache: the shared /tmp/torchinductor_<user> can hold a half-written kernel of another process
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch._dynamo.reset()
     eager = use_valid_token_attention(perturbed_transformer(torch.float32, layers=2))
-    compiled = compile_blocks(copy.deepcopy(eager))
+    compiled = compile_blocks(copy.deepcopy(eager), backend=backend)
     if checkpointing:
         eager.enable_gradient_checkpointing()
         compiled.enable_gradient_checkpointing()
