@@ -30,7 +30,7 @@ from sage_grpo.cli import CLIParser, at_least, check_writable_dir
 from sage_grpo.errors import run_cli
 from sage_grpo.lab import KL_VARIANTS, LAB_SAMPLERS, LabConfig
 from sage_grpo.lab.ablation import init_worker, pretrain_job, run_job
-from sage_grpo.lab.report import aggregate, format_table, plot_all, write_csv
+from sage_grpo.lab.report import aggregate, draw_figures, format_table, plot_all, write_csv
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(ODE samples of the final policy; grad spread = log10 max/min of the applied per-step norms):")
         print(table)
     if not args.no_plots:
-        try:
-            paths = [p for dim in args.dims for p in plot_all(out, curves, steps, aggs, dim)]
-            print(f"\n[lab] figures in {out}: {', '.join(sorted({p.name for p in paths}))}")
-        except ImportError:
-            print("[lab] matplotlib missing (pip install '.[plot]'): no figures", file=sys.stderr)
+        draw_figures("lab", out, lambda: [p for dim in args.dims for p in plot_all(out, curves, steps, aggs, dim)])
     print(f"[lab] total {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sage_grpo.checkpoint import list_checkpoints
     from sage_grpo.cli import quiet_libraries
-    from sage_grpo.lab.report import write_csv
+    from sage_grpo.lab.report import draw_figures, write_csv
     from sage_grpo.lab.video import aggregate_runs, format_video_table, plot_video_lab, reward_curve, run_row
 
     quiet_libraries()
@@ -277,11 +277,7 @@ def main(argv: list[str] | None = None) -> int:
           f"captions (ODE); gains and drift against the base model on the same noise:")
     print(table)
     if not args.no_plots:
-        try:
-            paths = plot_video_lab(out, rows, aggs, curves)
-            print(f"\n[video_lab] figures in {out}: {', '.join(p.name for p in paths)}")
-        except ImportError:
-            print("[video_lab] matplotlib missing (pip install '.[plot]'): no figures", file=sys.stderr)
+        draw_figures("video_lab", out, lambda: plot_video_lab(out, rows, aggs, curves))
     print(f"[video_lab] total {time.perf_counter() - t0:.1f} s")
     return 0
 

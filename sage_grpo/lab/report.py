@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import csv
 import math
+import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["TABLE_METRICS", "aggregate", "format_table", "write_csv", "plot_all", "save_figure"]
+__all__ = ["TABLE_METRICS", "aggregate", "format_table", "write_csv", "plot_all", "save_figure", "draw_figures"]
 
 # (column title, summary key, decimals). Off-manifold: lower is better; the others: see the README.
 TABLE_METRICS = (
@@ -192,3 +193,15 @@ def save_figure(fig, path: Path, plt) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def draw_figures(tag: str, out: Path, draw: Callable[[], Iterable[Path]]) -> list[Path]:
+    """Run `draw` (it imports matplotlib) and print the names of the figures it wrote; without matplotlib, one note
+    on stderr and no figures (the tables and CSVs do not need it). `tag`: the script's log prefix."""
+    try:
+        paths = list(draw())
+    except ImportError:
+        print(f"[{tag}] matplotlib missing (pip install '.[plot]'): no figures", file=sys.stderr)
+        return []
+    print(f"\n[{tag}] figures in {out}: {', '.join(sorted({p.name for p in paths}))}")
+    return paths
