@@ -21,6 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
 
 
+def _mean_var(x: list[float]) -> tuple[float, float]:
+    """Mean and sample variance (n - 1) of at least two numbers."""
+    m = sum(x) / len(x)
+    return m, sum((v - m) ** 2 for v in x) / (len(x) - 1)
+
+
 def learning_stats(metrics_path: Path, window: int = 10) -> dict:
     """Mean rollout reward of the first and last `window` steps and (last - first) / standard error."""
     rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
@@ -28,12 +34,7 @@ def learning_stats(metrics_path: Path, window: int = 10) -> dict:
     if len(r) < 2 * window:
         raise SageGRPOError(f"{metrics_path} has {len(r)} steps; the comparison needs at least {2 * window}")
     first, last = r[:window], r[-window:]
-
-    def mean_var(x):
-        m = sum(x) / len(x)
-        return m, sum((v - m) ** 2 for v in x) / (len(x) - 1)
-
-    (m1, v1), (m2, v2) = mean_var(first), mean_var(last)
+    (m1, v1), (m2, v2) = _mean_var(first), _mean_var(last)
     se = math.sqrt(v1 / window + v2 / window)
     return {"steps": len(r), "first_mean": m1, "last_mean": m2, "std_errors": (m2 - m1) / se if se > 0 else math.inf}
 
@@ -43,10 +44,10 @@ def paired_stats(before: list[float], after: list[float]) -> dict:
     (inf when every pair moved by the same amount, NaN for fewer than two pairs)."""
     diff = [a - b for a, b in zip(after, before, strict=True)]
     n = len(diff)
-    mean = sum(diff) / n if n else math.nan
     if n < 2:
-        return {"paired_change": mean, "paired_std_errors": math.nan}
-    se = math.sqrt(sum((d - mean) ** 2 for d in diff) / (n - 1) / n)
+        return {"paired_change": diff[0] if diff else math.nan, "paired_std_errors": math.nan}
+    mean, var = _mean_var(diff)
+    se = math.sqrt(var / n)
     if se == 0:
         return {"paired_change": mean, "paired_std_errors": math.copysign(math.inf, mean) if mean else math.nan}
     return {"paired_change": mean, "paired_std_errors": mean / se}

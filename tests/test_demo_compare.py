@@ -45,3 +45,9 @@ def test_learning_stats_compare_the_first_and_last_windows(tmp_path):
     assert got["std_errors"] == pytest.approx((last.mean() - first.mean()) / se)
     with pytest.raises(SageGRPOError, match="at least 40"):
         demo_compare.learning_stats(path, window=20)
+
+
+@pytest.mark.parametrize("flags", [["--prompts", "0"], ["--strip_prompts", "0"]])
+def test_zero_prompts_is_one_error_before_anything_loads(tmp_path, flags):
+    with pytest.raises(SageGRPOError, match="must be >= 1"):
+        demo_compare.main(["--run", str(tmp_path), "--out", str(tmp_path / "o"), *flags])
