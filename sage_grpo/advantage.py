@@ -1,4 +1,4 @@
-"""Group-relative advantages (paper Eq. 10, 34-35; README "The rest of the algorithm").
+"""Group-relative advantages (paper Eq. 10, 34-35; docs/algorithm.md "The rest of the algorithm").
 
 A_i = (r_i - mean_G) / (std_G + eps) with the population std over the group. Failed rewards (NaN/inf) are masked
 out of the group statistics and out of the loss instead of being replaced by 0, which would shift the group mean

@@ -1,4 +1,4 @@
-"""The reference policy pi_ref of the position KL (README "The rest of the algorithm": KL_pos).
+"""The reference policy pi_ref of the position KL (docs/algorithm.md "The rest of the algorithm": KL_pos).
 
 Full fine-tuning: a frozen copy of the transformer (on CPU between uses with `reference_mode_offload`; under FSDP2 a
 sharded copy whose offload is FSDP2's own). LoRA: never a second model: the fixed anchor is the base with the adapter

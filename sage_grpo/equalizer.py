@@ -1,4 +1,4 @@
-"""Gradient-norm equalizer (paper Eq. 8-9, App. A.5; README "The rest of the algorithm").
+"""Gradient-norm equalizer (paper Eq. 8-9, App. A.5; docs/algorithm.md "The rest of the algorithm").
 
 For a Gaussian step ||d log pi / d mean|| ~ 1 / sqrt(V_t), and the network output enters the mean with
 sensitivity |d mean / d v|, so the gradient scale of step t is N_t = |d mean_t / d v| / sqrt(V_t). The weight

@@ -1,4 +1,4 @@
-"""Dual trust region (paper Eq. 11-15, 40-42; README "The rest of the algorithm").
+"""Dual trust region (paper Eq. 11-15, 40-42; docs/algorithm.md "The rest of the algorithm").
 
 Two references constrain the policy:
 - position: the anchor pi_ref_N, a frozen copy refreshed every N optimizer updates (never refreshed = fixed KL to

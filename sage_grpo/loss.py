@@ -1,4 +1,4 @@
-"""PPO-style clipped surrogate of GRPO (paper Eq. 43; README "The rest of the algorithm").
+"""PPO-style clipped surrogate of GRPO (paper Eq. 43; docs/algorithm.md "The rest of the algorithm").
 
 Per (sample i, step t), ratio = exp(logp_new - logp_old):
     L(i, t) = max(-A_i * ratio, -A_i * clip(ratio, 1 - eps, 1 + eps))

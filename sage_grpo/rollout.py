@@ -1,7 +1,7 @@
 """The GRPO rollout over the HunyuanVideo-1.5 policy, and the re-scoring the update calls.
 
 One rollout: N = prompts x G latents start from per-sample noise x_0 at sigma = 1 and take T steps of `sde_step`
-(README "The samplers") down the shifted schedule. Each step runs the transformer once on 2N inputs when CFG is
+(docs/algorithm.md) down the shifted schedule. Each step runs the transformer once on 2N inputs when CFG is
 on ([cond..., uncond...], v = v_u + s * (v_c - v_u), the diffusers guider's formula) and keeps x_{t+1} in the
 storage dtype with its log-prob. `policy_step` recomputes the step for stored samples through the *same* function
 (`predict_velocity`: same CFG layout, input dtype and autocast), so re-scoring the stored x_{t+1} with unchanged

@@ -2,7 +2,7 @@
 
 Rectified flow runs sigma from 1 (noise) to 0 (data). The HunyuanVideo-1.5 pipeline (diffusers'
 FlowMatchEulerDiscreteScheduler with `shift`) uses u_i = 1 - i/T and sigma_i = s*u_i / (1 + (s - 1)*u_i);
-tests/test_schedule.py checks the T = 20, s = 5 values; README "The samplers" gives the formulas.
+tests/test_schedule.py checks the T = 20, s = 5 values; docs/algorithm.md "The samplers" gives the formulas.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One SDE step for GRPO rollouts and re-scoring: the five samplers of README "The samplers".
+"""One SDE step for GRPO rollouts and re-scoring: the five samplers of docs/algorithm.md "The samplers".
 
 dance_grpo, flow_grpo and sage_grpo are the same Euler-Maruyama step of the marginal-preserving reverse SDE and
 differ only in the variance V_t of the noise injected over the step:
@@ -221,7 +221,7 @@ def step_variance(
 
 def mean_sensitivity(sde_type: str, sigma: Tensor, sigma_next: Tensor, variance: Tensor) -> Tensor:
     """d mean_t / d v, the sensitivity of the step mean to the network output (paper App. A.5; the equalizer row of
-    README "The rest of the algorithm")."""
+    docs/algorithm.md "The rest of the algorithm")."""
     check_sampler(sde_type)
     dt = sigma_next - sigma
     if sde_type == "cps":

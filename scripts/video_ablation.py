@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model_path", default=WORLD_MODEL_DIR, help=f"diffusers-layout model (default: {WORLD_MODEL_DIR})")
     p.add_argument("--out", type=Path, default=Path("outputs/video_lab"), help="output directory")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (post_train's --threads; default 1: the timing in the README)")
+                   help="torch CPU threads (post_train's --threads; default 1: the timing in docs/labs.md)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     args = p.parse_args(argv)
     args.seeds = (1 if args.quick else 3) if args.seeds is None else args.seeds

@@ -1,4 +1,4 @@
-"""A seconds-scale CPU lab for the algorithm (README "Lab"): GRPO on a small flow model with a known data manifold.
+"""A seconds-scale CPU lab for the algorithm (docs/labs.md): GRPO on a small flow model with a known data manifold.
 
 - `data`: a ring of angular modes, in 2-D or embedded in D dimensions, with an exact distance to the support
   and a reward that prefers one mode (and can be exploited off-manifold).
@@ -8,7 +8,7 @@
 - `metrics`: reward, off-manifold distance, mode coverage/entropy, per-step gradient norms (Fig. 3-4).
 - `report`: the Table-2-shaped table, CSV and figures used by scripts/lab_ablation.py.
 - `video`: the video lab's cell flags, rows, table and figures (scripts/video_ablation.py: the same grid as
-  post_train.py runs on the tiny world model; README "Video lab").
+  post_train.py runs on the tiny world model; docs/labs.md "Video lab").
 """
 
 from .data import RingManifold

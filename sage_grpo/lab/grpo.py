@@ -9,7 +9,7 @@ One iteration = one rollout batch:
    `grpo_backward` re-scores the stored x_{t+1}, weights the clipped surrogate by the equalizer S_t and adds
    lambda_KL * L_KL), so every lab result speaks for the video loop.
 
-KL variants (README "The rest of the algorithm"; `sage_grpo.kl.KL_VARIANTS`):
+KL variants (docs/algorithm.md "The rest of the algorithm"; `sage_grpo.kl.KL_VARIANTS`):
     none        no KL term
     fixed       KL_pos to the initial model (anchor never refreshed)
     moving      KL_pos to an anchor copied from the policy every `kl_refresh_every` optimizer updates

@@ -1,6 +1,6 @@
 """The toy flow: an MLP velocity field v(x, sigma), pre-trained by rectified flow matching in seconds.
 
-Same conventions as the video model (README "The samplers"): x_sigma = (1 - sigma) * x0 + sigma * eps, the
+Same conventions as the video model (docs/algorithm.md "The samplers"): x_sigma = (1 - sigma) * x0 + sigma * eps, the
 network predicts v ~ eps - x0, sampling runs sigma from 1 to 0.
 """
 

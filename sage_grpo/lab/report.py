@@ -14,7 +14,7 @@ from pathlib import Path
 
 __all__ = ["TABLE_METRICS", "aggregate", "format_table", "write_csv", "plot_all", "save_figure", "draw_figures"]
 
-# (column title, summary key, decimals). Off-manifold: lower is better; the others: see the README.
+# (column title, summary key, decimals). Off-manifold: lower is better; the others: see docs/labs.md.
 TABLE_METRICS = (
     ("Reward", "final_reward", 3),
     ("Off-manifold", "final_off_manifold", 3),

@@ -43,7 +43,7 @@ __all__ = [
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _DOWNLOAD_HINT = (
-    "Download the weights with ./download_weights.sh (see README 'Weights'), or build a tiny random model for a "
+    "Download the weights with ./download_weights.sh (see docs/real_weights.md), or build a tiny random model for a "
     "CPU smoke test with: python scripts/make_tiny_checkpoint.py --out outputs/tiny_ckpts/hunyuanvideo15"
 )
 

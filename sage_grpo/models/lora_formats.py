@@ -32,7 +32,7 @@ mapping is `sage_grpo.models.convert.TRANSFORMER_RULES`, the one the weight load
     as A shared by the three and B cut into its q/k/v rows (what diffusers does for HunyuanVideo 1.0's
     img_attn_qkv in `_convert_hunyuan_video_lora_to_diffusers`).
 
-Sources read (see the README, "Using a trained LoRA"): ComfyUI (Comfy-Org/ComfyUI) comfy/lora.py ec93dcac
+Sources read (see docs/generation.md, "Using a trained LoRA"): ComfyUI (Comfy-Org/ComfyUI) comfy/lora.py ec93dcac
 (`model_lora_keys_unet`: the generic `diffusion_model.<module>` rule and the HunyuanVideo branch; `load_lora`),
 comfy/weight_adapter/lora.py 6f98b150 (`lora_up`/`lora_down`, scale alpha / rank), comfy/supported_models.py e3c35527
 (`HunyuanVideo15(HunyuanVideo)` and its `process_unet_state_dict` renames), comfy/model_detection.py a9fc7512,

@@ -27,7 +27,7 @@ from sage_grpo.errors import SageGRPOError
 
 SPECIAL_TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")
 PEFT_PREFIX = "base_model.model."
-# statistics of the authors' inference_config (README "VideoAlign (default reward)"), used when the file has none
+# statistics of the authors' inference_config (docs/rewards.md, VideoAlign), used when the file has none
 DEFAULT_NORM = {"VQ": (3.6757, 2.2476), "MQ": (1.1646, 1.3811), "TA": (2.8105, 2.5121)}
 
 # ----------------------------------------------------------------------------------------------------------------
