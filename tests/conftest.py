@@ -124,3 +124,29 @@ def tiny_clip_dirs(tmp_path_factory) -> dict[str, Path]:
     pick_model = _write_tiny_clip(root / "PickScore_v1", seed=1)
     pick_proc = _write_tiny_clip(root / "CLIP-ViT-H-14", seed=2, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
     return {"clip": clip, "pick_model": pick_model, "pick_processor": pick_proc, "root": root}
+
+
+# ------------------------------------------------------------------------------------------ scheduling
+
+# The longest tests (seconds on 2 cores, one thread each), started first so that scripts/test.sh's workers
+# (pytest-xdist, one test at a time) finish together instead of one waiting for a long test started last.
+LONGEST_FIRST = (
+    "tests/test_world_model.py::test_the_demo_training_rises_with_the_hacking_check_silent",
+    "tests/test_post_train.py::test_two_rank_layouts_train_resume_and_match_one_process",
+    "tests/test_compile.py::test_compiled_blocks_equal_eager",
+    "tests/test_launch.py::test_a_clean_stop_through_the_launcher_exits_0_and_two_nodes_continue_it",
+    "tests/test_gpu_check.py::test_tiny_gpu_check_runs_every_stage",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run order: the longest tests, then the other slow and multi-process ones, then the fast suite. Test order
+    carries no meaning here (every test builds what it needs from fixtures), so this changes only the wall time."""
+
+    def rank(item) -> tuple[int, int]:
+        base = item.nodeid.split("[")[0]
+        if base in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(base)
+        return (1 if item.get_closest_marker("slow") or item.get_closest_marker("dist") else 2), 0
+
+    items.sort(key=rank)  # stable: the original order within each rank

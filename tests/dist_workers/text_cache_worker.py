@@ -74,4 +74,5 @@ except SageGRPOError as e:
     out["failure_error"] = str(e)
 
 (out_dir / f"rank{info.rank}.json").write_text(json.dumps(out))
+barrier()  # every rank done before any closes its connections (gloo aborts a peer still using them)
 destroy()
