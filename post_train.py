@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from sage_grpo.grpo import PairBatch, UpdateStats
     from sage_grpo.heldout import HeldOut
     from sage_grpo.kl import AdaptiveKLController
+    from sage_grpo.models.image_cond import ImageConditioningCache
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.optim import Optimizers
     from sage_grpo.parallel.dist import DistInfo
@@ -88,6 +89,7 @@ class Components:
     step_weights: torch.Tensor  # [T] equalizer S_t (ones without --use_grad_balancing)
     variance: torch.Tensor  # [T] V_t of the rollout sampler
     heldout: HeldOut  # the held-out metrics validation reports (--validation_metrics)
+    images: ImageConditioningCache | None = None  # each reference image's conditioning (I2V checkpoint); None: T2V
 
 
 @dataclass
@@ -150,6 +152,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     from sage_grpo.equalizer import equalizer_weights
     from sage_grpo.heldout import HeldOut
     from sage_grpo.kl import AdaptiveKLController
+    from sage_grpo.models.image_cond import ImageConditioningCache
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.models.tiny_checkpoint import ensure_tiny_checkpoint
     from sage_grpo.optim import build_optimizer
@@ -181,8 +184,23 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     if r.cfg_scale != 1.0 or (validates and v.validation_guidance_scale != 1.0):
         needed.append(r.neg_prompt)
     cache.precompute(needed, info)  # collective: each distinct prompt is encoded by one rank
+    images, shape = None, latent_shape(pipe.vae.config, r.sample_n_frames, r.height, r.width)
+    if pipe.sage_grpo_task == "i2v":
+        check_prompt_tasks(cfg, "i2v", prompts, val_records)  # also here: preflight may not have found the model yet
+        # every reference image encoded once (VAE mode + SigLIP), kept on CPU beside the text embeddings
+        images = ImageConditioningCache(pipe, info.device, dtype)
+        images.precompute([rec.ref_image_path for rec in prompts]
+                          + ([rec.ref_image_path for rec in val_records] if validates else []))
+        shape = i2v_train_shape(cfg, pipe, images, prompts)
+        s = pipe.vae.config.spatial_compression_ratio
+        print0(info, f"image-to-video: {len(images)} reference images, training videos {shape[2] * s}x{shape[3] * s} "
+               "(their bucket; --height/--width apply to text-to-video)")
+    else:
+        check_prompt_tasks(cfg, "t2v", prompts, val_records)
     if m.offload_text_encoder:
         cache.offload_encoders()
+        if images is not None:
+            images.offload_encoder()
 
     settings = SamplerSettings.from_config(cfg)
     sigmas = sigma_schedule(r.grpo_sampling_steps, r.flow_shift)
@@ -203,9 +221,9 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
         cfg=cfg, info=info, out=out, pipe=pipe, transformer=transformer, trainable=trainable, optimizer=optimizer,
         anchor=anchor, reward=reward, cache=cache, prompts=prompts,
         val_records=val_records, settings=settings, val_settings=val_settings,
-        shape=latent_shape(pipe.vae.config, r.sample_n_frames, r.height, r.width),
+        shape=shape,
         val_shape=latent_shape(pipe.vae.config, v.validate_video_length, vh, vw),
-        step_weights=s_t.float(), variance=variance.float(), heldout=HeldOut(spec, reward, extra),
+        step_weights=s_t.float(), variance=variance.float(), heldout=HeldOut(spec, reward, extra), images=images,
     )
     state = TrainState(
         controller=AdaptiveKLController.from_config(cfg.kl),
@@ -227,6 +245,35 @@ def load_validation_records(cfg: Config, prompts: list[PromptRecord]) -> list[Pr
     if v.validation_prompts:
         return [PromptRecord(prompt=p, index=i) for i, p in enumerate(v.validation_prompts)]
     return list(prompts[: min(4, len(prompts))])
+
+
+def check_prompt_tasks(cfg: Config, task: str, prompts: list[PromptRecord], val_records: list[PromptRecord]) -> None:
+    """The training prompts (and the validation prompts, when the run validates) fit the checkpoint's task."""
+    from sage_grpo.models.image_cond import check_task
+
+    v = cfg.validation
+    check_task(task, prompts, f"--train_video_csv {cfg.data.train_video_csv}")
+    if v.validation_interval or v.validate_at_step0:
+        check_task(task, val_records, f"--valid_video_csv {v.valid_video_csv}" if v.valid_video_csv
+                   else "--validation_prompts" if v.validation_prompts else "the validation prompts")
+
+
+def i2v_train_shape(cfg: Config, pipe, images: ImageConditioningCache, prompts: list[PromptRecord]) -> tuple:
+    """The rollout latent [C, F, h, w] of an I2V run: the training images' bucket. One size for the run: a rank's
+    rollout batch stacks its samples' latents, so its images must share a bucket (mixed sizes are not supported
+    yet: crop the images to one aspect ratio)."""
+    from sage_grpo.rollout import latent_shape
+
+    by_size: dict = {}
+    for rec in prompts:
+        by_size.setdefault(images.latent_hw(rec.ref_image_path), []).append(rec.ref_image_path)
+    s = pipe.vae.config.spatial_compression_ratio
+    if len(by_size) > 1:
+        listing = "; ".join(f"{h * s}x{w * s}: {len(v)} (e.g. {v[0]})" for (h, w), v in by_size.items())
+        raise SageGRPOError(f"the reference images of --train_video_csv fall into {len(by_size)} size buckets "
+                            f"({listing}); one training run takes one size: crop the images to one aspect ratio")
+    (h, w), = by_size
+    return latent_shape(pipe.vae.config, cfg.rollout.sample_n_frames, h * s, w * s)
 
 
 def validation_metrics_spec(cfg: Config, val_records: list[PromptRecord]):
@@ -533,6 +580,8 @@ def rollout_phase(c: Components, state: TrainState) -> Trajectory:
             base_seed=derive_seed(cfg.optim.seed, state.step), same_noise=cfg.rollout.use_same_noise,
             storage_dtype=torch.float32, show_progress=info.is_main and cfg.logging.verbose,
             chunk_size=cfg.optim.mini_batch_size_per_update, device=info.device,
+            # each sample its own prompt's image (the authors gave a whole rank the first group's image)
+            image=c.images.get([rec.ref_image_path for rec in recs]) if c.images is not None else None,
         )
 
 
@@ -716,7 +765,7 @@ def validation(c: Components, state: TrainState, step: int) -> dict:
     for j, (rec, frames) in enumerate(sample_videos(
             c.pipe, c.cache, todo, settings=c.val_settings, shape=c.val_shape,
             base_seed=cfg.validation.validation_seed, negative_prompt=cfg.rollout.neg_prompt,
-            show_progress=info.is_main and cfg.logging.verbose, decode=info.sp_rank == 0)):
+            show_progress=info.is_main and cfg.logging.verbose, decode=info.sp_rank == 0, images=c.images)):
         if j >= len(mine) or info.sp_rank != 0:  # padding, or an sp peer's copy: the sp leader writes and scores
             continue
         score = {k: float(v[0]) for k, v in c.reward(frames[None].to(info.device), [rec.prompt]).items()}
@@ -960,6 +1009,8 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     from sage_grpo.checkpoint import resolve_resume, run_outputs
     from sage_grpo.data import read_prompts
     from sage_grpo.metrics import check_report_to
+    from sage_grpo.models.image_cond import check_reference_images
+    from sage_grpo.models.loading import locate_model
 
     validate(cfg, world_size=world_size)
     sp = cfg.parallel.sp_size
@@ -980,7 +1031,18 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     if ck.resume_from_checkpoint and ck.overwrite_output_dir:
         raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
-    validation_metrics_spec(cfg, load_validation_records(cfg, read_prompts(cfg.data.train_video_csv)))
+    prompts = read_prompts(cfg.data.train_video_csv)  # one task per file (sage_grpo.data)
+    val_records = load_validation_records(cfg, prompts)
+    validation_metrics_spec(cfg, val_records)
+    check_reference_images(prompts, f"--train_video_csv {cfg.data.train_video_csv}")  # every image decodes
+    check_reference_images(val_records, "validation prompts")
+    try:
+        m = cfg.model
+        task = locate_model(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version).task
+    except SageGRPOError:
+        task = None  # not there yet (the tiny default is built in setup) or incomplete: setup says which
+    if task is not None:
+        check_prompt_tasks(cfg, task, prompts, val_records)
 
 
 def check_resume_fits(cfg: Config, path: Path) -> None:

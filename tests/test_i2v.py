@@ -4,6 +4,7 @@ HunyuanVideo15ImageToVideoPipeline, per-prompt images in one batch, and the bad-
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -164,3 +165,147 @@ def test_generate_takes_an_image_per_prompt_and_sizes_the_video_by_its_bucket(ti
     [by_file] = generate.main([*common, "--valid_video_csv", str(tmp_path / "p.csv"), "--output_path",
                                str(tmp_path / "by_file")])
     assert torch.equal(read_video(by_file)[0], read_video(out[1])[0])
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+def _i2v_prompts(folder, n=4):
+    """A prompt CSV with a different 16:9-ish image per prompt (one bucket), paths relative to the file."""
+    (folder / "imgs").mkdir(parents=True, exist_ok=True)
+    rows = ["prompt,ref_image_path"]
+    for i in range(n):
+        _image(folder / "imgs" / f"{i}.png", 36 + i, 64 + 2 * i, 10 + i)
+        rows.append(f"a scene number {i},imgs/{i}.png")
+    (folder / "prompts.csv").write_text("\n".join(rows) + "\n")
+    return folder / "prompts.csv"
+
+
+@pytest.mark.slow
+def test_i2v_training_starts_at_ratio_one_validates_and_resumes_exactly(tiny_i2v_dir, tmp_path):
+    from post_train_helpers import _args, _stable, _weights, pt
+
+    from sage_grpo.checkpoint import list_checkpoints
+    from sage_grpo.metrics import read_metrics
+
+    csv = _i2v_prompts(tmp_path / "data")
+    # two prompts (two images) per step on the one rank: each group must get its own image
+    extra = ["--train_video_csv", str(csv), "--num_generations", "2", "--update_ref_model_step", "1",
+             "--kl_warmup_updates", "1", "--kl_weight", "1e-2", "--kl_coef", "1e-3", "--kl_min_coef", "1e-4",
+             "--learning_rate", "1e-3", "--validation_num_inference_steps", "2", "--validate_video_length", "5"]
+    full, half = tmp_path / "full", tmp_path / "half"
+    pt.main(_args(tiny_i2v_dir, full, "--max_steps", "4", "--validation_interval", "2", *extra))
+    pt.main(_args(tiny_i2v_dir, half, "--max_steps", "2", "--save_interval", "2", "--validation_interval", "2",
+                  *extra))
+    pt.main(_args(tiny_i2v_dir, half, "--max_steps", "4", "--save_interval", "2", "--validation_interval", "2",
+                  *extra, "--resume_from_checkpoint", "latest"))
+    rows = read_metrics(full / "metrics.jsonl")
+    assert rows[0]["train/ratio_min"] == rows[0]["train/ratio_max"] == 1.0  # re-scored with the rollout's images
+    assert rows[1]["val/videos"] == 4 and len(list((full / "samples" / "step_000002").glob("*.mp4"))) == 4
+    a, b = (list_checkpoints(d)[-1][1] for d in (full, half))
+    sa, sb = (json.loads((p / "train_state.json").read_text()) for p in (a, b))
+    assert sa["step"] == sb["step"] == 4
+    assert {k: v for k, v in sa.items() if k != "config"} == {k: v for k, v in sb.items() if k != "config"}
+    wa, wb = _weights(full), _weights(half)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _stable(read_metrics(full / "metrics.jsonl")) == _stable(read_metrics(half / "metrics.jsonl"))
+
+
+def test_i2v_training_rollout_gives_each_group_its_own_image_and_rescores_to_ratio_one(tiny_i2v_dir, tmp_path):
+    """post_train's setup and rollout phase on the tiny I2V model: two prompts (two images) on one rank, each
+    sample conditioned on its own prompt's image (the authors' code gave the rank the first group's image), encoded
+    once per image; re-scoring the stored trajectory (the update's forward) gives the rollout's log-probs back."""
+    from post_train_helpers import _args, pt
+
+    from sage_grpo.config import load_config
+    from sage_grpo.models.image_cond import encode_reference, open_reference_image
+    from sage_grpo.parallel.dist import init_distributed
+    from sage_grpo.rollout import policy_step
+
+    csv = _i2v_prompts(tmp_path / "data")
+    cfg = load_config(_args(tiny_i2v_dir, tmp_path / "run", "--train_video_csv", str(csv), "--num_generations", "2",
+                            "--grpo_sampling_steps", "2"))
+    c, state = pt.setup(cfg, init_distributed(), None)
+    assert c.images is not None and c.images.num_encoded == 4 and c.shape == (4, 2, 6, 10)
+    traj = pt.rollout_phase(c, state)
+    prompts = sorted(set(traj.prompts))
+    assert len(prompts) == 2 and traj.image is not None and len(traj.image) == 4
+    by_prompt = {r.prompt: r.ref_image_path for r in c.prompts}
+    for i, prompt in enumerate(traj.prompts):
+        want = encode_reference(c.pipe, open_reference_image(by_prompt[prompt]), "cpu", torch.float32)
+        assert torch.equal(traj.image.embeds[i], want.embeds[0]) and torch.equal(traj.image.latents[i], want.latents[0])
+    assert not torch.equal(traj.image.embeds[0], traj.image.embeds[2])  # the two groups' images differ
+    with torch.no_grad():  # in the rollout's chunks, as the update re-scores (a matmul's rounding depends on them)
+        for chunk in torch.arange(4).split(cfg.optim.mini_batch_size_per_update):
+            for step in range(2):
+                out = policy_step(c.transformer, traj, chunk, step, c.pipe.vision_num_semantic_tokens)
+                assert torch.equal(out.log_prob, traj.log_probs[chunk, step])
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.fixture()
+def no_model_load(monkeypatch):
+    """Fail the test if anything loads the pipeline: the errors below must come first."""
+    import sage_grpo.models.loading as loading
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(loading, "load_pipeline", refuse)
+
+
+def _csv(folder, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "p.csv").write_text("prompt,ref_image_path\n" + "".join(f"{p},{i}\n" for p, i in rows))
+    return str(folder / "p.csv")
+
+
+def test_bad_reference_images_and_tasks_are_one_line_before_any_model_loads(tiny_i2v_dir, tiny_model, images,
+                                                                             tmp_path, no_model_load):
+    from post_train_helpers import _args, pt
+
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "junk.png").write_bytes(b"not an image at all")
+    png = (tmp_path / "a.png").read_bytes()
+    (d / "cut.png").write_bytes(png[: len(png) // 2])  # a truncated download
+    cases = [
+        (tiny_i2v_dir, _csv(d / "1", [("a cat", "gone.png")]), r"reference image .*1/gone.png \(--train_video_csv .*"
+         r"prompt 'a cat'\) does not exist"),
+        (tiny_i2v_dir, _csv(d / "2", [("a cat", "../junk.png")]), r"junk.png .* cannot be read as an image"),
+        (tiny_i2v_dir, _csv(d / "3", [("a cat", "../cut.png")]), r"cut.png .* (cannot be read as an image|is corrupt)"),
+        (tiny_i2v_dir, _csv(d / "4", [("a cat", images[0]), ("a dog", "")]), r"mixes tasks"),
+        (tiny_model, _csv(d / "5", [("a cat", images[0])]), r"gives reference images .* but the checkpoint is "
+         r"text-to-video"),
+        (tiny_i2v_dir, "configs/tiny_prompts.txt", r"the checkpoint is image-to-video but --train_video_csv "
+         r"configs/tiny_prompts.txt gives no reference image for"),
+    ]
+    for model, csv, match in cases:
+        with pytest.raises(SageGRPOError, match=match) as err:
+            pt.main(_args(model, tmp_path / "run", "--train_video_csv", csv))
+        assert "\n" not in str(err.value)
+    # validation prompts without images on an I2V checkpoint (the training file has them)
+    with pytest.raises(SageGRPOError, match="image-to-video but --validation_prompts gives no reference image"):
+        pt.main(_args(tiny_i2v_dir, tmp_path / "run", "--train_video_csv", _csv(d / "6", [("a cat", images[0])]),
+                      "--validation_interval", "1", "--validation_prompts", "a dog"))
+
+
+def test_generate_refuses_bad_images_before_any_model_loads(tiny_i2v_dir, tiny_model, images, tmp_path,
+                                                            no_model_load):
+    import generate
+
+    out = ["--output_path", str(tmp_path / "o")]
+    cases = [
+        (["--model_path", str(tiny_i2v_dir), "--prompt", "x", "--image", str(tmp_path / "nope.png")], "does not exist"),
+        (["--model_path", str(tiny_model), "--prompt", "x", "--image", images[0]], "the checkpoint is text-to-video"),
+        (["--model_path", str(tiny_i2v_dir), "--prompt", "x"], "image-to-video but --prompt/--image gives no"),
+        (["--model_path", str(tiny_i2v_dir), "--prompt", "x", "--prompt", "y", "--prompt", "z", "--image", images[0],
+          "--image", images[1]], "2 --image for 3 --prompt"),
+        (["--model_path", str(tiny_i2v_dir), "--prompt_file", "configs/tiny_prompts.txt", "--image", images[0]],
+         "--image goes with --prompt"),
+    ]
+    for argv, match in cases:
+        with pytest.raises(SageGRPOError, match=re.escape(match)):
+            generate.main([*argv, *out])
