@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     mine = records[info.dp_rank::info.dp_size]  # split over data-parallel groups; sp peers share their prompts
     writer = info.sp_rank == 0  # one peer of each sp group writes (all of them hold the same frames)
     cache.precompute([r.prompt for r in mine] + ([args.negative_prompt] if settings.use_cfg else []))
-    images = ImageConditioningCache(pipe, device, dtype) if task == "i2v" else None
+    images = (ImageConditioningCache(pipe, device, dtype, args.text_embedding_cache_dir or None) if task == "i2v"
+              else None)
     if images is not None:
         images.precompute([r.ref_image_path for r in mine])  # VAE + SigLIP once per image
     if args.offload_text_encoder:  # every prompt is cached: the encoders need no device memory while sampling

@@ -188,9 +188,9 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     if pipe.sage_grpo_task == "i2v":
         check_prompt_tasks(cfg, "i2v", prompts, val_records)  # also here: preflight may not have found the model yet
         # every reference image encoded once (VAE mode + SigLIP), kept on CPU beside the text embeddings
-        images = ImageConditioningCache(pipe, info.device, dtype)
+        images = ImageConditioningCache(pipe, info.device, dtype, cache_dir)  # files beside the text embeddings
         images.precompute([rec.ref_image_path for rec in prompts]
-                          + ([rec.ref_image_path for rec in val_records] if validates else []))
+                          + ([rec.ref_image_path for rec in val_records] if validates else []), info)
         shape = i2v_train_shape(cfg, pipe, images, prompts)
         s = pipe.vae.config.spatial_compression_ratio
         print0(info, f"image-to-video: {len(images)} reference images, training videos {shape[2] * s}x{shape[3] * s} "

@@ -108,6 +108,26 @@ def test_condition_channels_hold_the_image_in_frame_zero_only(tiny_i2v_pipe, ima
     assert not t2v[0].any() and not t2v[1].any()
 
 
+def test_image_cache_encodes_once_shares_its_files_and_notices_an_edited_image(tiny_i2v_pipe, images, tmp_path):
+    from sage_grpo.models.image_cond import ImageConditioningCache, encode_reference, open_reference_image
+
+    pipe = tiny_i2v_pipe
+    a = ImageConditioningCache(pipe, "cpu", torch.float32, tmp_path / "cache")
+    a.precompute([images[0], images[1], images[0]])
+    assert a.num_encoded == 2 and len(list((tmp_path / "cache").glob("image-*.safetensors"))) == 2
+    got = a.get([images[1], images[0]])  # [2, ...] in the asked order
+    for i, path in enumerate([images[1], images[0]]):
+        want = encode_reference(pipe, open_reference_image(path), "cpu", torch.float32)
+        assert torch.equal(got.latents[i], want.latents[0]) and torch.equal(got.embeds[i], want.embeds[0])
+    b = ImageConditioningCache(pipe, "cpu", torch.float32, tmp_path / "cache")  # another rank or run: reads the files
+    again = b.get([images[1], images[0]])
+    assert b.num_encoded == 0 and torch.equal(again.latents, got.latents) and torch.equal(again.embeds, got.embeds)
+    shutil.copy(images[1], images[0])  # the image at a path changed: encoded again, not the stale entry
+    assert torch.equal(b.get([images[0]]).embeds, got.embeds[:1]) and b.num_encoded == 1
+    with pytest.raises(SageGRPOError, match="one forward holds one size"):
+        a.get([images[0], images[2]])  # a 16:9 and a square image do not stack
+
+
 def test_ode_rollout_with_an_image_per_prompt_equals_one_pipeline_call_per_image(tiny_i2v_pipe, images):
     """The I2V rollout of a batch whose prompts have different images gives each sample what diffusers'
     HunyuanVideo15ImageToVideoPipeline gives for that prompt and image alone (same noise, steps, CFG): the parity,
@@ -309,3 +329,25 @@ def test_generate_refuses_bad_images_before_any_model_loads(tiny_i2v_dir, tiny_m
     for argv, match in cases:
         with pytest.raises(SageGRPOError, match=re.escape(match)):
             generate.main([*argv, *out])
+
+
+@pytest.mark.dist
+def test_image_cache_precompute_is_shared_by_two_ranks(tiny_i2v_dir, images, tmp_path):
+    """Under torchrun each distinct image is encoded by one rank and read by the others from the cache directory;
+    a bad image on one rank's share ends with one error on every rank instead of a hang."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(root / "tests/dist_workers/image_cache_worker.py"), str(tmp_path), str(tiny_i2v_dir),
+                        str(tmp_path / "cache"), images[0], str(tmp_path / "gone.png"), images[1], images[2]],
+                       capture_output=True, text=True, cwd=root, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert [x["encoded"] for x in ranks] == [2, 1]
+    for x in ranks:
+        assert x["equal"] and x["encoded_after_get"] == x["encoded"] and x["files"] == 3
+        assert re.search(r"failed on 1 rank\(s\); rank 1: reference image .*gone.png does not exist",
+                         x["failure_error"])

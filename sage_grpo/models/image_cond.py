@@ -13,14 +13,19 @@ against the authors' code; /work/shared/spec/hv15_variants.md section 1):
 diffusers' pipeline takes one image per call, and the authors' GRPO code one image per batch (`ref_image_paths[0]`),
 so every group after the first on a rank trained on the wrong image. Here each sample carries its own image's
 conditioning (`ImageConditioning`, batched like `TextConditioning`), computed once per distinct image by
-`ImageConditioningCache` (the authors encode it again at every training micro-step) and kept on CPU beside the text
-embeddings; the image encoder is offloaded afterwards like the text encoders. A forward holds one task and one size:
-the transformer decides T2V vs I2V once per batch (`torch.all(image_embeds == 0)`), and latents of different sizes
-do not stack.
+`ImageConditioningCache` (the authors encode it again at every training micro-step) and kept on CPU, or on disk
+beside the text embeddings (`--text_embedding_cache_dir`, files `image-<key>.safetensors`, shared by the ranks that
+share the directory); the image encoder is offloaded afterwards like the text encoders. A forward holds one task and
+one size: the transformer decides T2V vs I2V once per batch (`torch.all(image_embeds == 0)`), and latents of
+different sizes do not stack.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +42,7 @@ __all__ = [
     "bucket_size",
     "condition_channels",
     "check_task",
+    "image_encoder_identity",
 ]
 
 
@@ -170,39 +176,157 @@ def encode_reference(pipe, image, device: torch.device | str, dtype: torch.dtype
     return ImageConditioning(latent, embeds).to("cpu", dtype)  # embeds [1, T_img, D_img]
 
 
+_IMAGE_DIRS = {  # what an image's conditioning depends on besides the image, per checkpoint layout
+    "diffusers": ("vae", "image_encoder", "feature_extractor"),
+    "authors": ("vae", "vision_encoder/siglip"),
+}
+
+
+def image_encoder_identity(pipe) -> str:
+    """The VAE and SigLIP files (weights by size + first and last MiB, as the text cache's identity) and the bucket
+    base target_size: different weights or buckets at the same path get another identity."""
+    from sage_grpo.models.text_cache import _file_digest
+
+    loc = getattr(pipe, "sage_grpo_location", None)
+    if loc is None:
+        raise ValueError("the image cache needs a pipeline from sage_grpo.models.loading.load_pipeline")
+    parts = [loc.layout, f"target_size={pipe.transformer.config.target_size}"]
+    for sub in _IMAGE_DIRS[loc.layout]:
+        d = Path(loc.root) / sub
+        files = sorted(f for f in d.rglob("*") if f.is_file()) if d.is_dir() else []
+        parts += [f"{f.relative_to(loc.root).as_posix()}:{_file_digest(f)}" for f in files]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 class ImageConditioningCache:
-    """image path -> its ImageConditioning, encoded once per distinct image and kept on CPU in `dtype`.
+    """image path -> its ImageConditioning, encoded once per distinct image, in `dtype`.
 
-    Keys are the paths as given (prompt files resolve theirs to absolute paths). Every rank encodes the images it is
-    asked for (SigLIP and one VAE encode per image: small next to a rollout). ~1.7 MB per image at the real size
-    (729 x 1152 bf16 + a 32 x 30 x 53 latent)."""
+    Keys are the paths as given (prompt files resolve theirs to absolute paths). Without `cache_dir` the entries stay
+    in CPU memory (~1.7 MB per image at the real size: 729 x 1152 bf16 + a 32 x 30 x 53 latent) and every rank
+    encodes the images it is asked for. With `cache_dir` (the text-embedding cache's directory) each image is one
+    file `image-<sha256(identity, path, image digest)>.safetensors`, written atomically and never rewritten, read at
+    every `get` (nothing held in memory); an edited image has another digest and is encoded again; an unreadable
+    file is a miss. `precompute(paths, info)` under torchrun then splits the distinct images over the ranks."""
 
-    def __init__(self, pipe, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, pipe, device: torch.device | str, dtype: torch.dtype, cache_dir: str | Path | None = None):
         self.pipe = pipe
         self.device = torch.device(device)
         self.dtype = dtype
+        self.cache_dir = Path(cache_dir) if cache_dir else None
         self._memory: dict[str, ImageConditioning] = {}
+        self._on_disk: set[str] = set()
+        self._identity: str | None = None
         self._offloaded = False
-        self.num_encoded = 0
+        self.num_encoded = 0  # images run through the encoders by this process (tests and logs)
 
-    def _entry(self, path: str) -> ImageConditioning:
-        e = self._memory.get(path)
-        if e is None:
-            enc = self.pipe.image_encoder
+    @property
+    def identity(self) -> str:
+        if self._identity is None:
+            self._identity = image_encoder_identity(self.pipe) + f":{self.dtype}"
+        return self._identity
+
+    def _file(self, path: str) -> Path:
+        from sage_grpo.models.text_cache import _file_digest
+
+        if not Path(path).is_file():
+            open_reference_image(path)  # raises the one message for a missing image or a folder
+        try:
+            digest = _file_digest(Path(path))
+        except OSError as e:
+            raise SageGRPOError(f"reference image {path} cannot be read: {e.strerror or e}") from None
+        key = hashlib.sha256(f"{self.identity}\n{path}\n{digest}".encode()).hexdigest()
+        return self.cache_dir / f"image-{key}.safetensors"
+
+    def _read(self, file: Path, path: str) -> ImageConditioning | None:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        if not file.is_file():
+            return None
+        try:
+            with safe_open(file, "pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("image") != path or meta.get("identity") != self.identity:
+                return None
+            t = load_file(file)
+            return ImageConditioning(t["latents"], t["embeds"])
+        except Exception as e:  # noqa: BLE001 -- a truncated or foreign file is a miss
+            warnings.warn(f"image cache file {file} is unreadable ({type(e).__name__}: {e}); encoding the image "
+                          "again", stacklevel=3)
+            return None
+
+    def _save(self, file: Path, path: str, e: ImageConditioning) -> None:
+        from safetensors.torch import save_file
+
+        from sage_grpo.files import usual_permissions
+
+        if self._read(file, path) is not None:
+            return  # another rank or job wrote it meanwhile
+        tmp = file.with_name(f"{file.stem}.{os.getpid()}.{uuid.uuid4().hex}.tmp")  # unique per writer
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"latents": e.latents.contiguous(), "embeds": e.embeds.contiguous()}, tmp,
+                      metadata={"image": path, "identity": self.identity})
+            usual_permissions(tmp)
+            os.replace(tmp, file)  # atomic: a reader sees no file or a complete one
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise SageGRPOError(f"cannot write the image cache in {self.cache_dir}: {err.strerror or err}") from err
+
+    def _encode(self, path: str) -> ImageConditioning:
+        enc = self.pipe.image_encoder
+        if self._offloaded and enc is not None:
+            enc.to(self.device)
+        try:
+            e = encode_reference(self.pipe, open_reference_image(path), self.device, self.dtype)
+        finally:
             if self._offloaded and enc is not None:
-                enc.to(self.device)
-            try:
-                e = encode_reference(self.pipe, open_reference_image(path), self.device, self.dtype)
-            finally:
-                if self._offloaded and enc is not None:
-                    enc.to("cpu")
-            self._memory[path] = e
-            self.num_encoded += 1
+                enc.to("cpu")
+        self.num_encoded += 1
         return e
 
-    def precompute(self, paths: list[str]) -> None:
-        for p in dict.fromkeys(paths):
-            self._entry(p)
+    def _entry(self, path: str) -> ImageConditioning:
+        """Memory, then disk, then the encoders (the result goes to disk if there is one, else to memory)."""
+        e = self._memory.get(path)
+        if e is not None:
+            return e
+        if self.cache_dir is None:
+            e = self._memory[path] = self._encode(path)
+            return e
+        file = self._file(path)
+        e = self._read(file, path)
+        if e is None:
+            e = self._encode(path)
+            self._save(file, path, e)
+        self._on_disk.add(path)
+        return e
+
+    def precompute(self, paths: list[str], info=None) -> None:
+        """Make every image available. `info` (DistInfo) of a multi-rank run with a cache_dir: COLLECTIVE, every
+        rank calls it with the same paths; each distinct image is encoded by one rank, the others read its file
+        (a directory not shared by every node: a rank encodes what it does not find). Otherwise this process
+        resolves every image itself."""
+        distinct = list(dict.fromkeys(paths))
+        if info is None or not info.distributed or self.cache_dir is None:
+            for p in distinct:
+                self._entry(p)
+            return
+        import torch.distributed as dist
+
+        def run_all(fn) -> None:  # every rank raises the first failure of any rank (no rank left waiting)
+            try:
+                fn()
+                err = None
+            except Exception as e:  # noqa: BLE001 -- re-raised below, on every rank
+                err = f"rank {info.rank}: {e}"
+            errors: list = [None] * info.world_size
+            dist.all_gather_object(errors, err)
+            errors = [x for x in errors if x is not None]
+            if errors:
+                raise SageGRPOError(f"image encoding failed on {len(errors)} rank(s); {errors[0]}")
+
+        run_all(lambda: [self._entry(p) for p in distinct[info.rank::info.world_size]])
+        run_all(lambda: [self._entry(p) for p in distinct])  # reads the others' files (encodes what is missing)
 
     def latent_hw(self, path: str) -> tuple[int, int]:
         """The latent (height, width) of an image's bucket."""
@@ -222,4 +346,4 @@ class ImageConditioningCache:
         self._offloaded = True
 
     def __len__(self) -> int:
-        return len(self._memory)
+        return len(self._memory) + len(self._on_disk)
