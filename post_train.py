@@ -201,6 +201,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
         cache.offload_encoders()
         if images is not None:
             images.offload_encoder()
+    warn_checkpoint_defaults(cfg, info, pipe)
 
     settings = SamplerSettings.from_config(cfg)
     sigmas = sigma_schedule(r.grpo_sampling_steps, r.flow_shift)
@@ -245,6 +246,26 @@ def load_validation_records(cfg: Config, prompts: list[PromptRecord]) -> list[Pr
     if v.validation_prompts:
         return [PromptRecord(prompt=p, index=i) for i, p in enumerate(v.validation_prompts)]
     return list(prompts[: min(4, len(prompts))])
+
+
+def warn_checkpoint_defaults(cfg: Config, info: DistInfo, pipe) -> None:
+    """Warn where the sampling flags differ from the checkpoint's own defaults (its scheduler and guider configs:
+    a CFG-distilled model expects guidance 1, 720p models another shift), and about GRPO on the step-distilled
+    model. The flags still win: reading the defaults from the checkpoint is not done yet (issue 28)."""
+    r, v = cfg.rollout, cfg.validation
+    shift, scale = float(pipe.scheduler.config.shift), float(pipe.guider.guidance_scale)
+    for flag, value, default in (("--flow_shift", r.flow_shift, shift), ("--cfg_scale", r.cfg_scale, scale),
+                                 ("--validation_timestep_shift", v.validation_timestep_shift, shift),
+                                 ("--validation_guidance_scale", v.validation_guidance_scale, scale)):
+        if not math.isclose(value, default):
+            print0(info, f"warning: {flag} {value:g} differs from the checkpoint's own default {default:g} (its "
+                   f"{'scheduler' if 'shift' in flag else 'guider'} config); pass {flag} {default:g} to use it")
+    if pipe.transformer.config.use_meanflow:
+        print0(info, "warning: GRPO on the step-distilled (MeanFlow) checkpoint is questionable: its velocity is the "
+               "average over each step's interval (timestep_r = the next timestep), distilled for 8-12 deterministic "
+               "Euler jumps, while the SDE samplers treat it as the instantaneous flow-matching velocity, so the "
+               "rollout log-probabilities describe a process the model was not distilled for; allowed, but check "
+               "its ODE validation videos")
 
 
 def check_prompt_tasks(cfg: Config, task: str, prompts: list[PromptRecord], val_records: list[PromptRecord]) -> None:

@@ -153,6 +153,7 @@ def initial_noise(
 def predict_velocity(
     transformer, latents: Tensor, sigma: Tensor, cond: TextConditioning, uncond: TextConditioning | None,
     settings: SamplerSettings, image_tokens: int, image: ImageConditioning | None = None,
+    sigma_next: Tensor | None = None,
 ) -> Tensor:
     """Guided velocity v [B, C, F, H, W] (fp32) at per-sample sigma [B]. The one place that calls the transformer,
     used by the rollout and by the update, so both run the same layout, dtype and autocast.
@@ -160,7 +161,9 @@ def predict_velocity(
     latents: [B, C, F, H, W] any dtype (cast to the compute dtype, as the pipeline feeds transformer.dtype).
     cond / uncond: [B, ...]; uncond is used iff settings.use_cfg. image_tokens: the pipeline's
     vision_num_semantic_tokens (the zero image embeds of t2v). image: [B, ...] reference-image conditioning (i2v);
-    the same in the negative branch, which changes only the text.
+    the same in the negative branch, which changes only the text. sigma_next: [B] the step's target sigma, for a
+    step-distilled (use_meanflow) transformer, which takes timestep_r = 1000 sigma_next (0 at the last step), as
+    diffusers' I2V pipeline passes the next timestep.
     """
     param_dtype = settings.master_dtype or next(transformer.parameters()).dtype
     dtype = settings.compute_dtype or param_dtype
@@ -180,15 +183,22 @@ def predict_velocity(
         image_embeds = torch.cat([image_embeds, image_embeds])  # [2B, T_img, D_img]: the image in both branches
         c = TextConditioning.cat([cond, uncond])
         sigma = torch.cat([sigma, sigma])
+        sigma_next = torch.cat([sigma_next, sigma_next]) if sigma_next is not None else None
     c = c.to(x.device, dtype)
     # [B'] t = 1000 sigma in the input dtype, as the pipeline does; under autocast (fp32 master weights) it stays
     # fp32, since rounding 1000 sigma to bf16 would move t by up to 2.
     timestep = (sigma.to(x.device, torch.float64) * 1000.0).to(param_dtype if settings.autocast else dtype)
+    timestep_r = None
+    if transformer.config.use_meanflow:  # step-distilled: the r-timestep embedding is added to the time embedding
+        if sigma_next is None:
+            raise ValueError("a use_meanflow (step-distilled) transformer needs sigma_next for its timestep_r")
+        timestep_r = (sigma_next.to(x.device, torch.float64) * 1000.0).to(timestep.dtype)  # [B']
     ctx = torch.autocast(x.device.type, dtype=dtype) if settings.autocast else contextlib.nullcontext()
     with ctx:
         out = transformer(
             hidden_states=model_in,
             timestep=timestep,
+            timestep_r=timestep_r,
             encoder_hidden_states=c.prompt_embeds,
             encoder_attention_mask=c.prompt_mask,
             encoder_hidden_states_2=c.byt5_embeds,
@@ -265,7 +275,7 @@ def rollout(
         v = torch.cat([
             predict_velocity(transformer, x[c], sigmas[steps[c]], cond.index(c),
                              uncond.index(c) if settings.use_cfg else None, settings, image_tokens,
-                             image.index(c) if image is not None else None)
+                             image.index(c) if image is not None else None, sigmas[steps[c] + 1])
             for c in torch.arange(b, device=device).split(chunk_size or b)
         ])  # [B, C, F, H, W]
         seeds = [derive_seed(base_seed, int(ps), int(g), i)
@@ -305,7 +315,8 @@ def policy_step(
     cond = traj.cond.index(idx)
     uncond = traj.uncond.index(idx) if traj.uncond is not None else None
     image = traj.image.index(idx) if traj.image is not None else None
-    v = predict_velocity(transformer, x_t, traj.sigmas[st], cond, uncond, traj.settings, image_tokens, image)
+    v = predict_velocity(transformer, x_t, traj.sigmas[st], cond, uncond, traj.settings, image_tokens, image,
+                         traj.sigmas[st + 1])
     return _step(traj.settings, v, x_t, traj.sigmas, st, prev_sample=x_next)
 
 

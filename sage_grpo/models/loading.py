@@ -146,7 +146,11 @@ def locate_model(
     download_weights.sh puts it), then the authors' layout (`transformer/<version>`). Fails listing what is
     missing from the most likely candidate.
     """
+    from sage_grpo.models.tiny import variant_of
+
     candidates: list[Path] = []
+    if not model_path:
+        variant_of(version)  # the version names the folder: an unknown or unsupported one is one error here
     if model_path:
         candidates.append(Path(model_path))
     else:
@@ -167,6 +171,8 @@ def locate_model(
             f"(transformer/{version}/, vae/, text_encoder/llm/, text_encoder/byt5-small/, "
             f"text_encoder/Glyph-SDXL-v2/). {_DOWNLOAD_HINT}"
         )
+    if loc.layout == "authors":
+        variant_of(version)  # the authors' transformer/<version>: a known, supported name
     missing = missing_pieces(loc)
     if missing:
         raise SageGRPOError(
@@ -220,12 +226,7 @@ def load_pipeline(
     sage_grpo.models.parallelize.load_sharded_transformer) used instead of loading the whole one; it is not moved.
     load_image_encoder=False leaves an I2V checkpoint's SigLIP None (every reference image already encoded).
     """
-    from diffusers import (
-        ClassifierFreeGuidance,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15ImageToVideoPipeline,
-        HunyuanVideo15Pipeline,
-    )
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
     loc = locate_model(pretrained_model_root, model_path, version)
     dt = resolve_dtype(dtype)
@@ -248,13 +249,9 @@ def load_pipeline(
     if transformer is not None:
         parts["transformer"] = transformer
     use_valid_token_attention(parts["transformer"])  # attention over valid tokens only (no dense [B,1,S,S] mask)
-    scheduler_dir = loc.root / "scheduler"
-    if (scheduler_dir / "scheduler_config.json").is_file():
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_dir)
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=9.0 if version.startswith("720p") else 5.0)
+    scheduler, guider = _sampling_defaults(loc)
     cls = HunyuanVideo15ImageToVideoPipeline if task == "i2v" else HunyuanVideo15Pipeline
-    pipe = cls(scheduler=scheduler, guider=ClassifierFreeGuidance(guidance_scale=6.0), **parts)
+    pipe = cls(scheduler=scheduler, guider=guider, **parts)
     apply_text_lengths(pipe, read_text_lengths(loc.root))
     image_encoder = getattr(pipe, "image_encoder", None)
     freeze(pipe.vae, pipe.text_encoder, pipe.text_encoder_2, image_encoder)
@@ -267,6 +264,27 @@ def load_pipeline(
     pipe.sage_grpo_location = loc  # for provenance (generate.py's config dump, the text cache identity)
     pipe.sage_grpo_task = task
     return pipe
+
+
+def _sampling_defaults(loc: ModelLocation):
+    """The checkpoint's scheduler (flow shift) and guider (CFG scale) from its own scheduler/ and guider/ configs; a
+    layout without them (the authors') gets its version's (sage_grpo.models.tiny.VARIANTS: shift 5 / 9 / 7, CFG 6,
+    or 1 for the distilled models)."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+
+    from sage_grpo.models.tiny import VARIANTS
+
+    default = VARIANTS.get(loc.version, VARIANTS["480p_t2v"])  # a diffusers path's version is only a folder name
+    sched_dir, guider_dir = loc.root / "scheduler", loc.root / "guider"
+    if (sched_dir / "scheduler_config.json").is_file():
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(sched_dir)
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=default.flow_shift)
+    if (guider_dir / "guider_config.json").is_file():
+        guider = ClassifierFreeGuidance.from_pretrained(guider_dir)
+    else:
+        guider = ClassifierFreeGuidance(guidance_scale=default.guidance_scale)
+    return scheduler, guider
 
 
 def _load_image_encoder(loc: ModelLocation, dt: torch.dtype, load: bool) -> dict:

@@ -27,6 +27,11 @@ __all__ = [
     "TextLengths",
     "QWEN_CHAT_TEMPLATE",
     "task_of_version",
+    "Variant",
+    "VARIANTS",
+    "UNSUPPORTED_VARIANTS",
+    "variant_of",
+    "tiny_variant_config",
     "tiny_transformer_config",
     "tiny_vae_config",
     "build_tiny_image_encoder",
@@ -71,6 +76,53 @@ TINY_SIGLIP_IMAGE, TINY_SIGLIP_PATCH = 28, 14
 TINY_I2V_TARGET_SIZE = 32
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A HunyuanVideo-1.5 checkpoint's defaults (diffusers' converter TRANSFORMER/SCHEDULER/GUIDANCE_CONFIGS and the
+    authors' PIPELINE_CONFIGS; /work/shared/spec/hv15_variants.md section 2)."""
+
+    task: str  # "t2v" | "i2v"
+    target_size: int  # bucket base in pixels: 640 (480p), 960 (720p)
+    flow_shift: float
+    guidance_scale: float  # 1 = CFG-distilled: one forward, no negative branch (there is no guidance embedding)
+    steps: int  # recommended sampling steps
+    use_meanflow: bool = False  # step-distilled: timestep_r = the next timestep
+
+
+# Every version name of the authors' layout (transformer/<name>) that diffusers can run; the diffusers repositories
+# are hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-<name>.
+VARIANTS = {
+    "480p_t2v": Variant("t2v", 640, 5.0, 6.0, 50),
+    "480p_i2v": Variant("i2v", 640, 5.0, 6.0, 50),
+    "720p_t2v": Variant("t2v", 960, 9.0, 6.0, 50),
+    "720p_i2v": Variant("i2v", 960, 7.0, 6.0, 50),
+    "480p_t2v_distilled": Variant("t2v", 640, 5.0, 1.0, 50),
+    "480p_i2v_distilled": Variant("i2v", 640, 5.0, 1.0, 50),
+    "720p_t2v_distilled": Variant("t2v", 960, 9.0, 1.0, 50),
+    "720p_i2v_distilled": Variant("i2v", 960, 7.0, 1.0, 50),
+    "480p_i2v_step_distilled": Variant("i2v", 640, 7.0, 1.0, 12, use_meanflow=True),
+}
+# Checkpoints of the authors' release that diffusers cannot run, and why.
+UNSUPPORTED_VARIANTS = {
+    "720p_i2v_distilled_sparse": "sparse attention (SSTA, flex-block-attn) exists only in the authors' code, not in "
+                                 "diffusers; use the dense 720p_i2v_distilled",
+    "720p_t2v_distilled_sparse": "sparse attention (SSTA) exists only in the authors' code, not in diffusers",
+    "720p_sr_distilled": "a super-resolution model (with upsampler/), not a text/image-to-video one; not in diffusers",
+    "1080p_sr_distilled": "a super-resolution model (with upsampler/), not a text/image-to-video one; not in diffusers",
+}
+
+
+def variant_of(version: str) -> Variant:
+    """The defaults of a version name; an unsupported or unknown name is one SageGRPOError naming the valid ones."""
+    from sage_grpo.errors import SageGRPOError
+
+    if version in VARIANTS:
+        return VARIANTS[version]
+    if version in UNSUPPORTED_VARIANTS:
+        raise SageGRPOError(f"HunyuanVideo-1.5 {version} is not supported: {UNSUPPORTED_VARIANTS[version]}")
+    raise SageGRPOError(f"unknown HunyuanVideo-1.5 version {version!r}; valid: {', '.join(VARIANTS)}")
+
+
 def task_of_version(version: str) -> str:
     """"i2v" or "t2v" from an authors' version name (480p_i2v, 720p_i2v_distilled, 480p_i2v_step_distilled, ...)."""
     return "i2v" if "i2v" in version else "t2v"
@@ -101,6 +153,16 @@ def tiny_transformer_config(task: str = "t2v") -> dict:
         task_type=task,
         use_meanflow=False,
     )
+
+
+def tiny_variant_config(version: str) -> dict:
+    """The tiny transformer of a version: I2V or T2V, the bucket base scaled like the real ones (720p = 1.5 x 480p)
+    and use_meanflow for the step-distilled model."""
+    v = variant_of(version)
+    cfg = tiny_transformer_config(v.task)
+    cfg["target_size"] = cfg["target_size"] * v.target_size // 640
+    cfg["use_meanflow"] = v.use_meanflow
+    return cfg
 
 
 def tiny_vae_config() -> dict:

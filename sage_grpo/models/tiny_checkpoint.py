@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sage_grpo.files import usual_permissions
-from sage_grpo.models.tiny import TEXT_LENGTHS_FILE, build_tiny_components, task_of_version
+from sage_grpo.models.tiny import TEXT_LENGTHS_FILE, build_tiny_components, tiny_variant_config, variant_of
 
 __all__ = ["TINY_CHECKPOINT_DIR", "write_tiny_checkpoint", "ensure_tiny_checkpoint"]
 
@@ -26,9 +26,15 @@ def write_tiny_checkpoint(out: str | Path, layout: str = "diffusers", seed: int 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    task = task_of_version(version)
-    comps = build_tiny_components(seed, task=task)
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+
+    variant = variant_of(version)  # an unknown or unsupported name is one error here
+    task = variant.task
+    comps = build_tiny_components(seed, task=task, transformer_config=tiny_variant_config(version))
     lengths = comps.pop("text_lengths")
+    # the version's own sampling defaults, where the real checkpoint keeps them (scheduler/, guider/)
+    comps["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=variant.flow_shift)
+    comps["guider"] = ClassifierFreeGuidance(guidance_scale=variant.guidance_scale)
     if layout == "diffusers":
         cls = HunyuanVideo15ImageToVideoPipeline if task == "i2v" else HunyuanVideo15Pipeline
         cls(**comps).save_pretrained(out, safe_serialization=True)
