@@ -323,6 +323,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
     pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype,
                          device=device)
     task = pipe.sage_grpo_task
+    if rank == 0:  # the flags win; say where they differ from the checkpoint's own scheduler / guider defaults
+        import math
+
+        for flag, value, default in (("--flow_shift", args.flow_shift, float(pipe.scheduler.config.shift)),
+                                     ("--cfg_scale", args.cfg_scale, float(pipe.guider.guidance_scale))):
+            if not math.isclose(value, default):
+                print(f"[generate] warning: {flag} {value:g} differs from the checkpoint's own default {default:g}; "
+                      f"pass {flag} {default:g} to use it", flush=True)
     if args.checkpoint_path:  # full weights first, then an adapter on top of them
         load_trained_weights(pipe.transformer, args.checkpoint_path)
     if args.lora_path:

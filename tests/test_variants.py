@@ -139,3 +139,21 @@ def test_training_setup_warns_about_the_step_distilled_model_and_flags_off_its_d
             for step in range(3):
                 out = policy_step(c.transformer, traj, chunk, step, c.pipe.vision_num_semantic_tokens)
                 assert torch.equal(out.log_prob, traj.log_probs[chunk, step])
+
+
+def test_generate_says_where_its_flags_differ_from_the_checkpoints_defaults(tmp_path, capsys):
+    import numpy as np
+    import PIL.Image
+
+    import generate
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+    from sage_grpo.video import read_video
+
+    model = write_tiny_checkpoint(tmp_path / "sd", seed=0, version="480p_i2v_step_distilled")
+    PIL.Image.fromarray((np.random.default_rng(0).random((36, 64, 3)) * 255).astype(np.uint8)).save(tmp_path / "a.png")
+    [path] = generate.main(["--model_path", str(model), "--prompt", "a red ball rolls", "--image",
+                            str(tmp_path / "a.png"), "--video_length", "5", "--num_inference_steps", "2",
+                            "--cfg_scale", "1", "--output_path", str(tmp_path / "v.mp4")])
+    shown = capsys.readouterr().out
+    assert "--flow_shift 5 differs from the checkpoint's own default 7" in shown and "--cfg_scale" not in shown
+    assert read_video(path)[0].shape == (5, 3, 24, 40)
