@@ -351,3 +351,49 @@ def test_image_cache_precompute_is_shared_by_two_ranks(tiny_i2v_dir, images, tmp
         assert x["equal"] and x["encoded_after_get"] == x["encoded"] and x["files"] == 3
         assert re.search(r"failed on 1 rank\(s\); rank 1: reference image .*gone.png does not exist",
                          x["failure_error"])
+
+
+# 2-rank layouts with I2V (as tests/test_post_train.py LAYOUTS for T2V): -> (flags of the 2-rank run, flags shared
+# with the one-process reference, which runs the same 4 videos per step). AdamW under FSDP2, as there.
+I2V_LAYOUTS = {
+    "sp2": (["--sp_size", "2", "--batch_size", "4", "--enable_fsdp", "False"], []),
+    "fsdp_dp2": (["--batch_size", "2", "--enable_fsdp", "True"], ["--use_muon", "False"]),
+}
+
+
+@pytest.mark.dist
+def test_two_rank_i2v_layouts_match_one_process(tiny_i2v_dir, tmp_path):
+    """torchrun on 2 gloo ranks with the tiny I2V model, 2 prompts (2 images) per step: Ulysses sp 2 (the 4 image
+    tokens go through the all-to-all with the text) and FSDP2 dp 2 (one group, one image per rank), 2 steps each,
+    against one process with the same 4 videos per step: the same rollouts, rewards and gradients up to float
+    rounding."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from post_train_helpers import pt
+
+    from sage_grpo.metrics import read_metrics
+
+    root = Path(__file__).resolve().parents[1]
+    csv = _i2v_prompts(tmp_path / "data")
+    common = ["--config", str(root / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_i2v_dir), "--train_video_csv",
+              str(csv), "--num_generations", "2", "--grpo_sampling_steps", "3", "--sample_n_frames", "5",
+              "--max_steps", "2", "--save_interval", "0", "--report_to", "none"]
+    runs = [[*common, *shared, *two, "--output_dir", str(tmp_path / name)] for name, (two, shared) in
+            I2V_LAYOUTS.items()]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(root / "tests/dist_workers/post_train_runs_worker.py"), str(tmp_path / "runs.json")],
+                       capture_output=True, text=True, cwd=root, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("image-to-video: 4 reference images, training videos 24x40") == len(I2V_LAYOUTS), r.stdout
+    for name, (_, shared) in I2V_LAYOUTS.items():
+        one = tmp_path / f"one_{name}"
+        pt.main([*common, *shared, "--batch_size", "4", "--output_dir", str(one)])
+        a, b = read_metrics(tmp_path / name / "metrics.jsonl"), read_metrics(one / "metrics.jsonl")
+        assert [x["step"] for x in a] == [x["step"] for x in b] == [1, 2]
+        assert a[0]["train/ratio_min"] == a[0]["train/ratio_max"] == 1.0
+        for x, y in zip(a, b):
+            assert x["reward/total_mean"] == pytest.approx(y["reward/total_mean"], rel=1e-5), name
+            assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-4), name
