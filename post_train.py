@@ -303,7 +303,8 @@ def validation_metrics_spec(cfg: Config, val_records: list[PromptRecord]):
     from sage_grpo.heldout import parse_validation_metrics
 
     return parse_validation_metrics(cfg.validation.validation_metrics, cfg.reward.reward_model.split(","),
-                                    [rec.prompt for rec in val_records])
+                                    [rec.prompt for rec in val_records],
+                                    has_images=any(rec.ref_image_path for rec in val_records))
 
 
 def uses_fsdp(cfg: Config, info: DistInfo) -> bool:
@@ -771,6 +772,7 @@ def validation(c: Components, state: TrainState, step: int) -> dict:
     the hacking check (`watch_hacking`), which every rank runs on the same numbers."""
     from sage_grpo.generation import sample_stem, sample_videos, write_sample
     from sage_grpo.hacking import REWARD, Summary
+    from sage_grpo.models.image_cond import reference_pixels
     from sage_grpo.parallel.dist import all_reduce_sum
 
     cfg, info = c.cfg, c.info
@@ -791,7 +793,10 @@ def validation(c: Components, state: TrainState, step: int) -> dict:
             continue
         score = {k: float(v[0]) for k, v in c.reward(frames[None].to(info.device), [rec.prompt]).items()}
         reference = drift_reference(c, sample_stem(rec), frames, first) if c.heldout.drift else None
-        held = c.heldout.score(frames, rec.prompt, score, reference)
+        # I2V: the reference image cropped to the video's size, for the first-frame fidelity (the reward never sees it)
+        image = (reference_pixels(rec.ref_image_path, *frames.shape[-2:])
+                 if c.heldout.reference and rec.ref_image_path else None)
+        held = c.heldout.score(frames, rec.prompt, score, reference, image)
         write_sample(folder / f"{sample_stem(rec)}.mp4", frames, prompt=rec.prompt, fps=cfg.rollout.video_fps,
                      meta={"step": step, "reward": score, "heldout": held})
         for i, x in enumerate([score["total"], *held.values()]):
@@ -908,7 +913,8 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
         c.cfg.checkpoint.output_dir, state.step, rank=c.info.rank, gradient_state=gradients or None,
         model_state=merged_state_dict(c.transformer),
         optimizer_state=get_optimizer_state_dict(c.transformer, c.optimizer.optimizers),
-        train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg)},
+        train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg),
+                     "task": c.pipe.sage_grpo_task},  # the export's model card names the task's pipeline
         lora_writer=(lambda d: save_lora(c.transformer, d, state=lora_state)) if lora else None,
         anchor_state=anchor_state, anchor_lora=anchor_lora, total_limit=c.cfg.checkpoint.checkpoints_total_limit,
     )

@@ -4,6 +4,7 @@ HunyuanVideo15ImageToVideoPipeline, per-prompt images in one batch, and the bad-
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 
@@ -100,6 +101,11 @@ def test_condition_channels_hold_the_image_in_frame_zero_only(tiny_i2v_pipe, ima
     with torch.no_grad():
         mode = pipe.vae.encode(px).latent_dist.mean * pipe.vae.config.scaling_factor  # a Gaussian's mode is its mean
     torch.testing.assert_close(c.latents, mode, atol=1e-5, rtol=0)
+    # the held-out metric's view of the reference: the same crop at the video's size, in [0, 1]
+    from sage_grpo.models.image_cond import reference_pixels
+
+    want = torch.from_numpy(np.asarray(crop, dtype=np.float32) / 255).permute(2, 0, 1)
+    assert torch.equal(reference_pixels(images[0], 24, 40), want)
     x = torch.randn(1, 4, 3, 6, 10)
     cond, mask = condition_channels(c, x)
     assert torch.equal(cond[:, :, 0], c.latents[:, :, 0]) and not cond[:, :, 1:].any()
@@ -126,6 +132,30 @@ def test_image_cache_encodes_once_shares_its_files_and_notices_an_edited_image(t
     assert torch.equal(b.get([images[0]]).embeds, got.embeds[:1]) and b.num_encoded == 1
     with pytest.raises(SageGRPOError, match="one forward holds one size"):
         a.get([images[0], images[2]])  # a 16:9 and a square image do not stack
+
+
+def test_first_frame_fidelity_and_the_reference_metrics_group():
+    from sage_grpo.heldout import HeldOut, first_frame_fidelity, parse_validation_metrics
+    from sage_grpo.rewards import build_reward
+
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(3, 8, 12, generator=g)
+    frames = torch.rand(5, 3, 8, 12, generator=g)
+    assert first_frame_fidelity(torch.cat([image[None], frames[1:]]), image) == pytest.approx(1.0)
+    rmse = float(((frames[0] - image) ** 2).mean().sqrt())  # independently: the root mean square over every pixel
+    assert first_frame_fidelity(frames, image) == pytest.approx(1 - rmse, abs=1e-6)
+    assert first_frame_fidelity(torch.zeros(2, 3, 8, 12), torch.ones(3, 8, 12)) == pytest.approx(0.0)
+    # auto adds it for prompts with reference images only; asked for without images it is one error
+    assert "reference" in parse_validation_metrics(["auto"], ["brightness"], ["a cat"], has_images=True).groups
+    assert "reference" not in parse_validation_metrics(["auto"], ["brightness"], ["a cat"]).groups
+    with pytest.raises(SageGRPOError, match="reference compares each video's first frame"):
+        parse_validation_metrics(["reference"], ["brightness"], ["a cat"])
+    held = HeldOut(parse_validation_metrics(["reference", "statistics"], ["brightness"], ["a cat"], has_images=True),
+                   build_reward("brightness", reward_weights={"brightness": 1.0}))
+    assert held.senses["first_frame_fidelity"] == 1 and held.senses["motion"] == 0  # a freezing video warns too
+    out = held.score(frames, "a cat", {"brightness": 0.5, "total": 0.5}, None, image)
+    assert out["first_frame_fidelity"] == pytest.approx(1 - rmse, abs=1e-6)
+    assert math.isnan(held.score(frames, "a cat", {}, None, None)["first_frame_fidelity"])
 
 
 def test_ode_rollout_with_an_image_per_prompt_equals_one_pipeline_call_per_image(tiny_i2v_pipe, images):
@@ -222,9 +252,10 @@ def test_i2v_training_starts_at_ratio_one_validates_and_resumes_exactly(tiny_i2v
     rows = read_metrics(full / "metrics.jsonl")
     assert rows[0]["train/ratio_min"] == rows[0]["train/ratio_max"] == 1.0  # re-scored with the rollout's images
     assert rows[1]["val/videos"] == 4 and len(list((full / "samples" / "step_000002").glob("*.mp4"))) == 4
+    assert 0 < rows[1]["val/first_frame_fidelity"] < 1 and "val_shift/first_frame_fidelity" in rows[1]
     a, b = (list_checkpoints(d)[-1][1] for d in (full, half))
     sa, sb = (json.loads((p / "train_state.json").read_text()) for p in (a, b))
-    assert sa["step"] == sb["step"] == 4
+    assert sa["step"] == sb["step"] == 4 and sa["task"] == "i2v"  # for the export's model card
     assert {k: v for k, v in sa.items() if k != "config"} == {k: v for k, v in sb.items() if k != "config"}
     wa, wb = _weights(full), _weights(half)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -43,6 +43,7 @@ __all__ = [
     "condition_channels",
     "check_task",
     "image_encoder_identity",
+    "reference_pixels",
 ]
 
 
@@ -150,6 +151,17 @@ def bucket_size(height: int, width: int, target_size: int, patch: int) -> tuple[
     proc = HunyuanVideo15ImageProcessor(vae_scale_factor=patch)
     h, w = proc.calculate_default_height_width(height=height, width=width, target_size=target_size)
     return int(h), int(w)
+
+
+def reference_pixels(path: str, height: int, width: int) -> Tensor:
+    """The reference image as the video's first frame should look: resized to cover height x width and centre
+    cropped (the conditioning's crop, at the video's size) -> float32 [3, height, width] in [0, 1]."""
+    import numpy as np
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    crop = HunyuanVideo15ImageProcessor(do_resize=False).resize(open_reference_image(path), height=height,
+                                                                 width=width, resize_mode="crop")
+    return torch.from_numpy(np.asarray(crop, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous()
 
 
 # ------------------------------------------------------------------------------------------------ encoding
