@@ -178,6 +178,12 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         "compile": m.compile,
     }
     explicit_clamp = args.sage_sigma_clamp is not None
+    # set by the user (flag or the YAML's validation key): the checkpoint's own default never replaces them (main)
+    yaml_keys = getattr(cfg, "explicit", frozenset())
+    args.explicit = {k for k, key in (("flow_shift", "validation_timestep_shift"),
+                                      ("cfg_scale", "validation_guidance_scale"))
+                     if getattr(args, k) is not None or key in yaml_keys}
+    args.base_config = cfg
     for k, val in fill.items():
         if getattr(args, k) is None:
             setattr(args, k, val)
@@ -323,14 +329,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype,
                          device=device)
     task = pipe.sage_grpo_task
-    if rank == 0:  # the flags win; say where they differ from the checkpoint's own scheduler / guider defaults
-        import math
-
-        for flag, value, default in (("--flow_shift", args.flow_shift, float(pipe.scheduler.config.shift)),
-                                     ("--cfg_scale", args.cfg_scale, float(pipe.guider.guidance_scale))):
-            if not math.isclose(value, default):
-                print(f"[generate] warning: {flag} {value:g} differs from the checkpoint's own default {default:g}; "
-                      f"pass {flag} {default:g} to use it", flush=True)
+    _checkpoint_defaults(args, pipe, rank)
     if args.checkpoint_path:  # full weights first, then an adapter on top of them
         load_trained_weights(pipe.transformer, args.checkpoint_path)
     if args.lora_path:
@@ -369,7 +368,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         path = _output_file(args, rec, single)
         if not writer:
             continue
-        meta = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
+        meta = {k: v for k, v in vars(args).items() if k not in ("prompt", "explicit", "base_config")}
         meta.update(prompt=rec.prompt, index=rec.index, prompt_seed=rec.seed, task=task, image=rec.ref_image_path,
                     noise_seed=_noise_seed(rec), frames=int(frames.shape[0]),
                     layout=pipe.sage_grpo_location.layout, weights=str(pipe.sage_grpo_location.root),
@@ -382,6 +381,37 @@ def main(argv: list[str] | None = None) -> list[Path]:
     barrier()
     destroy()
     return written
+
+
+def _checkpoint_defaults(args, pipe, rank: int) -> None:
+    """--flow_shift / --cfg_scale that the user did not set take the checkpoint's own (its scheduler and guider
+    configs: e.g. 7 and 1 for the step-distilled model), checked again like the flags; one the user set and that
+    differs from the checkpoint's is kept with a warning."""
+    import math
+
+    from sage_grpo.models.loading import checkpoint_sampling_defaults
+
+    defaults = checkpoint_sampling_defaults(pipe.sage_grpo_location)
+    taken = []
+    for flag, key in (("flow_shift", "flow_shift"), ("cfg_scale", "guidance_scale")):
+        value, default = getattr(args, flag), defaults[key]
+        if math.isclose(value, default):
+            continue
+        if flag in args.explicit:
+            if rank == 0:
+                print(f"[generate] warning: --{flag} {value:g} differs from the checkpoint's own default {default:g}; "
+                      f"pass --{flag} {default:g} to use it", flush=True)
+        else:
+            setattr(args, flag, default)
+            taken.append(f"--{flag} {default:g}")
+    if taken:
+        _check_values(args, args.base_config)  # the sampler's rules at the checkpoint's values
+        if args.sampler == "sage_grpo":
+            from sage_grpo.sde import check_sage_schedule
+
+            check_sage_schedule(args.num_inference_steps, args.flow_shift, args.sage_sigma_clamp)
+        if rank == 0:
+            print(f"[generate] from the checkpoint's scheduler/guider configs: {', '.join(taken)}", flush=True)
 
 
 def _noise_seed(rec) -> int:

@@ -169,6 +169,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
 
     dtype = torch_dtype(m.dtype)
     pipe, transformer, trainable = load_policy(cfg, info)
+    resolve_checkpoint_defaults(cfg, pipe.sage_grpo_location)  # done by preflight when it found the model already
     if m.vae_tiling:
         pipe.vae.enable_tiling()
     optimizer = build_optimizer([(n, p) for n, p in transformer.named_parameters() if p.requires_grad], cfg.optim)
@@ -248,10 +249,43 @@ def load_validation_records(cfg: Config, prompts: list[PromptRecord]) -> list[Pr
     return list(prompts[: min(4, len(prompts))])
 
 
+# (config group, key, checkpoint default) of the sampling settings a checkpoint decides when the user does not
+SAMPLING_DEFAULTS = (("rollout", "flow_shift", "flow_shift"), ("rollout", "cfg_scale", "guidance_scale"),
+                     ("validation", "validation_timestep_shift", "flow_shift"),
+                     ("validation", "validation_guidance_scale", "guidance_scale"))
+
+
+def resolve_checkpoint_defaults(cfg: Config, loc) -> dict:
+    """The flow shifts and CFG scales that no flag or YAML key sets take the checkpoint's own (its scheduler and
+    guider configs: shift 9 for 720p T2V, 7 for 720p I2V and the step-distilled model, guidance 1 for the
+    distilled ones) -> {key: value} changed (recorded on cfg.from_checkpoint for the start-up print). The config
+    is checked again with them (e.g. the sage_grpo schedule at the new shift). A Config not from load_config (no
+    record of what the user set) is left alone."""
+    from sage_grpo.config import check_values
+    from sage_grpo.models.loading import checkpoint_sampling_defaults
+
+    explicit = getattr(cfg, "explicit", None)
+    if explicit is None:
+        return {}
+    defaults = checkpoint_sampling_defaults(loc)
+    changed = {}
+    for group, key, what in SAMPLING_DEFAULTS:
+        if key not in explicit and not math.isclose(getattr(getattr(cfg, group), key), defaults[what]):
+            setattr(getattr(cfg, group), key, defaults[what])
+            changed[key] = defaults[what]
+    if changed:
+        check_values(cfg)
+    cfg.from_checkpoint = {**getattr(cfg, "from_checkpoint", {}), **changed}
+    return changed
+
+
 def warn_checkpoint_defaults(cfg: Config, info: DistInfo, pipe) -> None:
-    """Warn where the sampling flags differ from the checkpoint's own defaults (its scheduler and guider configs:
-    a CFG-distilled model expects guidance 1, 720p models another shift), and about GRPO on the step-distilled
-    model. The flags still win: reading the defaults from the checkpoint is not done yet (issue 28)."""
+    """Print the sampling settings taken from the checkpoint; warn where a flag the user set differs from the
+    checkpoint's own default (its scheduler and guider configs), and about GRPO on the step-distilled model."""
+    taken = getattr(cfg, "from_checkpoint", {})
+    if taken:
+        print0(info, "from the checkpoint's scheduler/guider configs: "
+               + ", ".join(f"--{k} {v:g}" for k, v in taken.items()))
     r, v = cfg.rollout, cfg.validation
     shift, scale = float(pipe.scheduler.config.shift), float(pipe.guider.guidance_scale)
     for flag, value, default in (("--flow_shift", r.flow_shift, shift), ("--cfg_scale", r.cfg_scale, scale),
@@ -1070,6 +1104,9 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
         task = None  # not there yet (the tiny default is built in setup) or incomplete: setup says which
     if task is not None:
         check_prompt_tasks(cfg, task, prompts, val_records)
+        # before the sampler settings and the run's config are built: the checkpoint's shift and CFG scale
+        resolve_checkpoint_defaults(cfg, locate_model(m.pretrained_model_root, m.model_path,
+                                                      m.pretrained_transformer_version))
 
 
 def check_resume_fits(cfg: Config, path: Path) -> None:

@@ -4,6 +4,8 @@ unsupported names refused, and the step-distilled (use_meanflow) rollout equal t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -107,10 +109,11 @@ def test_step_distilled_rollout_passes_the_next_timestep_as_diffusers_does(tmp_p
         predict_velocity(pipe.transformer, x, sigma, cond, None, settings, 4, image)
 
 
-def test_training_setup_warns_about_the_step_distilled_model_and_flags_off_its_defaults(tmp_path, capsys):
-    """post_train on the step-distilled I2V model: allowed with a warning that says why GRPO on it is questionable,
-    a warning for each sampling flag that differs from the checkpoint's scheduler/guider defaults, and its SDE
-    rollout (with timestep_r) re-scores to the rollout's log-probs bitwise."""
+def test_training_takes_the_checkpoints_defaults_unless_set_and_warns_about_the_step_distilled_model(tmp_path, capsys):
+    """post_train on the step-distilled I2V model: the flow shifts and CFG scales no flag sets come from its
+    scheduler and guider configs (7 and 1: one forward, no negative branch) and are printed; a flag the user set
+    stays and warns; GRPO on it is allowed with a warning that says why it is questionable; its SDE rollout (with
+    timestep_r) re-scores to the rollout's log-probs bitwise."""
     import numpy as np
     import PIL.Image
     from post_train_helpers import _args, pt
@@ -125,13 +128,16 @@ def test_training_setup_warns_about_the_step_distilled_model_and_flags_off_its_d
     PIL.Image.fromarray((g.random((36, 64, 3)) * 255).astype(np.uint8)).save(tmp_path / "a.png")
     (tmp_path / "p.csv").write_text("prompt,ref_image_path\na red ball rolls,a.png\n")
     cfg = load_config(_args(model, tmp_path / "run", "--train_video_csv", str(tmp_path / "p.csv"),
-                            "--grpo_sampling_steps", "3", "--flow_shift", "7", "--cfg_scale", "1"))
+                            "--grpo_sampling_steps", "3", "--validation_timestep_shift", "5"))
     c, state = pt.setup(cfg, init_distributed(), None)
     shown = capsys.readouterr().out
-    assert "GRPO on the step-distilled (MeanFlow) checkpoint is questionable" in shown
-    assert "--flow_shift" not in shown and "--cfg_scale" not in shown  # given as the checkpoint's own
+    assert (cfg.rollout.flow_shift, cfg.rollout.cfg_scale, cfg.validation.validation_guidance_scale) == (7, 1, 1)
+    assert cfg.validation.validation_timestep_shift == 5  # set by the user: kept
+    assert (c.settings.shift, c.settings.cfg_scale, c.val_settings.shift) == (7, 1, 5)
+    assert ("from the checkpoint's scheduler/guider configs: --flow_shift 7, --cfg_scale 1, "
+            "--validation_guidance_scale 1") in shown
     assert "--validation_timestep_shift 5 differs from the checkpoint's own default 7" in shown
-    assert "--validation_guidance_scale 6 differs from the checkpoint's own default 1" in shown
+    assert "GRPO on the step-distilled (MeanFlow) checkpoint is questionable" in shown
     traj = pt.rollout_phase(c, state)
     assert traj.uncond is None  # guidance 1: one forward
     with torch.no_grad():
@@ -141,7 +147,7 @@ def test_training_setup_warns_about_the_step_distilled_model_and_flags_off_its_d
                 assert torch.equal(out.log_prob, traj.log_probs[chunk, step])
 
 
-def test_generate_says_where_its_flags_differ_from_the_checkpoints_defaults(tmp_path, capsys):
+def test_generate_takes_the_checkpoints_defaults_unless_set(tmp_path, capsys):
     import numpy as np
     import PIL.Image
 
@@ -155,5 +161,39 @@ def test_generate_says_where_its_flags_differ_from_the_checkpoints_defaults(tmp_
                             str(tmp_path / "a.png"), "--video_length", "5", "--num_inference_steps", "2",
                             "--cfg_scale", "1", "--output_path", str(tmp_path / "v.mp4")])
     shown = capsys.readouterr().out
-    assert "--flow_shift 5 differs from the checkpoint's own default 7" in shown and "--cfg_scale" not in shown
+    assert "from the checkpoint's scheduler/guider configs: --flow_shift 7" in shown and "differs" not in shown
     assert read_video(path)[0].shape == (5, 3, 24, 40)
+    meta = json.loads(path.with_name("v_config.json").read_text())
+    assert (meta["flow_shift"], meta["cfg_scale"]) == (7, 1)
+    # a flag the user set stays, with a warning
+    generate.main(["--model_path", str(model), "--prompt", "a red ball rolls", "--image", str(tmp_path / "a.png"),
+                   "--video_length", "5", "--num_inference_steps", "2", "--flow_shift", "5",
+                   "--output_path", str(tmp_path / "w.mp4")])
+    shown = capsys.readouterr().out
+    assert "--flow_shift 5 differs from the checkpoint's own default 7" in shown
+    assert "--cfg_scale 1" in shown  # not set: the checkpoint's guidance 1
+    assert json.loads((tmp_path / "w_config.json").read_text())["flow_shift"] == 5
+
+
+def test_preflight_resolves_the_checkpoints_defaults_before_any_model_loads(tmp_path):
+    """preflight (no model loaded) reads a located checkpoint's scheduler/guider configs into the config the run
+    then builds its sampler settings from and saves: 720p T2V -> shift 9; a CFG-distilled model -> guidance 1;
+    the tiny default's 5 / 6 leave a config unchanged; a YAML key counts as set by the user."""
+    from post_train_helpers import ROOT, _args, pt
+
+    from sage_grpo.config import load_config
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    cases = {"720p_t2v": (9.0, 6.0), "480p_t2v_distilled": (5.0, 1.0), "480p_t2v": (5.0, 6.0)}
+    for version, (shift, scale) in cases.items():
+        model = write_tiny_checkpoint(tmp_path / version / "hv", seed=0, version=version)
+        cfg = load_config(_args(model, tmp_path / version / "run"))
+        pt.preflight(cfg, 1)
+        assert (cfg.rollout.flow_shift, cfg.rollout.cfg_scale) == (shift, scale), version
+        assert (cfg.validation.validation_timestep_shift, cfg.validation.validation_guidance_scale) == (shift, scale)
+    yaml = tmp_path / "c.yaml"  # the tiny config with the rollout's shift set in the YAML
+    yaml.write_text((ROOT / "configs/tiny_cpu.yaml").read_text().replace("rollout:\n", "rollout:\n  flow_shift: 3\n"))
+    argv = _args(tmp_path / "720p_t2v" / "hv", tmp_path / "y")
+    cfg = load_config(["--config", str(yaml), *argv[2:]])
+    pt.preflight(cfg, 1)
+    assert cfg.rollout.flow_shift == 3 and cfg.validation.validation_timestep_shift == 9

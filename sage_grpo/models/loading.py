@@ -46,6 +46,7 @@ __all__ = [
     "apply_text_lengths",
     "freeze",
     "checkpoint_task",
+    "checkpoint_sampling_defaults",
     "read_transformer_config",
     "transformer_row_reader",
 ]
@@ -285,6 +286,13 @@ def _sampling_defaults(loc: ModelLocation):
     else:
         guider = ClassifierFreeGuidance(guidance_scale=default.guidance_scale)
     return scheduler, guider
+
+
+def checkpoint_sampling_defaults(loc: ModelLocation) -> dict[str, float]:
+    """{"flow_shift", "guidance_scale"} of the checkpoint (its scheduler / guider configs, or its version's defaults;
+    no weights read)."""
+    scheduler, guider = _sampling_defaults(loc)
+    return {"flow_shift": float(scheduler.config.shift), "guidance_scale": float(guider.guidance_scale)}
 
 
 def _load_image_encoder(loc: ModelLocation, dt: torch.dtype, load: bool) -> dict:
