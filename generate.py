@@ -6,6 +6,7 @@
     python generate.py --pretrained_model_root ckpts --checkpoint_path outputs/checkpoint-500/transformer \\
         --valid_video_csv prompts.csv --output_path outputs/gen      # one mp4 per prompt in outputs/gen/
     python generate.py --checkpoint_path exported/transformer ...   # a folder written by scripts/export_checkpoint.py
+    python generate.py --model_path ckpts/HunyuanVideo-1.5-Diffusers-480p_i2v --prompt "..." --image first.png
     torchrun --nproc_per_node 8 generate.py --valid_video_csv prompts.csv ...   # prompts split across ranks
     torchrun --nproc_per_node 8 generate.py --sp_size 2 ...   # 4 groups of 2 ranks, each group shares one video
 
@@ -45,10 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--config", default="", help="our YAML config: its model: and validation: sections fill unset flags")
     a("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    a("--image", action="append", default=[], help="reference image of an image-to-video checkpoint for the --prompt "
+      "videos (repeatable: one per --prompt in order, or one for all of them); the video's size is the image's "
+      "bucket, not --fixed_size. A prompt file gives its images in a ref_image_path column")
     a("--negative_prompt", default=None,
       help=f"negative prompt for CFG (default: rollout.neg_prompt, {r.neg_prompt!r})")
     a("--valid_video_csv", "--prompt_file", dest="prompt_file", default="",
-      help="prompt file: .csv (column prompt, optional index/seed), .txt, .jsonl")
+      help="prompt file: .csv (column prompt, optional index/seed/ref_image_path), .txt, .jsonl")
     a("--model_path", default=None,
       help="diffusers-layout directory (default: auto-detect under --pretrained_model_root)")
     a("--pretrained_model_root", default=None, help=f"root of the weights (default: {m.pretrained_model_root})")
@@ -174,6 +178,12 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         "compile": m.compile,
     }
     explicit_clamp = args.sage_sigma_clamp is not None
+    # set by the user (flag or the YAML's validation key): the checkpoint's own default never replaces them (main)
+    yaml_keys = getattr(cfg, "explicit", frozenset())
+    args.explicit = {k for k, key in (("flow_shift", "validation_timestep_shift"),
+                                      ("cfg_scale", "validation_guidance_scale"))
+                     if getattr(args, k) is not None or key in yaml_keys}
+    args.base_config = cfg
     for k, val in fill.items():
         if getattr(args, k) is None:
             setattr(args, k, val)
@@ -205,7 +215,16 @@ def _prompts(args):
     for p in args.prompt:
         if not p.strip():
             raise SageGRPOError("--prompt is empty; give the text to generate")
-    records = [PromptRecord(prompt=p, index=i) for i, p in enumerate(args.prompt)]
+    images = [str(Path(p).expanduser().resolve()) for p in args.image]
+    if images and not args.prompt:
+        raise SageGRPOError("--image goes with --prompt (a prompt file gives its images in a ref_image_path column)")
+    if len(images) not in (0, 1, len(args.prompt)):
+        raise SageGRPOError(f"{len(images)} --image for {len(args.prompt)} --prompt: give one per --prompt, or one "
+                            "for all of them")
+    if len(images) == 1:
+        images = images * len(args.prompt)
+    records = [PromptRecord(prompt=p, index=i, ref_image_path=images[i] if images else None)
+               for i, p in enumerate(args.prompt)]
     if args.prompt_file:
         from dataclasses import replace
 
@@ -273,6 +292,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     from sage_grpo.video import check_mp4_support
 
     check_mp4_support()  # before sampling, not after it
+    from sage_grpo.models.image_cond import check_reference_images
+
+    check_reference_images(records, "--image / the prompt file")  # every image decodes, before any model loads
     quiet_libraries(args.verbose)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -294,8 +316,20 @@ def main(argv: list[str] | None = None) -> list[Path]:
     dtype = resolve_dtype(args.dtype)
 
     ensure_tiny_checkpoint(args.model_path, is_main=rank == 0, log=lambda msg: print(f"[generate] {msg}", flush=True))
+    from sage_grpo.models.image_cond import ImageConditioningCache, check_task
+    from sage_grpo.models.loading import locate_model
+
+    source = "--prompt/--image" if args.prompt else args.prompt_file
+    try:
+        loc = locate_model(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version)
+    except SageGRPOError:
+        loc = None  # load_pipeline names what is missing
+    if loc is not None:
+        check_task(loc.task, records, source)  # the prompts fit the checkpoint's task, before the models load
     pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype,
                          device=device)
+    task = pipe.sage_grpo_task
+    _checkpoint_defaults(args, pipe, rank)
     if args.checkpoint_path:  # full weights first, then an adapter on top of them
         load_trained_weights(pipe.transformer, args.checkpoint_path)
     if args.lora_path:
@@ -318,29 +352,66 @@ def main(argv: list[str] | None = None) -> list[Path]:
     mine = records[info.dp_rank::info.dp_size]  # split over data-parallel groups; sp peers share their prompts
     writer = info.sp_rank == 0  # one peer of each sp group writes (all of them hold the same frames)
     cache.precompute([r.prompt for r in mine] + ([args.negative_prompt] if settings.use_cfg else []))
+    images = (ImageConditioningCache(pipe, device, dtype, args.text_embedding_cache_dir or None) if task == "i2v"
+              else None)
+    if images is not None:
+        images.precompute([r.ref_image_path for r in mine])  # VAE + SigLIP once per image
     if args.offload_text_encoder:  # every prompt is cached: the encoders need no device memory while sampling
         cache.offload_encoders()
+        if images is not None:
+            images.offload_encoder()
     written = []
     t0 = time.time()
     for rec, frames in sample_videos(pipe, cache, mine, settings=settings, shape=shape, base_seed=args.seed,
-                                     negative_prompt=args.negative_prompt, decode=writer,
+                                     negative_prompt=args.negative_prompt, decode=writer, images=images,
                                      show_progress=rank == 0 and show_progress(args.verbose)):
         path = _output_file(args, rec, single)
         if not writer:
             continue
-        meta = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
-        meta.update(prompt=rec.prompt, index=rec.index, prompt_seed=rec.seed,
+        meta = {k: v for k, v in vars(args).items() if k not in ("prompt", "explicit", "base_config")}
+        meta.update(prompt=rec.prompt, index=rec.index, prompt_seed=rec.seed, task=task, image=rec.ref_image_path,
                     noise_seed=_noise_seed(rec), frames=int(frames.shape[0]),
                     layout=pipe.sage_grpo_location.layout, weights=str(pipe.sage_grpo_location.root),
                     seconds=round(time.time() - t0, 3), video=str(path))
         write_sample(path, frames, prompt=rec.prompt, fps=args.fps, meta=meta)
         written.append(path)
-        print(f"[generate] rank {rank}: {path} ({frames.shape[0]} frames {args.height}x{args.width}, {meta['seconds']} "
-              "s)", flush=True)
+        print(f"[generate] rank {rank}: {path} ({frames.shape[0]} frames {frames.shape[2]}x{frames.shape[3]}, "
+              f"{meta['seconds']} s)", flush=True)
         t0 = time.time()
     barrier()
     destroy()
     return written
+
+
+def _checkpoint_defaults(args, pipe, rank: int) -> None:
+    """--flow_shift / --cfg_scale that the user did not set take the checkpoint's own (its scheduler and guider
+    configs: e.g. 7 and 1 for the step-distilled model), checked again like the flags; one the user set and that
+    differs from the checkpoint's is kept with a warning."""
+    import math
+
+    from sage_grpo.models.loading import checkpoint_sampling_defaults
+
+    defaults = checkpoint_sampling_defaults(pipe.sage_grpo_location)
+    taken = []
+    for flag, key in (("flow_shift", "flow_shift"), ("cfg_scale", "guidance_scale")):
+        value, default = getattr(args, flag), defaults[key]
+        if math.isclose(value, default):
+            continue
+        if flag in args.explicit:
+            if rank == 0:
+                print(f"[generate] warning: --{flag} {value:g} differs from the checkpoint's own default {default:g}; "
+                      f"pass --{flag} {default:g} to use it", flush=True)
+        else:
+            setattr(args, flag, default)
+            taken.append(f"--{flag} {default:g}")
+    if taken:
+        _check_values(args, args.base_config)  # the sampler's rules at the checkpoint's values
+        if args.sampler == "sage_grpo":
+            from sage_grpo.sde import check_sage_schedule
+
+            check_sage_schedule(args.num_inference_steps, args.flow_shift, args.sage_sigma_clamp)
+        if rank == 0:
+            print(f"[generate] from the checkpoint's scheduler/guider configs: {', '.join(taken)}", flush=True)
 
 
 def _noise_seed(rec) -> int:

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from sage_grpo.grpo import PairBatch, UpdateStats
     from sage_grpo.heldout import HeldOut
     from sage_grpo.kl import AdaptiveKLController
+    from sage_grpo.models.image_cond import ImageConditioningCache
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.optim import Optimizers
     from sage_grpo.parallel.dist import DistInfo
@@ -88,6 +89,7 @@ class Components:
     step_weights: torch.Tensor  # [T] equalizer S_t (ones without --use_grad_balancing)
     variance: torch.Tensor  # [T] V_t of the rollout sampler
     heldout: HeldOut  # the held-out metrics validation reports (--validation_metrics)
+    images: ImageConditioningCache | None = None  # each reference image's conditioning (I2V checkpoint); None: T2V
 
 
 @dataclass
@@ -150,6 +152,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     from sage_grpo.equalizer import equalizer_weights
     from sage_grpo.heldout import HeldOut
     from sage_grpo.kl import AdaptiveKLController
+    from sage_grpo.models.image_cond import ImageConditioningCache
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.models.tiny_checkpoint import ensure_tiny_checkpoint
     from sage_grpo.optim import build_optimizer
@@ -166,6 +169,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
 
     dtype = torch_dtype(m.dtype)
     pipe, transformer, trainable = load_policy(cfg, info)
+    resolve_checkpoint_defaults(cfg, pipe.sage_grpo_location)  # done by preflight when it found the model already
     if m.vae_tiling:
         pipe.vae.enable_tiling()
     optimizer = build_optimizer([(n, p) for n, p in transformer.named_parameters() if p.requires_grad], cfg.optim)
@@ -181,8 +185,24 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     if r.cfg_scale != 1.0 or (validates and v.validation_guidance_scale != 1.0):
         needed.append(r.neg_prompt)
     cache.precompute(needed, info)  # collective: each distinct prompt is encoded by one rank
+    images, shape = None, latent_shape(pipe.vae.config, r.sample_n_frames, r.height, r.width)
+    if pipe.sage_grpo_task == "i2v":
+        check_prompt_tasks(cfg, "i2v", prompts, val_records)  # also here: preflight may not have found the model yet
+        # every reference image encoded once (VAE mode + SigLIP), kept on CPU beside the text embeddings
+        images = ImageConditioningCache(pipe, info.device, dtype, cache_dir)  # files beside the text embeddings
+        images.precompute([rec.ref_image_path for rec in prompts]
+                          + ([rec.ref_image_path for rec in val_records] if validates else []), info)
+        shape = i2v_train_shape(cfg, pipe, images, prompts)
+        s = pipe.vae.config.spatial_compression_ratio
+        print0(info, f"image-to-video: {len(images)} reference images, training videos {shape[2] * s}x{shape[3] * s} "
+               "(their bucket; --height/--width apply to text-to-video)")
+    else:
+        check_prompt_tasks(cfg, "t2v", prompts, val_records)
     if m.offload_text_encoder:
         cache.offload_encoders()
+        if images is not None:
+            images.offload_encoder()
+    warn_checkpoint_defaults(cfg, info, pipe)
 
     settings = SamplerSettings.from_config(cfg)
     sigmas = sigma_schedule(r.grpo_sampling_steps, r.flow_shift)
@@ -203,9 +223,9 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
         cfg=cfg, info=info, out=out, pipe=pipe, transformer=transformer, trainable=trainable, optimizer=optimizer,
         anchor=anchor, reward=reward, cache=cache, prompts=prompts,
         val_records=val_records, settings=settings, val_settings=val_settings,
-        shape=latent_shape(pipe.vae.config, r.sample_n_frames, r.height, r.width),
+        shape=shape,
         val_shape=latent_shape(pipe.vae.config, v.validate_video_length, vh, vw),
-        step_weights=s_t.float(), variance=variance.float(), heldout=HeldOut(spec, reward, extra),
+        step_weights=s_t.float(), variance=variance.float(), heldout=HeldOut(spec, reward, extra), images=images,
     )
     state = TrainState(
         controller=AdaptiveKLController.from_config(cfg.kl),
@@ -229,13 +249,96 @@ def load_validation_records(cfg: Config, prompts: list[PromptRecord]) -> list[Pr
     return list(prompts[: min(4, len(prompts))])
 
 
+# (config group, key, checkpoint default) of the sampling settings a checkpoint decides when the user does not
+SAMPLING_DEFAULTS = (("rollout", "flow_shift", "flow_shift"), ("rollout", "cfg_scale", "guidance_scale"),
+                     ("validation", "validation_timestep_shift", "flow_shift"),
+                     ("validation", "validation_guidance_scale", "guidance_scale"))
+
+
+def resolve_checkpoint_defaults(cfg: Config, loc) -> dict:
+    """The flow shifts and CFG scales that no flag or YAML key sets take the checkpoint's own (its scheduler and
+    guider configs: shift 9 for 720p T2V, 7 for 720p I2V and the step-distilled model, guidance 1 for the
+    distilled ones) -> {key: value} changed (recorded on cfg.from_checkpoint for the start-up print). The config
+    is checked again with them (e.g. the sage_grpo schedule at the new shift). A Config not from load_config (no
+    record of what the user set) is left alone."""
+    from sage_grpo.config import check_values
+    from sage_grpo.models.loading import checkpoint_sampling_defaults
+
+    explicit = getattr(cfg, "explicit", None)
+    if explicit is None:
+        return {}
+    defaults = checkpoint_sampling_defaults(loc)
+    changed = {}
+    for group, key, what in SAMPLING_DEFAULTS:
+        if key not in explicit and not math.isclose(getattr(getattr(cfg, group), key), defaults[what]):
+            setattr(getattr(cfg, group), key, defaults[what])
+            changed[key] = defaults[what]
+    if changed:
+        check_values(cfg)
+    cfg.from_checkpoint = {**getattr(cfg, "from_checkpoint", {}), **changed}
+    return changed
+
+
+def warn_checkpoint_defaults(cfg: Config, info: DistInfo, pipe) -> None:
+    """Print the sampling settings taken from the checkpoint; warn where a flag the user set differs from the
+    checkpoint's own default (its scheduler and guider configs), and about GRPO on the step-distilled model."""
+    taken = getattr(cfg, "from_checkpoint", {})
+    if taken:
+        print0(info, "from the checkpoint's scheduler/guider configs: "
+               + ", ".join(f"--{k} {v:g}" for k, v in taken.items()))
+    r, v = cfg.rollout, cfg.validation
+    shift, scale = float(pipe.scheduler.config.shift), float(pipe.guider.guidance_scale)
+    for flag, value, default in (("--flow_shift", r.flow_shift, shift), ("--cfg_scale", r.cfg_scale, scale),
+                                 ("--validation_timestep_shift", v.validation_timestep_shift, shift),
+                                 ("--validation_guidance_scale", v.validation_guidance_scale, scale)):
+        if not math.isclose(value, default):
+            print0(info, f"warning: {flag} {value:g} differs from the checkpoint's own default {default:g} (its "
+                   f"{'scheduler' if 'shift' in flag else 'guider'} config); pass {flag} {default:g} to use it")
+    if pipe.transformer.config.use_meanflow:
+        print0(info, "warning: GRPO on the step-distilled (MeanFlow) checkpoint is questionable: its velocity is the "
+               "average over each step's interval (timestep_r = the next timestep), distilled for 8-12 deterministic "
+               "Euler jumps, while the SDE samplers treat it as the instantaneous flow-matching velocity, so the "
+               "rollout log-probabilities describe a process the model was not distilled for; allowed, but check "
+               "its ODE validation videos")
+
+
+def check_prompt_tasks(cfg: Config, task: str, prompts: list[PromptRecord], val_records: list[PromptRecord]) -> None:
+    """The training prompts (and the validation prompts, when the run validates) fit the checkpoint's task."""
+    from sage_grpo.models.image_cond import check_task
+
+    v = cfg.validation
+    check_task(task, prompts, f"--train_video_csv {cfg.data.train_video_csv}")
+    if v.validation_interval or v.validate_at_step0:
+        check_task(task, val_records, f"--valid_video_csv {v.valid_video_csv}" if v.valid_video_csv
+                   else "--validation_prompts" if v.validation_prompts else "the validation prompts")
+
+
+def i2v_train_shape(cfg: Config, pipe, images: ImageConditioningCache, prompts: list[PromptRecord]) -> tuple:
+    """The rollout latent [C, F, h, w] of an I2V run: the training images' bucket. One size for the run: a rank's
+    rollout batch stacks its samples' latents, so its images must share a bucket (mixed sizes are not supported
+    yet: crop the images to one aspect ratio)."""
+    from sage_grpo.rollout import latent_shape
+
+    by_size: dict = {}
+    for rec in prompts:
+        by_size.setdefault(images.latent_hw(rec.ref_image_path), []).append(rec.ref_image_path)
+    s = pipe.vae.config.spatial_compression_ratio
+    if len(by_size) > 1:
+        listing = "; ".join(f"{h * s}x{w * s}: {len(v)} (e.g. {v[0]})" for (h, w), v in by_size.items())
+        raise SageGRPOError(f"the reference images of --train_video_csv fall into {len(by_size)} size buckets "
+                            f"({listing}); one training run takes one size: crop the images to one aspect ratio")
+    (h, w), = by_size
+    return latent_shape(pipe.vae.config, cfg.rollout.sample_n_frames, h * s, w * s)
+
+
 def validation_metrics_spec(cfg: Config, val_records: list[PromptRecord]):
     """`--validation_metrics` resolved against the trained reward and the validation prompts (preflight checks it
     before any model loads, setup uses it)."""
     from sage_grpo.heldout import parse_validation_metrics
 
     return parse_validation_metrics(cfg.validation.validation_metrics, cfg.reward.reward_model.split(","),
-                                    [rec.prompt for rec in val_records])
+                                    [rec.prompt for rec in val_records],
+                                    has_images=any(rec.ref_image_path for rec in val_records))
 
 
 def uses_fsdp(cfg: Config, info: DistInfo) -> bool:
@@ -533,6 +636,8 @@ def rollout_phase(c: Components, state: TrainState) -> Trajectory:
             base_seed=derive_seed(cfg.optim.seed, state.step), same_noise=cfg.rollout.use_same_noise,
             storage_dtype=torch.float32, show_progress=info.is_main and cfg.logging.verbose,
             chunk_size=cfg.optim.mini_batch_size_per_update, device=info.device,
+            # each sample its own prompt's image (the authors gave a whole rank the first group's image)
+            image=c.images.get([rec.ref_image_path for rec in recs]) if c.images is not None else None,
         )
 
 
@@ -701,6 +806,7 @@ def validation(c: Components, state: TrainState, step: int) -> dict:
     the hacking check (`watch_hacking`), which every rank runs on the same numbers."""
     from sage_grpo.generation import sample_stem, sample_videos, write_sample
     from sage_grpo.hacking import REWARD, Summary
+    from sage_grpo.models.image_cond import reference_pixels
     from sage_grpo.parallel.dist import all_reduce_sum
 
     cfg, info = c.cfg, c.info
@@ -716,12 +822,15 @@ def validation(c: Components, state: TrainState, step: int) -> dict:
     for j, (rec, frames) in enumerate(sample_videos(
             c.pipe, c.cache, todo, settings=c.val_settings, shape=c.val_shape,
             base_seed=cfg.validation.validation_seed, negative_prompt=cfg.rollout.neg_prompt,
-            show_progress=info.is_main and cfg.logging.verbose, decode=info.sp_rank == 0)):
+            show_progress=info.is_main and cfg.logging.verbose, decode=info.sp_rank == 0, images=c.images)):
         if j >= len(mine) or info.sp_rank != 0:  # padding, or an sp peer's copy: the sp leader writes and scores
             continue
         score = {k: float(v[0]) for k, v in c.reward(frames[None].to(info.device), [rec.prompt]).items()}
         reference = drift_reference(c, sample_stem(rec), frames, first) if c.heldout.drift else None
-        held = c.heldout.score(frames, rec.prompt, score, reference)
+        # I2V: the reference image cropped to the video's size, for the first-frame fidelity (the reward never sees it)
+        image = (reference_pixels(rec.ref_image_path, *frames.shape[-2:])
+                 if c.heldout.reference and rec.ref_image_path else None)
+        held = c.heldout.score(frames, rec.prompt, score, reference, image)
         write_sample(folder / f"{sample_stem(rec)}.mp4", frames, prompt=rec.prompt, fps=cfg.rollout.video_fps,
                      meta={"step": step, "reward": score, "heldout": held})
         for i, x in enumerate([score["total"], *held.values()]):
@@ -838,7 +947,8 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
         c.cfg.checkpoint.output_dir, state.step, rank=c.info.rank, gradient_state=gradients or None,
         model_state=merged_state_dict(c.transformer),
         optimizer_state=get_optimizer_state_dict(c.transformer, c.optimizer.optimizers),
-        train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg)},
+        train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg),
+                     "task": c.pipe.sage_grpo_task},  # the export's model card names the task's pipeline
         lora_writer=(lambda d: save_lora(c.transformer, d, state=lora_state)) if lora else None,
         anchor_state=anchor_state, anchor_lora=anchor_lora, total_limit=c.cfg.checkpoint.checkpoints_total_limit,
     )
@@ -960,6 +1070,8 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     from sage_grpo.checkpoint import resolve_resume, run_outputs
     from sage_grpo.data import read_prompts
     from sage_grpo.metrics import check_report_to
+    from sage_grpo.models.image_cond import check_reference_images
+    from sage_grpo.models.loading import locate_model
 
     validate(cfg, world_size=world_size)
     sp = cfg.parallel.sp_size
@@ -980,7 +1092,21 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     if ck.resume_from_checkpoint and ck.overwrite_output_dir:
         raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
-    validation_metrics_spec(cfg, load_validation_records(cfg, read_prompts(cfg.data.train_video_csv)))
+    prompts = read_prompts(cfg.data.train_video_csv)  # one task per file (sage_grpo.data)
+    val_records = load_validation_records(cfg, prompts)
+    validation_metrics_spec(cfg, val_records)
+    check_reference_images(prompts, f"--train_video_csv {cfg.data.train_video_csv}")  # every image decodes
+    check_reference_images(val_records, "validation prompts")
+    try:
+        m = cfg.model
+        task = locate_model(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version).task
+    except SageGRPOError:
+        task = None  # not there yet (the tiny default is built in setup) or incomplete: setup says which
+    if task is not None:
+        check_prompt_tasks(cfg, task, prompts, val_records)
+        # before the sampler settings and the run's config are built: the checkpoint's shift and CFG scale
+        resolve_checkpoint_defaults(cfg, locate_model(m.pretrained_model_root, m.model_path,
+                                                      m.pretrained_transformer_version))
 
 
 def check_resume_fits(cfg: Config, path: Path) -> None:

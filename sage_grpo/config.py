@@ -616,9 +616,11 @@ def load_config(argv: list[str] | None = None, *, prog: str | None = None, descr
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
     cfg = Config()
     path = args.pop("config", None)
-    if path:
-        _apply(cfg, read_yaml(path))
+    from_yaml = read_yaml(path) if path else {}
+    _apply(cfg, from_yaml)
     _apply(cfg, args)
+    # the keys the user set (YAML or flag): defaults read from the checkpoint (post_train.py) never override them
+    cfg.explicit = frozenset(from_yaml) | frozenset(args)
     check_values(cfg)
     return cfg
 

@@ -1,5 +1,10 @@
 """Prompt files: CSV (column `prompt`, optional `index`, `seed`, `ref_image_path`), .txt (one prompt per line) and
-.jsonl (objects with `prompt`, optional `index`/`seed`). Bad files fail with a message that says what to fix."""
+.jsonl (objects with `prompt`, optional `index`/`seed`/`ref_image_path`). Bad files fail with a message that says
+what to fix.
+
+`ref_image_path` is the reference image of an image-to-video prompt, relative to the prompt file's folder unless
+absolute; records carry it resolved. A file holds one task: every row has an image (I2V) or none does (T2V), since
+the transformer decides the task once per forward and a run trains one checkpoint of one task."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ class PromptRecord:
     prompt: str
     index: int  # stable id: the file's `index` column, else the 0-based row number
     seed: int | None = None  # per-prompt seed from the file, if any
-    ref_image_path: str | None = None
+    ref_image_path: str | None = None  # reference image (I2V), resolved against the prompt file's folder
 
 
 def _int_field(value, what: str, where: str) -> int | None:
@@ -77,8 +82,18 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
+def _image_field(value, base: Path, where: str) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return None
+    if not isinstance(value, str):
+        raise SageGRPOError(f"{where}: ref_image_path must be a path (text), got {value!r}")
+    p = Path(value.strip()).expanduser()
+    return str(p if p.is_absolute() else (base / p))
+
+
 def _records(path: Path, rows: list[dict]) -> list[PromptRecord]:
     records = []
+    base = path.resolve().parent
     for n, row in enumerate(rows):
         where = f"{path} (prompt {n + 1})"
         prompt = row.get("prompt")
@@ -90,11 +105,17 @@ def _records(path: Path, rows: list[dict]) -> list[PromptRecord]:
                 prompt=prompt.strip(),
                 index=n if index is None else index,
                 seed=_int_field(row.get("seed"), "seed", where),
-                ref_image_path=row.get("ref_image_path") or None,
+                ref_image_path=_image_field(row.get("ref_image_path"), base, where),
             )
         )
     if not records:
         raise SageGRPOError(f"{path}: no prompts")
+    with_image = [r for r in records if r.ref_image_path]
+    if with_image and len(with_image) < len(records):
+        first = next(n for n, r in enumerate(records, 1) if not r.ref_image_path)
+        raise SageGRPOError(f"{path} mixes tasks: {len(with_image)} prompts have a ref_image_path (image-to-video) "
+                            f"and {len(records) - len(with_image)} do not (text-to-video; the first is prompt "
+                            f"{first}); give every prompt an image, or none")
     return records
 
 

@@ -50,6 +50,7 @@ def sample_videos(
     negative_prompt: str,
     show_progress: bool = False,
     decode: bool = True,
+    images=None,
 ) -> Iterator[tuple[PromptRecord, Tensor | None]]:
     """Sample one video per record and yield (record, frames [F, 3, H, W] float32 in [0, 1], on CPU).
 
@@ -60,7 +61,9 @@ def sample_videos(
     sage_clamp otherwise). shape: latent [C, F, H, W] from `sage_grpo.rollout.latent_shape`. The transformer runs in
     eval mode (LoRA dropout off) and gets its previous mode back afterwards. decode=False yields None for the frames
     (the sequence-parallel peers of the rank that writes: they join every transformer forward, but the VAE decode
-    is not collective and need not be repeated).
+    is not collective and need not be repeated). images: `ImageConditioningCache` of an image-to-video checkpoint:
+    each record's `ref_image_path` conditions its video, whose size is the image's bucket (`shape` gives the
+    channels and frames only); None for text-to-video.
     """
     from sage_grpo.rollout import decode_latents, rollout
 
@@ -71,12 +74,15 @@ def sample_videos(
         uncond = cache.get([negative_prompt]) if settings.use_cfg else None
         for rec in records:
             cond = cache.get([rec.prompt])
+            image = images.get([rec.ref_image_path]) if images is not None else None
+            if image is not None:
+                shape = (*shape[:2], *image.latent_hw)  # [C, F, h, w]: the size of the image's bucket
             traj = rollout(
                 transformer, cond, uncond, prompts=[rec.prompt], prompt_ids=torch.tensor([rec.index]),
                 generation_ids=torch.zeros(1, dtype=torch.long),
                 prompt_seeds=torch.tensor([prompt_noise_seed(rec.prompt, rec.seed, rec.index)]),
                 latent_shape=shape, settings=settings, image_tokens=pipe.vision_num_semantic_tokens,
-                base_seed=base_seed, show_progress=show_progress,
+                base_seed=base_seed, show_progress=show_progress, image=image,
             )
             if not decode:
                 yield rec, None

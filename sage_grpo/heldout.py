@@ -13,9 +13,14 @@
 * ``drift``: RMSE of each validation video from the same prompt's video at the run's first validation (the base
   model's, with `--validate_at_step0`), both reduced by `drift_frames`, which the first validation writes to
   output_dir/validation_reference/ (a resumed run reads them back);
+* ``reference``: image-to-video only: `first_frame_fidelity`, 1 - RMSE of the video's first frame from its
+  reference image (bucket-cropped to the video's size, both in [0, 1]): the trained reward never sees the image, so
+  a run can drift away from it while the reward rises; with `statistics`' motion (frames that stop moving) it is
+  what the hacking check watches for I2V;
 * a registered reward name (``clipscore``, ``pickscore``, ``videoalign_local``, ...): built once for validation
   only (it loads its model on every rank) and its components reported;
-* ``auto``: components, statistics, drift, and world when the prompts are world captions; ``none``: nothing.
+* ``auto``: components, statistics, drift, reference when the validation prompts have reference images, and world
+  when they are world captions; ``none``: nothing.
 
 Each metric has a `sense` for `sage_grpo.hacking` (+1 higher is better, 0 no better side, None never checked).
 """
@@ -33,9 +38,9 @@ import torch.nn.functional as F
 from sage_grpo.errors import SageGRPOError
 
 __all__ = ["GROUPS", "STATISTICS", "WORLD_METRICS", "MetricsSpec", "parse_validation_metrics", "video_statistics",
-           "drift_frames", "HeldOut"]
+           "drift_frames", "first_frame_fidelity", "HeldOut"]
 
-GROUPS = ("auto", "none", "components", "statistics", "world", "drift")
+GROUPS = ("auto", "none", "components", "statistics", "world", "drift", "reference")
 STATISTICS = ("brightness", "saturation", "contrast", "motion")
 WORLD_METRICS = ("shape_fidelity", "background_cleanliness", "temporal_consistency", "object_persistence",
                  "caption_agreement", "caption_background", "caption_color", "caption_shape", "caption_size",
@@ -65,10 +70,12 @@ def _world_prompts(prompts: Sequence[str]) -> str | None:
     return None if prompts else "no validation prompt"
 
 
-def parse_validation_metrics(items: Sequence[str], trained: Sequence[str], prompts: Sequence[str]) -> MetricsSpec:
+def parse_validation_metrics(items: Sequence[str], trained: Sequence[str], prompts: Sequence[str],
+                             has_images: bool = False) -> MetricsSpec:
     """`--validation_metrics` -> MetricsSpec; one SageGRPOError line for an unknown name, `none` with others, a
-    trained reward named again, or `world` with prompts that are not world captions. `trained`: the
-    `--reward_model` names; `prompts`: the validation prompts."""
+    trained reward named again, `world` with prompts that are not world captions, or `reference` without reference
+    images. `trained`: the `--reward_model` names; `prompts`: the validation prompts; has_images: they have
+    reference images (image-to-video)."""
     from sage_grpo.rewards import reward_names
 
     names = [str(i).strip().lower() for i in items if str(i).strip()]
@@ -88,8 +95,12 @@ def parse_validation_metrics(items: Sequence[str], trained: Sequence[str], promp
     world_error = _world_prompts(prompts)
     if "world" in groups and world_error is not None:
         raise SageGRPOError(f"--validation_metrics world needs world captions as validation prompts: {world_error}")
+    if "reference" in groups and not has_images:
+        raise SageGRPOError("--validation_metrics reference compares each video's first frame with its reference "
+                            "image: the validation prompts have none (text-to-video)")
     if "auto" in groups:
         groups |= {"components", "statistics", "drift"} | ({"world"} if world_error is None else set())
+        groups |= {"reference"} if has_images else set()
     groups -= {"auto", "none"}
     rewards = tuple(dict.fromkeys(n for n in names if n not in GROUPS))
     return MetricsSpec(frozenset(groups), rewards)
@@ -117,6 +128,15 @@ def video_statistics(videos: torch.Tensor) -> dict[str, torch.Tensor]:
         "contrast": luma.flatten(2).std(dim=2, unbiased=False).mean(dim=1),
         "motion": motion,
     }
+
+
+def first_frame_fidelity(frames: torch.Tensor, image: torch.Tensor) -> float:
+    """1 - RMSE between a video's first frame and its reference image: frames [F, 3, H, W], image [3, H, W] (the
+    reference bucket-cropped to the video's size), both in [0, 1] -> a float in [0, 1] (1 = the same picture)."""
+    if image.shape != frames.shape[1:]:
+        raise ValueError(f"reference image {tuple(image.shape)} does not fit the frames {tuple(frames.shape)}")
+    d = frames[0].detach().float().cpu().clamp(0, 1) - image.detach().float().cpu().clamp(0, 1)  # [3, H, W]
+    return float(1.0 - d.pow(2).mean().sqrt())
 
 
 def drift_frames(frames: torch.Tensor) -> torch.Tensor:
@@ -164,6 +184,9 @@ class HeldOut:
         self.drift = "drift" in spec.groups
         if self.drift:
             senses["drift"] = None
+        self.reference = "reference" in spec.groups
+        if self.reference:
+            senses["first_frame_fidelity"] = 1
         self.senses = senses
         self._failed: set[str] = set()
 
@@ -184,10 +207,11 @@ class HeldOut:
             return dict.fromkeys(names, math.nan)
 
     def score(self, frames: torch.Tensor, prompt: str, scores: dict[str, float],
-              reference: torch.Tensor | None) -> dict[str, float]:
+              reference: torch.Tensor | None, image: torch.Tensor | None = None) -> dict[str, float]:
         """One validation video [F, 3, H, W] in [0, 1]: its `scores` from the trained reward ({component: value}),
-        its drift `reference` (`drift_frames` of the first validation's video; None = unknown) -> {name: value},
-        one per name, NaN where a value is unknown."""
+        its drift `reference` (`drift_frames` of the first validation's video; None = unknown), its reference
+        `image` [3, H, W] in [0, 1] cropped to the video's size (I2V; None = unknown) -> {name: value}, one per
+        name, NaN where a value is unknown."""
         from sage_grpo.rewards.base import score_safely
         from sage_grpo.world.metrics import heldout_metrics, reference_distance
 
@@ -208,4 +232,7 @@ class HeldOut:
             small = drift_frames(frames)
             out["drift"] = (float(reference_distance(small[None], reference[None])[0])
                             if reference is not None and reference.shape == small.shape else math.nan)
+        if self.reference and image is not None:
+            out.update(self._guard("reference", lambda: {"first_frame_fidelity": first_frame_fidelity(frames, image)},
+                                   ["first_frame_fidelity"]))
         return {k: out.get(k, math.nan) for k in self.senses}

@@ -12,6 +12,11 @@ by a hash, so a rollout is reproducible, independent of batch composition, and i
 sequence-parallel group without RNG lockstep. `use_same_noise` gives the G samples of a prompt one initial noise
 (the SDE noise still differs, otherwise the group would be G copies).
 
+Image-to-video: `image` (sage_grpo.models.image_cond.ImageConditioning, one reference image's conditioning per
+sample) fills the condition channels (image latent in frame 0, mask 1 there) and `image_embeds`, in both CFG
+branches; the trajectory keeps it, so re-scoring, the anchor and the update see each sample's own image. Without it
+(text-to-video) those inputs are zeros, as in diffusers' T2V pipeline.
+
 Time runs the pipeline's way here: x_0 is noise and x_T the clean sample (the paper's x_1 ... x_0 reversed).
 """
 
@@ -24,6 +29,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from sage_grpo.models.image_cond import ImageConditioning, condition_channels
 from sage_grpo.models.text_cache import TextConditioning
 from sage_grpo.schedule import sigma_schedule
 from sage_grpo.sde import SAGE_SIGMA_CLAMP, SDEStepOutput, check_sampler, sde_step
@@ -103,6 +109,7 @@ class Trajectory:
     cond: TextConditioning  # [B, ...] prompt conditioning (device, compute dtype)
     uncond: TextConditioning | None  # [B, ...] negative-prompt conditioning; None without CFG
     settings: SamplerSettings = field(default_factory=SamplerSettings)
+    image: ImageConditioning | None = None  # [B, ...] each sample's reference image (I2V); None for T2V
 
     @property
     def batch_size(self) -> int:
@@ -145,40 +152,53 @@ def initial_noise(
 
 def predict_velocity(
     transformer, latents: Tensor, sigma: Tensor, cond: TextConditioning, uncond: TextConditioning | None,
-    settings: SamplerSettings, image_tokens: int,
+    settings: SamplerSettings, image_tokens: int, image: ImageConditioning | None = None,
+    sigma_next: Tensor | None = None,
 ) -> Tensor:
     """Guided velocity v [B, C, F, H, W] (fp32) at per-sample sigma [B]. The one place that calls the transformer,
     used by the rollout and by the update, so both run the same layout, dtype and autocast.
 
     latents: [B, C, F, H, W] any dtype (cast to the compute dtype, as the pipeline feeds transformer.dtype).
     cond / uncond: [B, ...]; uncond is used iff settings.use_cfg. image_tokens: the pipeline's
-    vision_num_semantic_tokens (zeros for t2v).
+    vision_num_semantic_tokens (the zero image embeds of t2v). image: [B, ...] reference-image conditioning (i2v);
+    the same in the negative branch, which changes only the text. sigma_next: [B] the step's target sigma, for a
+    step-distilled (use_meanflow) transformer, which takes timestep_r = 1000 sigma_next (0 at the last step), as
+    diffusers' I2V pipeline passes the next timestep.
     """
     param_dtype = settings.master_dtype or next(transformer.parameters()).dtype
     dtype = settings.compute_dtype or param_dtype
     b = latents.shape[0]
     x = latents.to(dtype)
-    zeros_cond = torch.zeros_like(x)  # t2v: no condition latent ...
-    zeros_mask = torch.zeros_like(x[:, :1])  # ... and a zero mask channel
-    model_in = torch.cat([x, zeros_cond, zeros_mask], dim=1)  # [B, 2C+1, F, H, W]
+    cond_latent, mask = condition_channels(image, x)  # [B, C, F, H, W], [B, 1, F, H, W]: zeros for t2v
+    model_in = torch.cat([x, cond_latent, mask], dim=1)  # [B, 2C+1, F, H, W]
+    if image is None:
+        image_embeds = torch.zeros(b, image_tokens, transformer.config.image_embed_dim, dtype=dtype, device=x.device)
+    else:
+        image_embeds = image.embeds.to(x.device, dtype)  # [B, T_img, D_img]
     c = cond
     if settings.use_cfg:
         if uncond is None:
             raise ValueError("cfg_scale != 1 needs the negative-prompt conditioning")
         model_in = torch.cat([model_in, model_in], dim=0)  # [2B, 2C+1, F, H, W]: cond first, then uncond
+        image_embeds = torch.cat([image_embeds, image_embeds])  # [2B, T_img, D_img]: the image in both branches
         c = TextConditioning.cat([cond, uncond])
         sigma = torch.cat([sigma, sigma])
+        sigma_next = torch.cat([sigma_next, sigma_next]) if sigma_next is not None else None
     c = c.to(x.device, dtype)
     # [B'] t = 1000 sigma in the input dtype, as the pipeline does; under autocast (fp32 master weights) it stays
     # fp32, since rounding 1000 sigma to bf16 would move t by up to 2.
     timestep = (sigma.to(x.device, torch.float64) * 1000.0).to(param_dtype if settings.autocast else dtype)
-    image_embeds = torch.zeros(model_in.shape[0], image_tokens, transformer.config.image_embed_dim, dtype=dtype,
-                               device=x.device)
+    timestep_r = None
+    if transformer.config.use_meanflow:  # step-distilled: the r-timestep embedding is added to the time embedding
+        if sigma_next is None:
+            raise ValueError("a use_meanflow (step-distilled) transformer needs sigma_next for its timestep_r")
+        timestep_r = (sigma_next.to(x.device, torch.float64) * 1000.0).to(timestep.dtype)  # [B']
     ctx = torch.autocast(x.device.type, dtype=dtype) if settings.autocast else contextlib.nullcontext()
     with ctx:
         out = transformer(
             hidden_states=model_in,
             timestep=timestep,
+            timestep_r=timestep_r,
             encoder_hidden_states=c.prompt_embeds,
             encoder_attention_mask=c.prompt_mask,
             encoder_hidden_states_2=c.byt5_embeds,
@@ -221,6 +241,7 @@ def rollout(
     initial_latents: Tensor | None = None,
     chunk_size: int = 0,
     device: torch.device | str | None = None,
+    image: ImageConditioning | None = None,
 ) -> Trajectory:
     """Sample B trajectories (B = len(prompts); the caller repeats each prompt G times).
 
@@ -230,10 +251,13 @@ def rollout(
     bypass the seeded noise (tests). show_progress: the caller passes rank == 0. chunk_size: samples per
     transformer call (0 = all B at once); the update re-scores in the same chunks, so that its first ratio is exactly
     1 (a matmul's rounding depends on the batch it runs in). device: where the latents live (default: the
-    conditioning's device).
+    conditioning's device). image: [B, ...] each sample's reference-image conditioning (i2v; its latent size must be
+    latent_shape's), None for t2v.
     """
     device = torch.device(device) if device is not None else cond.prompt_embeds.device
     cond = cond.to(device)
+    if image is not None:
+        image = image.to(device)
     b, t_steps = len(prompts), settings.num_steps
     if settings.use_cfg and uncond is not None and len(uncond) == 1 and b > 1:
         uncond = uncond.index([0] * b)
@@ -250,7 +274,8 @@ def rollout(
         steps = torch.full((b,), i, dtype=torch.long, device=device)
         v = torch.cat([
             predict_velocity(transformer, x[c], sigmas[steps[c]], cond.index(c),
-                             uncond.index(c) if settings.use_cfg else None, settings, image_tokens)
+                             uncond.index(c) if settings.use_cfg else None, settings, image_tokens,
+                             image.index(c) if image is not None else None, sigmas[steps[c] + 1])
             for c in torch.arange(b, device=device).split(chunk_size or b)
         ])  # [B, C, F, H, W]
         seeds = [derive_seed(base_seed, int(ps), int(g), i)
@@ -272,6 +297,7 @@ def rollout(
         cond=cond,
         uncond=uncond if settings.use_cfg else None,
         settings=settings,
+        image=image,
     )
 
 
@@ -288,7 +314,9 @@ def policy_step(
     x_next = traj.latents[idx, st + 1]  # [b, C, F, H, W]
     cond = traj.cond.index(idx)
     uncond = traj.uncond.index(idx) if traj.uncond is not None else None
-    v = predict_velocity(transformer, x_t, traj.sigmas[st], cond, uncond, traj.settings, image_tokens)
+    image = traj.image.index(idx) if traj.image is not None else None
+    v = predict_velocity(transformer, x_t, traj.sigmas[st], cond, uncond, traj.settings, image_tokens, image,
+                         traj.sigmas[st + 1])
     return _step(traj.settings, v, x_t, traj.sigmas, st, prev_sample=x_next)
 
 

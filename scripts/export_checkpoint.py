@@ -68,7 +68,7 @@ def main(argv=None) -> Path:
         if not lora.is_dir():
             raise SageGRPOError(f"--lora_format {args.lora_format}: {args.checkpoint!r} is a full fine-tuning "
                                 "checkpoint (no lora/ adapter); export its weights without --lora_format")
-        return _export_lora(lora, out, args.lora_format, args.dtype, cfg, step, metrics)
+        return _export_lora(lora, out, args.lora_format, args.dtype, cfg, step, metrics, train_state.get("task", "t2v"))
 
     from sage_grpo.config import torch_dtype
     from sage_grpo.models.loading import load_pipeline
@@ -86,11 +86,13 @@ def main(argv=None) -> Path:
     if not merge and lora.is_dir():
         shutil.copytree(lora, tmp / "lora")
     files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-    (tmp / "README.md").write_text(model_card(cfg, step=step, kind="merged", files=files, metrics_file=metrics))
+    (tmp / "README.md").write_text(model_card(cfg, step=step, kind="merged", files=files, metrics_file=metrics,
+                                              task=train_state.get("task", "t2v")))
     return _commit(tmp, out)
 
 
-def _export_lora(lora_dir: Path, out: Path, fmt: str, dtype: str, cfg: dict, step: int, metrics: Path) -> Path:
+def _export_lora(lora_dir: Path, out: Path, fmt: str, dtype: str, cfg: dict, step: int, metrics: Path,
+                 task: str = "t2v") -> Path:
     """The adapter of checkpoint-N/lora, converted by sage_grpo.models.lora_formats (tensors only: no model)."""
     from sage_grpo.config import torch_dtype
     from sage_grpo.models.lora import read_adapter, saved_lora_settings
@@ -104,10 +106,10 @@ def _export_lora(lora_dir: Path, out: Path, fmt: str, dtype: str, cfg: dict, ste
     adapter = from_peft(state, settings)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    path = write_lora(adapter, tmp, fmt, base_model=base_model_id(cfg, "diffusers"))
+    path = write_lora(adapter, tmp, fmt, base_model=base_model_id(cfg, "diffusers", task))
     files = sorted(f.name for f in tmp.iterdir())
     (tmp / "README.md").write_text(model_card(cfg, step=step, kind=fmt, files=files, metrics_file=metrics,
-                                              lora_settings=settings))
+                                              lora_settings=settings, task=task))
     out = _commit(tmp, out)
     print(f"[export] {out / path.name} ({fmt} layout)")
     return out

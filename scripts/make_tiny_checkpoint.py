@@ -3,9 +3,12 @@
 
     python scripts/make_tiny_checkpoint.py --out outputs/tiny_ckpts/hunyuanvideo15               # diffusers layout
     python scripts/make_tiny_checkpoint.py --out outputs/tiny_ckpts/authors --layout authors     # authors' layout
+    python scripts/make_tiny_checkpoint.py --out outputs/tiny_ckpts/hv15_i2v --version 480p_i2v  # image-to-video
 
 It loads through exactly the code path of the real weights (sage_grpo.models.loading.load_pipeline); the text
-lengths the pipeline keeps as attributes are stored in sage_grpo_text_lengths.json next to the weights.
+lengths the pipeline keeps as attributes are stored in sage_grpo_text_lengths.json next to the weights. A version
+whose name holds "i2v" writes an image-to-video checkpoint: the transformer configured for I2V and a tiny SigLIP
+image encoder with its processor (diffusers: image_encoder/ + feature_extractor/; authors: vision_encoder/siglip/).
 """
 
 import argparse
@@ -25,14 +28,16 @@ def main() -> None:
     p.add_argument("--out", default=TINY_CHECKPOINT_DIR, help=f"output directory (default: {TINY_CHECKPOINT_DIR})")
     p.add_argument("--layout", choices=("diffusers", "authors"), default="diffusers")
     p.add_argument("--seed", type=int, default=0, help="weight seed (same seed = same weights in both layouts)")
-    p.add_argument("--version", default="480p_t2v", help="authors' transformer sub-folder name")
+    p.add_argument("--version", default="480p_t2v", help="authors' transformer sub-folder name; a name with i2v "
+                   "(e.g. 480p_i2v) writes an image-to-video checkpoint with its SigLIP image encoder")
     a = p.parse_args()
     check_writable_dir(a.out, "--out")
     quiet_libraries()
     t0 = time.time()
     out = write_tiny_checkpoint(a.out, a.layout, a.seed, a.version)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
-    print(f"wrote tiny HunyuanVideo-1.5 ({a.layout} layout) to {out} ({size:.1f} MiB, {time.time() - t0:.1f} s)")
+    print(f"wrote tiny HunyuanVideo-1.5 {a.version} ({a.layout} layout) to {out} ({size:.1f} MiB, "
+          f"{time.time() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

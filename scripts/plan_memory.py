@@ -47,6 +47,14 @@ closing chat-template tokens left after the system-prompt crop, and no quoted te
 --text_embedding_cache_dir every rank holds every prompt; with one a rank holds none (each batch is read from the
 files, which the node's page cache shares). Each rank encodes ceil(prompts / world) of them.
 
+Image-to-video (a version whose name holds i2v; every version of sage_grpo.models.tiny.VARIANTS is planned, with
+the one architecture): the 729 SigLIP tokens are valid encoder tokens in every block (T2V's are masked zeros, cut by
+the valid-token processor); SigLIP (so400m vision tower, public config) is on the GPU while the reference images are
+encoded at setup and offloaded with the text encoders (--offload_text_encoder); each video of the trajectory carries
+its image's conditioning (729 x 1152 tokens + the frame-0 latent, in --dtype); the host image cache holds that per
+image without a cache directory. The video size is --height/--width: set it to the images' bucket (480p 16:9:
+480x848; 720p: 720x1280).
+
 Traffic (`step_traffic`, an estimate): bytes each rank moves per step in the FSDP2 parameter all-gathers (rollout,
 update forward + backward, anchor), the gradient reduce-scatter and HSDP all-reduce of every backward and
 ShardedMuon's exchange, from bandwidth-optimal volumes ((n-1)/n x D per all-gather, 2 (n-1)/n x D per all-reduce);
@@ -77,18 +85,25 @@ from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
 
 GIB = 2**30
 
-# diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py, TRANSFORMER_CONFIGS (its 720p_i2v and distilled i2v /
-# 720p entries are empty there: no config to plan with).
+# diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py, TRANSFORMER_CONFIGS. The architecture is the same for
+# every checkpoint; only target_size, task_type (metadata) and use_meanflow (the step-distilled r-embedder) vary
+# (/work/shared/spec/hv15_variants.md section 2), so every version sage_grpo.models.tiny.VARIANTS knows is planned.
 _BASE = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=54,
              num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm", text_embed_dim=3584,
              text_embed_2_dim=1472, image_embed_dim=1152, rope_theta=256.0, rope_axes_dim=(16, 56, 56),
              use_meanflow=False)
-TRANSFORMER_CONFIGS = {
-    "480p_t2v": {**_BASE, "target_size": 640, "task_type": "t2v"},
-    "480p_i2v": {**_BASE, "target_size": 640, "task_type": "i2v"},
-    "720p_t2v": {**_BASE, "target_size": 960, "task_type": "t2v"},
-    "480p_t2v_distilled": {**_BASE, "target_size": 640, "task_type": "t2v"},
-}
+def _configs() -> dict:
+    from sage_grpo.models.tiny import VARIANTS
+
+    return {name: {**_BASE, "target_size": v.target_size, "task_type": v.task, "use_meanflow": v.use_meanflow}
+            for name, v in VARIANTS.items()}
+
+
+TRANSFORMER_CONFIGS = _configs()
+# SigLIP of the I2V checkpoints (FLUX.1-Redux-dev's image_encoder = google/siglip-so400m-patch14-384's vision tower,
+# public config.json): loaded for the image encoding at setup, offloaded with the text encoders.
+SIGLIP_SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                     image_size=384, patch_size=14)
 # Public config.json values (Hugging Face hub): Qwen/Qwen2.5-VL-7B-Instruct (text tower only, no lm_head) ...
 QWEN25_VL_7B_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                          num_attention_heads=28, num_key_value_heads=4)
@@ -154,7 +169,15 @@ def count_frozen_parts() -> dict:
     """Exact parameter counts of the VAE, text encoders and VideoAlign reward model (meta device)."""
     import torch
     from diffusers import AutoencoderKLHunyuanVideo15
-    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2VLConfig, T5Config, T5EncoderModel
+    from transformers import (
+        Qwen2_5_VLTextConfig,
+        Qwen2_5_VLTextModel,
+        Qwen2VLConfig,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+        T5Config,
+        T5EncoderModel,
+    )
 
     from sage_grpo.rewards.videoalign_ckpt import VideoRewardNet
 
@@ -163,9 +186,11 @@ def count_frozen_parts() -> dict:
         vae = AutoencoderKLHunyuanVideo15()
         te = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**QWEN25_VL_7B_TEXT))
         byt5 = T5EncoderModel(T5Config(**BYT5_SMALL))
+        siglip = SiglipVisionModel(SiglipVisionConfig(**SIGLIP_SO400M))
         reward = VideoRewardNet(Qwen2VLConfig(text_config=QWEN2_VL_2B_TEXT, vision_config=QWEN2_VL_2B_VISION,
                                               vocab_size=QWEN2_VL_2B_TEXT["vocab_size"]), 3)
-    return {"vae": n(vae), "vae_config": dict(vae.config), "text_encoder": n(te), "byt5": n(byt5), "reward": n(reward)}
+    return {"vae": n(vae), "vae_config": dict(vae.config), "text_encoder": n(te), "byt5": n(byt5), "reward": n(reward),
+            "image_encoder": n(siglip)}
 
 
 # ------------------------------------------------------------------------------------------------- activations
@@ -306,7 +331,10 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         setattr(vcfg, k, v)
     C, F, H, W = latent_shape(vcfg, r.sample_n_frames, r.height, r.width)
     video_tokens = (F // tcfg["patch_size_t"]) * (H // tcfg["patch_size"]) * (W // tcfg["patch_size"])
-    text_tokens = opts.text_tokens if opts.attention == "valid" else TEXT_LEN_MLLM + TEXT_LEN_BYT5 + IMAGE_TOKENS
+    i2v = tcfg.get("task_type") == "i2v"
+    # I2V: the 729 SigLIP tokens are valid encoder tokens (T2V's are zeros, masked, cut by the valid-token processor)
+    text_tokens = (opts.text_tokens + (IMAGE_TOKENS if i2v else 0) if opts.attention == "valid"
+                   else TEXT_LEN_MLLM + TEXT_LEN_BYT5 + IMAGE_TOKENS)
     dim = heads * head_dim
     mlp_dim = int(dim * tcfg["mlp_ratio"])
     cfg_mult = 2 if r.cfg_scale != 1 else 1
@@ -343,12 +371,19 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     te_bytes = (frozen["text_encoder"] + frozen["byt5"]) * e
     t["text encoders before offload"] = te_bytes
     t["text encoders after offload"] = 0.0 if m.offload_text_encoder else te_bytes
+    # I2V: SigLIP encodes the reference images at setup (encode phase) and is offloaded with the text encoders; a
+    # gpu_check-style frozen dict without it counts none
+    ie_bytes = frozen.get("image_encoder", 0) * e if i2v else 0.0
+    t["image encoder before offload"] = ie_bytes
+    t["image encoder after offload"] = 0.0 if m.offload_text_encoder else ie_bytes
     t["reward model"] = frozen["reward"] * re
     B, T = d.batch_size, r.grpo_sampling_steps
     lat = C * F * H * W
     cond = (TEXT_LEN_MLLM * tcfg["text_embed_dim"] + TEXT_LEN_BYT5 * tcfg["text_embed_2_dim"]) * e + (
         TEXT_LEN_MLLM + TEXT_LEN_BYT5) * e
-    t["trajectory"] = B * ((T + 1) * lat * 4 + T * 4 + cond * cfg_mult)  # fp32 latents, log-probs, cond (+uncond)
+    image = (IMAGE_TOKENS * tcfg["image_embed_dim"] + C * H * W) * e if i2v else 0  # SigLIP tokens + frame-0 latent
+    # fp32 latents, log-probs, text cond (+uncond), each sample's image conditioning (shared by both CFG branches)
+    t["trajectory"] = B * ((T + 1) * lat * 4 + T * 4 + cond * cfg_mult + image)
     block_params = counts["per_block"] + (trainable / L if m.use_lora else 0)
     root_params = total - L * counts["per_block"]  # embedders, refiner, norm_out / proj_out (+ LoRA outside blocks)
     keep_rollout = p.enable_fsdp and shard > 1 and not p.rollout_reshard_after_forward
@@ -383,9 +418,11 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     accum = o.gradient_accumulation_steps > 1
     grads_idle = t["gradients"] if accum else 0.0
     base = t["policy weights"] + t["optimizer state"] + t["anchor (resident)"] + t["vae weights"] + t[
-        "reward model"] + t["overhead (est)"]
+        "reward model"] + t["overhead (est)"] + t["image encoder after offload"]
     phases = {
-        "encode": base + t["text encoders before offload"] + t["text encoder forward (est)"] + grads_idle,
+        "encode": base + t["text encoders before offload"]
+        + (t["image encoder before offload"] - t["image encoder after offload"])
+        + t["text encoder forward (est)"] + grads_idle,
         "rollout": base + t["text encoders after offload"] + t["trajectory"]
         + (t["unsharded model (rollout, kept gathered)"] if keep_rollout else t["unsharded blocks (fwd)"])
         + t["no-grad working set (est)"] + grads_idle,
@@ -437,13 +474,19 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         },
         "params": {"transformer": total, "per_block": counts["per_block"], "num_blocks": L, "trainable": trainable,
                    "muon": muon if o.use_muon else 0, "vae": frozen["vae"], "text_encoder": frozen["text_encoder"],
-                   "byt5": frozen["byt5"], "reward": frozen["reward"]},
+                   "byt5": frozen["byt5"], "reward": frozen["reward"],
+                   "image_encoder": frozen.get("image_encoder", 0) if i2v else 0},
         "terms_gib": {k: v / GIB for k, v in t.items()},
         "phases_gib": {k: v / GIB for k, v in phases.items()},
         "peak_gib": peak / GIB, "peak_phase": peak_phase, "gpu_memory_gib": opts.gpu_memory_gib,
         "fits": peak / GIB <= opts.gpu_memory_gib,
         "headroom_gib": opts.gpu_memory_gib - peak / GIB,
         "host_text_cache": text_cache_host(cfg, opts),
+        # I2V image cache (sage_grpo/models/image_cond.py): per distinct image, in each process's memory without a
+        # cache directory (one image per prompt assumed), nothing with one (read per batch from the files)
+        "host_image_cache": {"per_image_mb": image / 1e6, "in_memory_gb": opts.num_prompts * image / 1e9,
+                             "per_rank_gb": 0.0 if (m.text_embedding_cache_dir or opts.world_size > 1)
+                             else opts.num_prompts * image / 1e9} if i2v else None,
         "loop": loop,
         "traffic": traffic,
     }

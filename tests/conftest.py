@@ -126,6 +126,24 @@ def tiny_clip_dirs(tmp_path_factory) -> dict[str, Path]:
     return {"clip": clip, "pick_model": pick_model, "pick_processor": pick_proc, "root": root}
 
 
+# ------------------------------------------------------------------------------------------ tiny image-to-video
+
+
+@pytest.fixture(scope="session")
+def tiny_i2v_dir(tmp_path_factory):
+    """A tiny image-to-video checkpoint (480p_i2v) in the diffusers layout, in a folder of its own."""
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_i2v") / "hv", "diffusers", seed=0, version="480p_i2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_i2v_pipe(tiny_i2v_dir):
+    from sage_grpo.models.loading import load_pipeline
+
+    return load_pipeline(model_path=str(tiny_i2v_dir), dtype="fp32")
+
+
 # ------------------------------------------------------------------------------------------ scheduling
 
 # The longest tests (seconds on 2 cores, one thread each), started first so that scripts/test.sh's workers

@@ -50,3 +50,28 @@ def test_metrics_target_fills_the_folders_score_videos_reads(tmp_path):
 def test_missing_hf_cli_is_one_error(tmp_path):
     r = _run(tmp_path, "reward")
     assert r.returncode == 1 and "the 'hf' CLI is missing" in r.stderr and not (tmp_path / "ck").exists()
+
+
+def test_every_supported_version_downloads_and_i2v_brings_its_image_encoder(tmp_path):
+    """VERSION takes exactly the names sage_grpo knows (VARIANTS); the authors' layout of an I2V version fetches
+    FLUX.1-Redux-dev's SigLIP into vision_encoder/siglip (where the loader reads it); unsupported and unknown names
+    are one error before anything is created."""
+    from sage_grpo.models.tiny import VARIANTS
+
+    def run(version, *args):
+        env = {**os.environ, "CKPTS": str(tmp_path / "ck"), "PATH": "/usr/bin:/bin", "VERSION": version}
+        return subprocess.run(["bash", str(SCRIPT), "--dry-run", *args], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=60)
+
+    for version in VARIANTS:
+        r = run(version, "authors")
+        assert r.returncode == 0, (version, r.stderr)
+        siglip = "hf download black-forest-labs/FLUX.1-Redux-dev" in r.stdout
+        assert siglip == ("i2v" in version), version
+        assert (f"--local-dir {tmp_path / 'ck' / 'vision_encoder' / 'siglip'}" in r.stdout) == siglip
+        assert f"HunyuanVideo-1.5-Diffusers-{version}" in run(version).stdout
+    bad = run("720p_i2v_distilled_sparse")
+    assert bad.returncode == 2 and "not supported: sparse attention" in bad.stderr
+    unknown = run("480p_iv2")
+    assert unknown.returncode == 2 and f"valid: {' '.join(VARIANTS)}" in unknown.stderr
+    assert not (tmp_path / "ck").exists()

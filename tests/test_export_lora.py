@@ -118,6 +118,21 @@ def test_model_card_of_a_merged_export_and_without_metrics(tmp_path):
     assert "No validation metrics" in card and "from_pretrained" in card
 
 
+def test_model_card_of_an_i2v_run_names_the_i2v_pipeline_and_base(tmp_path):
+    """A run's train_state.json "task" (post_train writes it) picks the tag, the pipeline class, the base repository
+    (a diffusers-layout run keeps the default version 480p_t2v: the I2V one of that version is named) and --image."""
+    from sage_grpo.models.model_card import model_card
+
+    for kind in ("merged", "peft", "diffusers"):
+        card = model_card(config_to_dict(Config()), step=3, kind=kind, files=["x.safetensors"], task="i2v",
+                          lora_settings={"r": 4, "lora_alpha": 8, "target_modules": ["to_q"]})
+        assert "pipeline_tag: image-to-video" in card and "- image-to-video" in card and "text-to-video" not in card
+        assert "HunyuanVideo15ImageToVideoPipeline" in card and "HunyuanVideo15Pipeline." not in card
+        assert "HunyuanVideo-1.5-Diffusers-480p_i2v" in card and ("--image " in card) == (kind != "merged")
+    t2v = model_card(config_to_dict(Config()), step=3, kind="merged", files=["config.json"])
+    assert "HunyuanVideo15Pipeline.from_pretrained" in t2v and "480p_t2v" in t2v and "--image" not in t2v
+
+
 def test_lora_export_user_errors(lora_run, tmp_path):
     ckpt, _ = lora_run
     with pytest.raises(SageGRPOError, match="--lora_format 'kohya' is not one of peft, diffusers, original, comfy"):

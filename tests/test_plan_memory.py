@@ -145,7 +145,7 @@ def test_cli_json(capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["--world_size", "6"], "num_generations"),  # dp 3 x batch 2 = 6 videos, G = 4
     (["--world_size", "8", "--sp_size", "3"], "--sp_size 3 must divide"),
-    (["--world_size", "8", "--pretrained_transformer_version", "720p_i2v"], "no transformer config"),
+    (["--world_size", "8", "--pretrained_transformer_version", "720p_i2v_distilled_sparse"], "no transformer config"),
 ])
 def test_impossible_geometry_is_one_message(argv, needle, capsys):
     from sage_grpo.errors import run_cli
@@ -246,3 +246,28 @@ def test_cli_prints_the_layout_choices(capsys):
     assert "total inter-node / intra-node" in out
     rows = [line for line in out.splitlines() if line.startswith(("full shard over 64", "HSDP: shard over 8"))]
     assert len(rows) == 4 and sum("kept gathered" in r for r in rows) == 2
+
+
+def test_i2v_plans_the_image_tokens_siglip_and_the_image_conditioning(counts):
+    """The same run as I2V: 729 more valid encoder tokens per block, SigLIP (the so400m vision tower, ~0.43 B
+    parameters) on the GPU while the images are encoded, offloaded with the text encoders, and each video's image
+    conditioning (729 x 1152 SigLIP tokens + the frame-0 latent) in the trajectory; every version is planned."""
+    c, frozen = counts
+    assert 0.42e9 < frozen["image_encoder"] < 0.44e9
+    assert set(pm.TRANSFORMER_CONFIGS) >= {"480p_i2v", "720p_i2v", "480p_i2v_step_distilled"}
+    cfg = _cfg()
+    t2v = pm.plan(cfg, pm.PlanOptions(world_size=8), c, frozen)
+    cfg.model.pretrained_transformer_version = "480p_i2v"
+    i2v = pm.plan(cfg, pm.PlanOptions(world_size=8), c, frozen)
+    assert i2v["setting"]["text_tokens"] == t2v["setting"]["text_tokens"] + 729
+    gib, e = 2**30, 2  # bf16
+    assert cfg.model.offload_text_encoder  # the config offloads: SigLIP counts in the encode phase only
+    C, F, H, W = i2v["setting"]["latent"]
+    per_video = (729 * 1152 + C * H * W) * e
+    ti, tt = i2v["terms_gib"], t2v["terms_gib"]
+    assert ti["trajectory"] - tt["trajectory"] == pytest.approx(cfg.data.batch_size * per_video / gib)
+    assert ti["image encoder before offload"] == pytest.approx(frozen["image_encoder"] * e / gib)
+    assert ti["image encoder after offload"] == tt["image encoder before offload"] == 0
+    encode = i2v["phases_gib"]["encode"] - t2v["phases_gib"]["encode"]
+    assert encode == pytest.approx(ti["image encoder before offload"])
+    assert i2v["host_image_cache"]["per_image_mb"] == pytest.approx(per_video / 1e6) and t2v["host_image_cache"] is None

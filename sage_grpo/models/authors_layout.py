@@ -31,7 +31,12 @@ __all__ = [
     "load_authors_vae",
     "glyph_special_tokens",
     "save_authors_layout",
+    "SIGLIP_DIR",
 ]
+
+# The authors' image encoder folder (checkpoints-download.md: FLUX.1-Redux-dev's image_encoder/ and
+# feature_extractor/ downloaded into ckpts/vision_encoder/siglip).
+SIGLIP_DIR = "vision_encoder/siglip"
 
 # Authors' VAE config names -> AutoencoderKLHunyuanVideo15 arguments.
 _VAE_ALIASES = {"ffactor_spatial": "spatial_compression_ratio", "ffactor_temporal": "temporal_compression_ratio"}
@@ -191,3 +196,8 @@ def save_authors_layout(components: dict, root: Path, version: str = "480p_t2v")
     state = {"module.text_tower.encoder." + k[len("encoder."):]: v.clone()
              for k, v in enc.state_dict().items() if k.startswith("encoder.")}
     torch.save(state, glyph / "checkpoints/byt5_model.pt")
+
+    if components.get("image_encoder") is not None:  # I2V: where the authors' loader reads SigLIP (HVP L1607-1623)
+        siglip = root / SIGLIP_DIR
+        components["image_encoder"].save_pretrained(siglip / "image_encoder")
+        components["feature_extractor"].save_pretrained(siglip / "feature_extractor")

@@ -32,6 +32,9 @@ __all__ = [
 TRANSFORMER_RULES: list[tuple[str, str, str]] = [
     ("time_in.mlp.0", "time_embed.timestep_embedder.linear_1", ""),
     ("time_in.mlp.2", "time_embed.timestep_embedder.linear_2", ""),
+    # the step-distilled model's r-timestep embedder (use_meanflow; the authors' time_r_in, diffusers' converter)
+    ("time_r_in.mlp.0", "time_embed.timestep_embedder_r.linear_1", ""),
+    ("time_r_in.mlp.2", "time_embed.timestep_embedder_r.linear_2", ""),
     ("txt_in.t_embedder.mlp.0", "context_embedder.time_text_embed.timestep_embedder.linear_1", ""),
     ("txt_in.t_embedder.mlp.2", "context_embedder.time_text_embed.timestep_embedder.linear_2", ""),
     ("txt_in.c_embedder.linear_1", "context_embedder.time_text_embed.text_embedder.linear_1", ""),
@@ -212,5 +215,5 @@ def infer_transformer_config(state: dict[str, Tensor], version: str = "480p_t2v"
         rope_axes_dim=tuple(int(x) for x in rope_axes_dim),
         target_size=960 if version.startswith("720p") else 640,
         task_type="i2v" if "i2v" in version else "t2v",
-        use_meanflow=False,
+        use_meanflow="time_r_in.mlp.0.weight" in state,  # only the step-distilled model has the r embedder
     )

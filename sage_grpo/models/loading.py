@@ -2,12 +2,20 @@
 
 Diffusers layout (primary; e.g. hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v):
     model_index.json, transformer/, vae/, text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/, scheduler/
+    (+ image_encoder/, feature_extractor/ for image-to-video: SigLIP, listed in model_index.json)
 Authors' layout (`hf download tencent/HunyuanVideo-1.5` into --pretrained_model_root):
     transformer/<version>/*.safetensors   (authors' keys; converted with sage_grpo.models.convert)
     vae/config.json + *.safetensors       (authors' keys)
     text_encoder/llm/                     (Qwen2.5-VL-7B-Instruct; its text tower is used)
     text_encoder/byt5-small/              (config + tokenizer of google/byt5-small)
     text_encoder/Glyph-SDXL-v2/           (checkpoints/byt5_model.pt + assets/*.json: the glyph ByT5 weights)
+    vision_encoder/siglip/{image_encoder,feature_extractor}/   (image-to-video only: FLUX.1-Redux-dev's SigLIP)
+
+The task is the checkpoint's: image-to-video (I2V) when the diffusers model_index.json lists an image_encoder, or
+the authors' version name holds "i2v" (480p_i2v, ...). The transformer config's task_type is not used: forward never
+reads it, and diffusers' converter writes "i2v" into its 480p_t2v config. An I2V checkpoint loads into
+HunyuanVideo15ImageToVideoPipeline (the same text handling plus SigLIP and the image bucketing), a T2V one into
+HunyuanVideo15Pipeline.
 
 The pipeline object is only a container here: the rollout loop (sage_grpo.rollout) drives the transformer itself
 and calls `encode_prompt`; keeping diffusers' class means its text handling (chat template, crop, glyph
@@ -37,6 +45,8 @@ __all__ = [
     "load_pipeline",
     "apply_text_lengths",
     "freeze",
+    "checkpoint_task",
+    "checkpoint_sampling_defaults",
     "read_transformer_config",
     "transformer_row_reader",
 ]
@@ -56,6 +66,25 @@ class ModelLocation:
     layout: str  # "diffusers" | "authors"
     version: str  # e.g. "480p_t2v" (the authors' transformer sub-folder)
 
+    @property
+    def task(self) -> str:
+        return checkpoint_task(self)
+
+
+def checkpoint_task(loc: ModelLocation) -> str:
+    """"i2v" or "t2v" from the checkpoint's files (no weights read): the diffusers model_index.json lists an
+    image_encoder (only the I2V repositories have one), or the authors' version name says i2v."""
+    from sage_grpo.models.tiny import task_of_version
+
+    if loc.layout == "diffusers":
+        try:
+            index = json.loads((loc.root / "model_index.json").read_text())
+        except (OSError, ValueError) as e:
+            raise SageGRPOError(f"{loc.root / 'model_index.json'} cannot be read: {e}") from None
+        entry = index.get("image_encoder")
+        return "i2v" if isinstance(entry, list) and entry and entry[0] is not None else "t2v"
+    return task_of_version(loc.version)
+
 
 def _has_weights(d: Path) -> bool:
     return d.is_dir() and any(f.name.endswith(_WEIGHT_SUFFIXES) for f in d.iterdir())
@@ -64,6 +93,13 @@ def _has_weights(d: Path) -> bool:
 def _has_tokenizer(d: Path) -> bool:
     names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json")
     return d.is_dir() and any((d / n).exists() for n in names)
+
+
+def _image_encoder_checks(r: Path, encoder: str, processor: str) -> list[tuple[str, bool]]:
+    """The SigLIP image encoder of an I2V checkpoint (FLUX.1-Redux-dev's, see download_weights.sh)."""
+    return [(f"{encoder}/ (SigLIP config.json + weights)", (r / encoder / "config.json").is_file()
+             and _has_weights(r / encoder)),
+            (f"{processor}/preprocessor_config.json", (r / processor / "preprocessor_config.json").is_file())]
 
 
 def missing_pieces(loc: ModelLocation) -> list[str]:
@@ -77,6 +113,8 @@ def missing_pieces(loc: ModelLocation) -> list[str]:
                            "weights)", (r / sub / "config.json").is_file() and _has_weights(r / sub)))
         for sub in ("tokenizer", "tokenizer_2"):
             checks.append((f"{sub}/", _has_tokenizer(r / sub)))
+        if checkpoint_task(loc) == "i2v":
+            checks += _image_encoder_checks(r, "image_encoder", "feature_extractor")
     else:
         t = r / "transformer" / loc.version
         glyph = r / "text_encoder" / "Glyph-SDXL-v2"
@@ -92,6 +130,10 @@ def missing_pieces(loc: ModelLocation) -> list[str]:
             ("text_encoder/Glyph-SDXL-v2/assets/multilingual_10-lang_idx.json",
              (glyph / "assets/multilingual_10-lang_idx.json").is_file()),
         ]
+        if checkpoint_task(loc) == "i2v":
+            from sage_grpo.models.authors_layout import SIGLIP_DIR
+
+            checks += _image_encoder_checks(r, f"{SIGLIP_DIR}/image_encoder", f"{SIGLIP_DIR}/feature_extractor")
     return [name for name, ok in checks if not ok]
 
 
@@ -105,7 +147,11 @@ def locate_model(
     download_weights.sh puts it), then the authors' layout (`transformer/<version>`). Fails listing what is
     missing from the most likely candidate.
     """
+    from sage_grpo.models.tiny import variant_of
+
     candidates: list[Path] = []
+    if not model_path:
+        variant_of(version)  # the version names the folder: an unknown or unsupported one is one error here
     if model_path:
         candidates.append(Path(model_path))
     else:
@@ -126,6 +172,8 @@ def locate_model(
             f"(transformer/{version}/, vae/, text_encoder/llm/, text_encoder/byt5-small/, "
             f"text_encoder/Glyph-SDXL-v2/). {_DOWNLOAD_HINT}"
         )
+    if loc.layout == "authors":
+        variant_of(version)  # the authors' transformer/<version>: a known, supported name
     missing = missing_pieces(loc)
     if missing:
         raise SageGRPOError(
@@ -168,15 +216,18 @@ def load_pipeline(
     load_text_encoders: bool = True,
     device: str | torch.device = "cpu",
     transformer: torch.nn.Module | None = None,
+    load_image_encoder: bool = True,
 ):
-    """-> diffusers.HunyuanVideo15Pipeline with every part frozen except the transformer (trainable, train mode off).
+    """-> diffusers.HunyuanVideo15Pipeline (T2V checkpoint) or HunyuanVideo15ImageToVideoPipeline (I2V) with every
+    part frozen except the transformer (trainable, train mode off); `pipe.sage_grpo_task` is "t2v" or "i2v".
 
     dtype: frozen parts (text encoders; the VAE unless vae_dtype). transformer_dtype: the policy weights (e.g. fp32
     master weights with bf16 autocast; default = dtype). load_text_encoders=False leaves them None (prompt
     embeddings all cached on disk). transformer: an already built transformer (FSDP2: the sharded one from
     sage_grpo.models.parallelize.load_sharded_transformer) used instead of loading the whole one; it is not moved.
+    load_image_encoder=False leaves an I2V checkpoint's SigLIP None (every reference image already encoded).
     """
-    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
     loc = locate_model(pretrained_model_root, model_path, version)
     dt = resolve_dtype(dtype)
@@ -193,27 +244,71 @@ def load_pipeline(
         parts = load_authors_parts(loc.root, loc.version, tdt, vdt, dt, load_text_encoders)
     from sage_grpo.models.attention import use_valid_token_attention
 
+    task = loc.task
+    if task == "i2v":
+        parts.update(_load_image_encoder(loc, dt, load_image_encoder))
     if transformer is not None:
         parts["transformer"] = transformer
     use_valid_token_attention(parts["transformer"])  # attention over valid tokens only (no dense [B,1,S,S] mask)
-    scheduler_dir = loc.root / "scheduler"
-    if (scheduler_dir / "scheduler_config.json").is_file():
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_dir)
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=9.0 if version.startswith("720p") else 5.0)
-    pipe = HunyuanVideo15Pipeline(
-        scheduler=scheduler, guider=ClassifierFreeGuidance(guidance_scale=6.0), **parts
-    )
+    scheduler, guider = _sampling_defaults(loc)
+    cls = HunyuanVideo15ImageToVideoPipeline if task == "i2v" else HunyuanVideo15Pipeline
+    pipe = cls(scheduler=scheduler, guider=guider, **parts)
     apply_text_lengths(pipe, read_text_lengths(loc.root))
-    freeze(pipe.vae, pipe.text_encoder, pipe.text_encoder_2)
+    image_encoder = getattr(pipe, "image_encoder", None)
+    freeze(pipe.vae, pipe.text_encoder, pipe.text_encoder_2, image_encoder)
     pipe.transformer.eval()
-    for part in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+    for part in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, image_encoder):
         if part is not None:
             part.to(device)
     if transformer is None:
         pipe.transformer.to(device)  # a sharded transformer already sits where its shards belong (device or offload)
     pipe.sage_grpo_location = loc  # for provenance (generate.py's config dump, the text cache identity)
+    pipe.sage_grpo_task = task
     return pipe
+
+
+def _sampling_defaults(loc: ModelLocation):
+    """The checkpoint's scheduler (flow shift) and guider (CFG scale) from its own scheduler/ and guider/ configs; a
+    layout without them (the authors') gets its version's (sage_grpo.models.tiny.VARIANTS: shift 5 / 9 / 7, CFG 6,
+    or 1 for the distilled models)."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+
+    from sage_grpo.models.tiny import VARIANTS
+
+    default = VARIANTS.get(loc.version, VARIANTS["480p_t2v"])  # a diffusers path's version is only a folder name
+    sched_dir, guider_dir = loc.root / "scheduler", loc.root / "guider"
+    if (sched_dir / "scheduler_config.json").is_file():
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(sched_dir)
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=default.flow_shift)
+    if (guider_dir / "guider_config.json").is_file():
+        guider = ClassifierFreeGuidance.from_pretrained(guider_dir)
+    else:
+        guider = ClassifierFreeGuidance(guidance_scale=default.guidance_scale)
+    return scheduler, guider
+
+
+def checkpoint_sampling_defaults(loc: ModelLocation) -> dict[str, float]:
+    """{"flow_shift", "guidance_scale"} of the checkpoint (its scheduler / guider configs, or its version's defaults;
+    no weights read)."""
+    scheduler, guider = _sampling_defaults(loc)
+    return {"flow_shift": float(scheduler.config.shift), "guidance_scale": float(guider.guidance_scale)}
+
+
+def _load_image_encoder(loc: ModelLocation, dt: torch.dtype, load: bool) -> dict:
+    """SigLIP of an I2V checkpoint -> {image_encoder, feature_extractor} (the encoder None when not `load`)."""
+    from transformers import SiglipImageProcessor, SiglipVisionModel
+
+    if loc.layout == "diffusers":
+        enc, proc = loc.root / "image_encoder", loc.root / "feature_extractor"
+    else:
+        from sage_grpo.models.authors_layout import SIGLIP_DIR
+
+        enc, proc = loc.root / SIGLIP_DIR / "image_encoder", loc.root / SIGLIP_DIR / "feature_extractor"
+    return dict(
+        image_encoder=SiglipVisionModel.from_pretrained(os.fspath(enc), dtype=dt) if load else None,
+        feature_extractor=SiglipImageProcessor.from_pretrained(os.fspath(proc)),
+    )
 
 
 def _load_diffusers_parts(root: Path, tdt, vdt, dt, load_text_encoders: bool, load_transformer: bool = True) -> dict:

@@ -4,7 +4,8 @@ reward and its weights, the training steps and key flags (from the checkpoint's 
 validation metrics of the exported step (from the run's metrics.jsonl when present) and how to load the weights.
 
 Only the train_state.json config is read, through `.get` with the flags shown only when present, so a checkpoint
-of an older or newer config still gets a card."""
+of an older or newer config still gets a card. `task` (train_state.json's "task", written since image-to-video
+runs exist; "t2v" when absent) picks the pipeline class, the hub tag and the --image in the usage lines."""
 
 from __future__ import annotations
 
@@ -30,9 +31,15 @@ KEY_FLAGS = [
 ]
 
 
-def base_model_id(config: dict, layout: str) -> str:
-    """The hub id of the base weights: the authors' repo, or the community diffusers conversion of the version."""
+def base_model_id(config: dict, layout: str, task: str = "t2v") -> str:
+    """The hub id of the base weights: the authors' repo, or the community diffusers conversion of the version. A
+    diffusers-layout run names no version (its --pretrained_transformer_version keeps the default 480p_t2v): when
+    the version's task is not the run's, the same version of the run's task is named."""
     version = config.get("model", {}).get("pretrained_transformer_version") or "480p_t2v"
+    if task == "i2v" and "i2v" not in version:
+        version = version.replace("t2v", "i2v")
+    elif task == "t2v" and "i2v" in version:
+        version = version.replace("i2v", "t2v")
     return DIFFUSERS_REPO.format(version=version) if layout == "diffusers" else AUTHORS_REPO
 
 
@@ -75,14 +82,15 @@ def _fmt(v) -> str:
 
 
 def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_file: Path | None = None,
-               lora_settings: dict | None = None) -> str:
+               lora_settings: dict | None = None, task: str = "t2v") -> str:
     """README.md text. kind: "merged" (a diffusers transformer folder) or a LoRA layout of
     sage_grpo.models.lora_formats (peft, diffusers, original, comfy)."""
     is_lora = kind != "merged"
     layout = "authors" if kind in ("original", "comfy") else "diffusers"
-    base = base_model_id(config, layout)
+    base = base_model_id(config, layout, task)
+    tag = "image-to-video" if task == "i2v" else "text-to-video"
     optim = config.get("optim", {})
-    tags = ["text-to-video", "hunyuanvideo-1.5", "grpo", "sage-grpo", "reinforcement-learning"]
+    tags = [tag, "hunyuanvideo-1.5", "grpo", "sage-grpo", "reinforcement-learning"]
     if is_lora:
         tags += ["lora"] + (["comfyui"] if kind == "comfy" else [])
     library = "peft" if kind == "peft" else "diffusers"
@@ -91,7 +99,7 @@ def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_
         f"base_model: {base}",
         f"base_model_relation: {'adapter' if is_lora else 'finetune'}",
         f"library_name: {library}",
-        "pipeline_tag: text-to-video",
+        f"pipeline_tag: {tag}",
         "tags:",
         *[f"- {t}" for t in tags],
         "---",
@@ -124,26 +132,27 @@ def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_
         out += [f"At step {vstep} (metrics.jsonl):", "", "| metric | value |", "|---|---|"]
         out += [f"| {k} | {v:.6g} |" for k, v in sorted(vals.items())]
     out += ["", "## Files", "", *[f"- `{f}`" for f in files], "", "## How to load", ""]
-    out += _how_to_load(kind, files, base)
+    out += _how_to_load(kind, files, base, task)
     return "\n".join(out) + "\n"
 
 
-def _how_to_load(kind: str, files: list[str], base: str) -> list[str]:
+def _how_to_load(kind: str, files: list[str], base: str, task: str = "t2v") -> list[str]:
     weights = next((f for f in files if f.endswith(".safetensors")), "")
+    cls = "HunyuanVideo15ImageToVideoPipeline" if task == "i2v" else "HunyuanVideo15Pipeline"
     if kind == "merged":
         return ["diffusers (replace the transformer of the base pipeline):", "", "```python",
-                "import torch", "from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel",
+                "import torch", f"from diffusers import {cls}, HunyuanVideo15Transformer3DModel",
                 "transformer = HunyuanVideo15Transformer3DModel.from_pretrained(\"<this folder>\", "
                 "torch_dtype=torch.bfloat16)",
-                f"pipe = HunyuanVideo15Pipeline.from_pretrained(\"{base}\", transformer=transformer, "
+                f"pipe = {cls}.from_pretrained(\"{base}\", transformer=transformer, "
                 "torch_dtype=torch.bfloat16)", "```"]
     lines = []
     if kind in ("diffusers", "peft"):
         diffusers_base = base
         prefix = "transformer" if kind == "diffusers" else "base_model.model"
-        lines += ["diffusers (0.42's HunyuanVideo15Pipeline has no `load_lora_weights`; load into the transformer):",
-                  "", "```python", "import torch", "from diffusers import HunyuanVideo15Pipeline",
-                  f"pipe = HunyuanVideo15Pipeline.from_pretrained(\"{diffusers_base}\", torch_dtype=torch.bfloat16)"]
+        lines += [f"diffusers (0.42's {cls} has no `load_lora_weights`; load into the transformer):",
+                  "", "```python", "import torch", f"from diffusers import {cls}",
+                  f"pipe = {cls}.from_pretrained(\"{diffusers_base}\", torch_dtype=torch.bfloat16)"]
         if kind == "diffusers":
             lines.append(f"pipe.transformer.load_lora_adapter(\"<this folder>\", weight_name=\"{weights}\", "
                          f"prefix=\"{prefix}\", adapter_name=\"sage_grpo\")")
@@ -163,5 +172,6 @@ def _how_to_load(kind: str, files: list[str], base: str) -> list[str]:
                   "`.alpha`), for tools that read the original checkpoint's names; for ComfyUI export "
                   "`--lora_format comfy`.", ""]
     lines += ["This repository (any of the four layouts; detected from the keys):", "", "```bash",
-              "python generate.py --pretrained_model_root ckpts --lora_path <this folder> --prompt \"...\"", "```"]
+              "python generate.py --pretrained_model_root ckpts --lora_path <this folder> --prompt \"...\""
+              + (" --image first_frame.png" if task == "i2v" else ""), "```"]
     return lines

@@ -26,8 +26,15 @@ __all__ = [
     "TEXT_LENGTHS_FILE",
     "TextLengths",
     "QWEN_CHAT_TEMPLATE",
+    "task_of_version",
+    "Variant",
+    "VARIANTS",
+    "UNSUPPORTED_VARIANTS",
+    "variant_of",
+    "tiny_variant_config",
     "tiny_transformer_config",
     "tiny_vae_config",
+    "build_tiny_image_encoder",
     "build_tiny_tokenizer",
     "build_tiny_components",
     "default_system_message",
@@ -62,7 +69,70 @@ TINY_HEADS, TINY_HEAD_DIM, TINY_LATENT = 2, 32, 4
 TINY_TEXT_DIM, TINY_BYT5_DIM, TINY_IMAGE_DIM = 32, 16, 16
 
 
-def tiny_transformer_config() -> dict:
+# Tiny SigLIP: 28 px images in 14 px patches -> 2 x 2 = 4 tokens (the real so400m: 384 px / 14 -> 27 x 27 = 729).
+TINY_SIGLIP_IMAGE, TINY_SIGLIP_PATCH = 28, 14
+# Tiny I2V bucket base: the real 480p checkpoints use 640 with the VAE's 16 px patches (40 patches a side); 32 with
+# the tiny VAE's 4 px patches keeps a square image at 32 x 32 px -> 8 x 8 latent (64 tokens a frame) for CPU tests.
+TINY_I2V_TARGET_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A HunyuanVideo-1.5 checkpoint's defaults (diffusers' converter TRANSFORMER/SCHEDULER/GUIDANCE_CONFIGS and the
+    authors' PIPELINE_CONFIGS; /work/shared/spec/hv15_variants.md section 2)."""
+
+    task: str  # "t2v" | "i2v"
+    target_size: int  # bucket base in pixels: 640 (480p), 960 (720p)
+    flow_shift: float
+    guidance_scale: float  # 1 = CFG-distilled: one forward, no negative branch (there is no guidance embedding)
+    steps: int  # recommended sampling steps
+    use_meanflow: bool = False  # step-distilled: timestep_r = the next timestep
+
+
+# Every version name of the authors' layout (transformer/<name>) that diffusers can run; the diffusers repositories
+# are hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-<name>.
+VARIANTS = {
+    "480p_t2v": Variant("t2v", 640, 5.0, 6.0, 50),
+    "480p_i2v": Variant("i2v", 640, 5.0, 6.0, 50),
+    "720p_t2v": Variant("t2v", 960, 9.0, 6.0, 50),
+    "720p_i2v": Variant("i2v", 960, 7.0, 6.0, 50),
+    "480p_t2v_distilled": Variant("t2v", 640, 5.0, 1.0, 50),
+    "480p_i2v_distilled": Variant("i2v", 640, 5.0, 1.0, 50),
+    "720p_t2v_distilled": Variant("t2v", 960, 9.0, 1.0, 50),
+    "720p_i2v_distilled": Variant("i2v", 960, 7.0, 1.0, 50),
+    "480p_i2v_step_distilled": Variant("i2v", 640, 7.0, 1.0, 12, use_meanflow=True),
+}
+# Checkpoints of the authors' release that diffusers cannot run, and why.
+UNSUPPORTED_VARIANTS = {
+    "720p_i2v_distilled_sparse": "sparse attention (SSTA, flex-block-attn) exists only in the authors' code, not in "
+                                 "diffusers; use the dense 720p_i2v_distilled",
+    "720p_t2v_distilled_sparse": "sparse attention (SSTA) exists only in the authors' code, not in diffusers",
+    "720p_sr_distilled": "a super-resolution model (with upsampler/), not a text/image-to-video one; not in diffusers",
+    "1080p_sr_distilled": "a super-resolution model (with upsampler/), not a text/image-to-video one; not in diffusers",
+}
+
+
+def variant_of(version: str) -> Variant:
+    """The defaults of a version name; an unsupported or unknown name is one SageGRPOError naming the valid ones."""
+    from sage_grpo.errors import SageGRPOError
+
+    if version in VARIANTS:
+        return VARIANTS[version]
+    if version in UNSUPPORTED_VARIANTS:
+        raise SageGRPOError(f"HunyuanVideo-1.5 {version} is not supported: {UNSUPPORTED_VARIANTS[version]}")
+    raise SageGRPOError(f"unknown HunyuanVideo-1.5 version {version!r}; valid: {', '.join(VARIANTS)}")
+
+
+def task_of_version(version: str) -> str:
+    """"i2v" or "t2v" from an authors' version name (480p_i2v, 720p_i2v_distilled, 480p_i2v_step_distilled, ...)."""
+    return "i2v" if "i2v" in version else "t2v"
+
+
+def tiny_transformer_config(task: str = "t2v") -> dict:
+    """The tiny transformer; task "i2v" differs from "t2v" as the real 480p_i2v config differs from 480p_t2v: only
+    in task_type (metadata: forward never reads it) and, here, the bucket base target_size."""
+    if task not in ("t2v", "i2v"):
+        raise ValueError(f"task must be 't2v' or 'i2v', got {task!r}")
     return dict(
         in_channels=2 * TINY_LATENT + 1,  # latent + condition latent + mask (zeros for t2v)
         out_channels=TINY_LATENT,
@@ -79,10 +149,20 @@ def tiny_transformer_config() -> dict:
         image_embed_dim=TINY_IMAGE_DIM,
         rope_theta=256.0,
         rope_axes_dim=(4, 14, 14),
-        target_size=64,
-        task_type="t2v",
+        target_size=64 if task == "t2v" else TINY_I2V_TARGET_SIZE,
+        task_type=task,
         use_meanflow=False,
     )
+
+
+def tiny_variant_config(version: str) -> dict:
+    """The tiny transformer of a version: I2V or T2V, the bucket base scaled like the real ones (720p = 1.5 x 480p)
+    and use_meanflow for the step-distilled model."""
+    v = variant_of(version)
+    cfg = tiny_transformer_config(v.task)
+    cfg["target_size"] = cfg["target_size"] * v.target_size // 640
+    cfg["use_meanflow"] = v.use_meanflow
+    return cfg
 
 
 def tiny_vae_config() -> dict:
@@ -125,10 +205,26 @@ def tiny_crop_start(tokenizer, system_message: str) -> int:
     return ids.index(marker)
 
 
+def build_tiny_image_encoder():
+    """A tiny random SiglipVisionModel (width TINY_IMAGE_DIM, 4 tokens) and its SiglipImageProcessor (resize to
+    28 x 28, SigLIP's 0.5 mean/std normalisation: the processor's defaults), as the I2V pipeline takes them."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    encoder = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=TINY_IMAGE_DIM, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=TINY_SIGLIP_IMAGE, patch_size=TINY_SIGLIP_PATCH,
+    )).eval()
+    processor = SiglipImageProcessor(size={"height": TINY_SIGLIP_IMAGE, "width": TINY_SIGLIP_IMAGE})
+    return encoder, processor
+
+
 def build_tiny_components(seed: int = 0, *, tokenizer: Qwen2Tokenizer | None = None,
                           transformer_config: dict | None = None, vae_config: dict | None = None,
-                          perturb: bool = True) -> dict:
-    """Random tiny components keyed like HunyuanVideo15Pipeline's modules (plus `text_lengths`).
+                          perturb: bool = True, task: str = "t2v") -> dict:
+    """Random tiny components keyed like HunyuanVideo15Pipeline's modules (plus `text_lengths`); task "i2v" adds
+    `image_encoder` and `feature_extractor` (HunyuanVideo15ImageToVideoPipeline's modules) and configures the
+    transformer for I2V. The T2V weights of a seed do not depend on the task argument's existence: the image encoder
+    is drawn last.
 
     tokenizer / transformer_config / vae_config replace the defaults (the pretrained world model,
     sage_grpo.world.pretrain, uses a tokenizer with word merges and a deeper transformer). perturb=False keeps
@@ -166,7 +262,7 @@ def build_tiny_components(seed: int = 0, *, tokenizer: Qwen2Tokenizer | None = N
             decoder_start_token_id=0,
         )
     ).eval()
-    transformer = HunyuanVideo15Transformer3DModel(**(transformer_config or tiny_transformer_config())).eval()
+    transformer = HunyuanVideo15Transformer3DModel(**(transformer_config or tiny_transformer_config(task))).eval()
     vae = AutoencoderKLHunyuanVideo15(**(vae_config or tiny_vae_config())).eval()
     # The transformer and VAE initialise some layers to zero (e.g. proj_out): perturb every parameter so that the
     # tiny model's output depends on all of its weights and the parity tests can fail.
@@ -181,7 +277,16 @@ def build_tiny_components(seed: int = 0, *, tokenizer: Qwen2Tokenizer | None = N
         tokenizer_2_max_length=16,
         vision_num_semantic_tokens=4,
     )
+    extra = {}
+    if task == "i2v":
+        image_encoder, feature_extractor = build_tiny_image_encoder()
+        if perturb:
+            with torch.no_grad():
+                for p in image_encoder.parameters():
+                    p.add_(torch.randn_like(p) * 0.02)
+        extra = dict(image_encoder=image_encoder, feature_extractor=feature_extractor)
     return dict(
+        **extra,
         transformer=transformer,
         vae=vae,
         text_encoder=text_encoder,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sage_grpo.files import usual_permissions
-from sage_grpo.models.tiny import TEXT_LENGTHS_FILE, build_tiny_components
+from sage_grpo.models.tiny import TEXT_LENGTHS_FILE, build_tiny_components, tiny_variant_config, variant_of
 
 __all__ = ["TINY_CHECKPOINT_DIR", "write_tiny_checkpoint", "ensure_tiny_checkpoint"]
 
@@ -18,15 +18,26 @@ TINY_CHECKPOINT_DIR = "outputs/tiny_ckpts/hunyuanvideo15"
 
 
 def write_tiny_checkpoint(out: str | Path, layout: str = "diffusers", seed: int = 0, version: str = "480p_t2v") -> Path:
-    """Build tiny components from `seed` and save them under `out` -> `out`. Same seed = same weights."""
-    from diffusers import HunyuanVideo15Pipeline
+    """Build tiny components from `seed` and save them under `out` -> `out`. Same seed = same weights. An I2V
+    version (its name holds "i2v", e.g. 480p_i2v) adds a tiny SigLIP image encoder and its processor: in the
+    diffusers layout as HunyuanVideo15ImageToVideoPipeline saves them (image_encoder/, feature_extractor/, listed in
+    model_index.json), in the authors' layout under vision_encoder/siglip/ where their loader reads them."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    comps = build_tiny_components(seed)
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+
+    variant = variant_of(version)  # an unknown or unsupported name is one error here
+    task = variant.task
+    comps = build_tiny_components(seed, task=task, transformer_config=tiny_variant_config(version))
     lengths = comps.pop("text_lengths")
+    # the version's own sampling defaults, where the real checkpoint keeps them (scheduler/, guider/)
+    comps["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=variant.flow_shift)
+    comps["guider"] = ClassifierFreeGuidance(guidance_scale=variant.guidance_scale)
     if layout == "diffusers":
-        HunyuanVideo15Pipeline(**comps).save_pretrained(out, safe_serialization=True)
+        cls = HunyuanVideo15ImageToVideoPipeline if task == "i2v" else HunyuanVideo15Pipeline
+        cls(**comps).save_pretrained(out, safe_serialization=True)
     elif layout == "authors":
         from sage_grpo.models.authors_layout import save_authors_layout
 
