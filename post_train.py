@@ -164,6 +164,10 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     val_records = load_validation_records(cfg, prompts)
     ensure_tiny_checkpoint(cfg.model.model_path, is_main=info.is_main, log=lambda msg: print0(info, msg))
 
+    # the reward before the policy: a user's reward (import path, server) that cannot be built or called fails in
+    # one line in seconds, not after the policy has loaded
+    reward = build_reward_from_config(cfg, info.device)
+    probe_user_rewards(cfg, reward, [rec.prompt for rec in prompts], info.device)
     dtype = torch_dtype(m.dtype)
     pipe, transformer, trainable = load_policy(cfg, info)
     if m.vae_tiling:
@@ -191,7 +195,6 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     s_t = (equalizer_weights(r.sde_type, sigmas, r.eta, cps_logprob=r.cps_logprob, sage_clamp=r.sage_sigma_clamp)
            if cfg.optim.use_grad_balancing else torch.ones(r.grpo_sampling_steps))
     vh, vw = parse_size(v.validation_fixed_size, "--validation_fixed_size")
-    reward = build_reward_from_config(cfg, info.device)
     spec = validation_metrics_spec(cfg, val_records)
     # a reward named in --validation_metrics is built (its model loaded) only when the run validates
     extra = {n: build_reward_from_config(replace(cfg, reward=replace(cfg.reward, reward_model=n, reward_weights="")),
@@ -216,6 +219,23 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     if resume is not None:
         load_checkpoint(c, state, resume)
     return c, state
+
+
+def probe_user_rewards(cfg: Config, reward, prompts: list[str], device: torch.device) -> None:
+    """Call each reward given by import path once on 2 test videos of the rollout's size (deterministic noise, the
+    first training prompts): one SageGRPOError line when it raises or returns missing components or wrong shapes.
+    The built-in rewards are tested in the repository and skip this (VideoAlign's forward is not free)."""
+    from sage_grpo.rewards import check_first_call, is_import_path
+
+    r = cfg.rollout
+    users = {n: rw for n, rw in reward.rewards.items() if is_import_path(n)}
+    if not users:
+        return
+    gen = torch.Generator().manual_seed(0)
+    videos = torch.rand(2, r.sample_n_frames, 3, r.height, r.width, generator=gen).to(device)  # [2, F, 3, H, W]
+    texts = (prompts * 2)[:2]
+    for name, rw in users.items():
+        check_first_call(rw, name, videos, texts)
 
 
 def load_validation_records(cfg: Config, prompts: list[PromptRecord]) -> list[PromptRecord]:
@@ -960,6 +980,7 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     from sage_grpo.checkpoint import resolve_resume, run_outputs
     from sage_grpo.data import read_prompts
     from sage_grpo.metrics import check_report_to
+    from sage_grpo.rewards import get_reward_builder
 
     validate(cfg, world_size=world_size)
     sp = cfg.parallel.sp_size
@@ -980,6 +1001,8 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     if ck.resume_from_checkpoint and ck.overwrite_output_dir:
         raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
+    for name in cfg.reward.reward_model.split(","):  # an import path is imported here: a typo is one line, early
+        get_reward_builder(name)
     validation_metrics_spec(cfg, load_validation_records(cfg, read_prompts(cfg.data.train_video_csv)))
 
 

@@ -188,8 +188,10 @@ class RolloutConfig:
 class RewardConfig:
     """The reward: VideoAlign (VideoReward) or a built-in reward, and the composite weights."""
 
-    reward_model: str = opt("videoalign_local", "Reward name (videoalign_local, or a built-in / metric reward; see "
-                                                "docs/rewards.md).")
+    reward_model: str = opt("videoalign_local", "Reward name (videoalign_local, or a built-in / metric reward), an "
+                                                "import path of your own reward (package.module:factory or "
+                                                "path/to/file.py:factory), several joined by commas; see "
+                                                "docs/rewards.md.")
     reward_model_path: str = opt("", "VideoReward checkpoint directory; empty = <pretrained_model_root>/VideoReward.")
     reward_base_model_path: str = opt("", "Local Qwen2-VL-2B-Instruct directory (config and processor); empty = "
                                           "<pretrained_model_root>/Qwen2-VL-2B-Instruct. Never fetched at run time.")

@@ -13,7 +13,8 @@
 * ``drift``: RMSE of each validation video from the same prompt's video at the run's first validation (the base
   model's, with `--validate_at_step0`), both reduced by `drift_frames`, which the first validation writes to
   output_dir/validation_reference/ (a resumed run reads them back);
-* a registered reward name (``clipscore``, ``pickscore``, ``videoalign_local``, ...): built once for validation
+* a registered reward name (``clipscore``, ``pickscore``, ``videoalign_local``, ...) or an import path
+  (``package.module:factory``, ``path/to/file.py:factory``): built once for validation
   only (it loads its model on every rank) and its components reported;
 * ``auto``: components, statistics, drift, and world when the prompts are world captions; ``none``: nothing.
 
@@ -69,17 +70,20 @@ def parse_validation_metrics(items: Sequence[str], trained: Sequence[str], promp
     """`--validation_metrics` -> MetricsSpec; one SageGRPOError line for an unknown name, `none` with others, a
     trained reward named again, or `world` with prompts that are not world captions. `trained`: the
     `--reward_model` names; `prompts`: the validation prompts."""
-    from sage_grpo.rewards import reward_names
+    from sage_grpo.rewards import get_reward_builder, is_import_path, reward_key, reward_names
 
-    names = [str(i).strip().lower() for i in items if str(i).strip()]
+    names = [reward_key(str(i)) for i in items if str(i).strip()]
     known = reward_names()
     for n in names:
-        if n not in GROUPS and n not in known:
-            raise SageGRPOError(f"--validation_metrics: unknown {n!r}; use groups ({', '.join(GROUPS)}) or reward "
-                                f"names ({', '.join(known)})")
+        if is_import_path(n):
+            get_reward_builder(n)  # imported now: a missing file or attribute is one line before any model loads
+        elif n not in GROUPS and n not in known:
+            raise SageGRPOError(f"--validation_metrics: unknown {n!r}; use groups ({', '.join(GROUPS)}), reward "
+                                f"names ({', '.join(known)}) or an import path (package.module:factory, "
+                                "path/to/file.py:factory)")
     if "none" in names and len(names) > 1:
         raise SageGRPOError("--validation_metrics none reports no held-out metric: pass it alone")
-    trained = {t.strip().lower() for t in trained}
+    trained = {reward_key(t) for t in trained if t.strip()}
     again = [n for n in names if n in trained]
     if again:
         raise SageGRPOError(f"--validation_metrics {again[0]}: that reward is trained (--reward_model); its "
