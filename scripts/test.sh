@@ -3,7 +3,7 @@
 # runs on a CPU: the fast default suite, then the slow and multi-process (torchrun/gloo) tests.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source scripts/_setup.sh "dev,lora,plot"
+source scripts/_setup.sh "dev,lora,plot,serve"
 echo "== ruff"
 ruff check .
 echo "== pytest (fast suite)"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from sage_grpo.config import REWARD_MAX_PIXELS, REWARD_SAMPLE_FPS, VIDEO_FPS
-from sage_grpo.rewards import builtin, clip_metrics, videoalign, world  # noqa: F401 - registers the rewards
+from sage_grpo.rewards import builtin, clip_metrics, remote, videoalign, world  # noqa: F401 - registers the rewards
 from sage_grpo.rewards.base import (
     CompositeReward,
     Reward,
@@ -120,4 +120,7 @@ def build_reward_from_config(cfg, device: str | torch.device = "cpu") -> Composi
         clip_model_path=r.clip_model_path,
         pickscore_model_path=r.pickscore_model_path,
         pickscore_processor_path=r.pickscore_processor_path,
+        reward_url=r.reward_url,
+        reward_timeout=r.reward_timeout,
+        reward_retries=r.reward_retries,
     )
