@@ -353,10 +353,12 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                     c.anchor.refresh()
                 state.anchor_refreshed_at, state.anchor_synced = state.updates, True
             metrics: dict = {"kl/anchor_synced": int(state.anchor_synced)}
+            # a remote reward scores each finished chunk while the next one samples (EarlyScores); otherwise in order
+            early = EarlyScores(c) if overlaps_reward(c) else None
             with clock("rollout"):
-                traj = rollout_phase(c, state)
+                traj = rollout_phase(c, state) if early is None else rollout_phase(c, state, early)
             with clock("reward"):
-                adv, valid, reward_metrics = reward_phase(c, traj)
+                adv, valid, reward_metrics = reward_phase(c, traj) if early is None else reward_phase(c, traj, early)
             metrics.update(reward_metrics)
             # no finite reward on any rank (every rank sees the gathered rewards, so all agree): nothing to learn, but
             # the round still counts toward the pending update (with no gradient), so updates fall on the same steps
@@ -528,9 +530,52 @@ class StopRequest:
 # ------------------------------------------------------------------------------------------------------ phases
 
 
-def rollout_phase(c: Components, state: TrainState) -> Trajectory:
+def overlaps_reward(c: Components) -> bool:
+    """Whether scoring overlaps the rollout: --reward_overlap, a reward that is only `remote` (a local reward would
+    compete with the rollout for the GPU), one sp rank per video (sp peers share the scoring of a video) and more
+    than one chunk of --mini_batch_size_per_update videos on the rank."""
+    cfg = c.cfg
+    return (cfg.reward.reward_overlap and list(c.reward.rewards) == ["remote"] and c.info.sp_size == 1
+            and cfg.data.batch_size > cfg.optim.mini_batch_size_per_update)
+
+
+class EarlyScores:
+    """Scores of the rollout's chunks, asked for as each chunk finishes: the chunk is decoded here (the GPU is this
+    thread's) and scored by the reward in a worker thread (the remote reward waits on the network there), while the
+    rollout goes on with the next chunk. `collect` -> the scores of all videos, in order."""
+
+    def __init__(self, c: Components):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.c = c
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reward")  # chunks are scored in order
+        self.futures: list = []
+        self.prompts: list[str] = []
+
+    def start(self, prompts: list[str]) -> None:
+        self.prompts = list(prompts)
+
+    def submit(self, indices: torch.Tensor, final_latents: torch.Tensor) -> None:
+        """A finished chunk: indices [n] into the rank's videos, final latents [n, C, F, H, W]."""
+        from sage_grpo.rollout import decode_latents
+
+        frames = decode_latents(self.c.pipe.vae, final_latents)  # [n, F, 3, H, W] in [0, 1]
+        texts = [self.prompts[i] for i in indices.tolist()]
+        self.futures.append(self.pool.submit(self.c.reward, frames, texts))
+
+    def collect(self) -> dict[str, torch.Tensor]:
+        """{"total": [b], component: [b]}: every chunk's scores, concatenated in rollout order."""
+        try:
+            parts = [f.result() for f in self.futures]
+        finally:
+            self.pool.shutdown(wait=True)
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = None) -> Trajectory:
     """Sample this rank's videos of the next step (the sampler advances) -> the trajectory (x_0..x_T, log-probs,
-    the step's global group ids of my videos)."""
+    the step's global group ids of my videos). `early`: each chunk of --mini_batch_size_per_update videos is
+    sampled through all steps and handed to it at once (the same samples, another order)."""
     from sage_grpo.parallel.fsdp import keep_unsharded
     from sage_grpo.rollout import rollout
     from sage_grpo.seeding import derive_seed, prompt_noise_seed
@@ -542,6 +587,8 @@ def rollout_phase(c: Components, state: TrainState) -> Trajectory:
     texts = [rec.prompt for rec in recs]
     cond = c.cache.get(texts)
     uncond = c.cache.get([cfg.rollout.neg_prompt] * len(texts)) if c.settings.use_cfg else None
+    if early is not None:
+        early.start(texts)
     c.transformer.eval()  # no LoRA dropout while sampling: the stored log-probs are the deterministic policy's
     # FSDP2: one all-gather per unit for the whole rollout instead of one per forward (resharded on exit)
     with keep_unsharded(c.transformer, enabled=not cfg.parallel.rollout_reshard_after_forward):
@@ -553,17 +600,19 @@ def rollout_phase(c: Components, state: TrainState) -> Trajectory:
             base_seed=derive_seed(cfg.optim.seed, state.step), same_noise=cfg.rollout.use_same_noise,
             storage_dtype=torch.float32, show_progress=info.is_main and cfg.logging.verbose,
             chunk_size=cfg.optim.mini_batch_size_per_update, device=info.device,
+            on_chunk=None if early is None else early.submit,
         )
 
 
-def reward_phase(c: Components, traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Score, gather the rewards of all data-parallel ranks (a group may span several), group-relative advantages
-    -> (my advantages [b], my valid [b], metrics)."""
+def reward_phase(c: Components, traj: Trajectory, early: EarlyScores | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Score (or collect the `early` scores), gather the rewards of all data-parallel ranks (a group may span
+    several), group-relative advantages -> (my advantages [b], my valid [b], metrics)."""
     from sage_grpo.advantage import group_advantages
     from sage_grpo.parallel.dist import all_gather_cat
 
     cfg, info = c.cfg, c.info
-    names, mine = score_videos(c, traj)  # [b, K]
+    names, mine = score_videos(c, traj, early)  # [b, K]
     # over the ranks with my sp_rank: one copy of each data-parallel rank's videos, in dp-rank order
     every = all_gather_cat(mine, group=info.dp_group)  # [B_global, K]
     groups = all_gather_cat(traj.prompt_ids.to(info.device), group=info.dp_group)  # [B_global]
@@ -589,15 +638,19 @@ def reward_phase(c: Components, traj: Trajectory) -> tuple[torch.Tensor, torch.T
     return adv[sl].clone(), valid[sl].clone(), metrics
 
 
-def score_videos(c: Components, traj: Trajectory) -> tuple[list[str], torch.Tensor]:
+def score_videos(c: Components, traj: Trajectory, early: EarlyScores | None = None) -> tuple[list[str], torch.Tensor]:
     """Decode and score this data-parallel rank's videos -> (component names, [b, K] scores), each video decoded and
     scored once per sequence-parallel group: the sp peers hold the same b videos, each takes a contiguous share,
-    and the shares are all-gathered inside the group."""
+    and the shares are all-gathered inside the group. `early` (sp_size 1): the scores asked for during the
+    rollout."""
     from sage_grpo.parallel.dist import all_gather_cat
     from sage_grpo.rollout import decode_latents
 
     info, b = c.info, traj.batch_size
     names = sorted(["total", *c.reward.components])
+    if early is not None:
+        scores = early.collect()
+        return names, torch.stack([scores[k].float().to(info.device) for k in names], dim=1)  # [b, K]
     share = -(-b // info.sp_size)  # ceil(b / sp) rows per sp rank; the last ranks may get fewer (or none)
     lo, hi = min(info.sp_rank * share, b), min((info.sp_rank + 1) * share, b)
     mine = torch.full((share, len(names)), math.nan, device=info.device)  # [share, K], NaN rows = padding

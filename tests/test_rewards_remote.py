@@ -34,7 +34,8 @@ import os, time
 from sage_grpo.rewards.builtin import BrightnessReward
 class Slow(BrightnessReward):
     def __call__(self, videos, prompts):
-        time.sleep(float(os.environ["SLOW_REWARD_S"]))
+        per_video = float(os.environ.get("SLOW_REWARD_S_PER_VIDEO", "0"))
+        time.sleep(float(os.environ.get("SLOW_REWARD_S", "0")) + per_video * len(prompts))
         return super().__call__(videos, prompts)
 def build(**kw):
     return Slow()
@@ -202,15 +203,22 @@ def test_remote_flags_are_checked_before_anything_runs():
 @pytest.mark.slow
 def test_training_with_a_remote_reward_equals_training_with_the_local_reward(server, tiny_model, tmp_path,
                                                                              monkeypatch):
+    """Bitwise: the same metrics and weights, with the scoring overlapped with the rollout (a request per chunk of
+    --mini_batch_size_per_update 1 video) and in order (one request per step)."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("SAGE_REWARD_TOKEN", TOKEN)
     weights = ["--reward_weights", '{"brightness":1.0,"colorfulness":0.5}']
     pt.main(_args(tiny_model, tmp_path / "local", "--reward_model", f"brightness,{EXAMPLE}", *weights))
-    pt.main(_args(tiny_model, tmp_path / "remote", "--reward_model", "remote", "--reward_url", server, *weights))
-    a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("local", "remote"))
-    assert len(a) == 2 and a[0]["reward/colorfulness_mean"] > 0 and _stable(a) == _stable(b)
-    wa, wb = _weights(tmp_path / "local"), _weights(tmp_path / "remote")
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    a = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    assert len(a) == 2 and a[0]["reward/colorfulness_mean"] > 0
+    for overlap, requests in (("true", 8), ("false", 2)):
+        before = httpx.get(f"{server}/health").json()["requests"]
+        pt.main(_args(tiny_model, tmp_path / overlap, "--reward_model", "remote", "--reward_url", server, *weights,
+                      "--reward_overlap", overlap))
+        assert httpx.get(f"{server}/health").json()["requests"] - before == requests
+        assert _stable(read_metrics(tmp_path / overlap / "metrics.jsonl")) == _stable(a)
+        wa, wb = _weights(tmp_path / "local"), _weights(tmp_path / overlap)
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.mark.slow
@@ -219,27 +227,51 @@ def test_a_killed_server_gives_nan_then_a_clean_stop_with_a_checkpoint_and_a_res
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     monkeypatch.delenv("SAGE_REWARD_TOKEN", raising=False)
-    flags = ["--reward_model", "remote", "--reward_url", url, "--reward_retries", "1", "--reward_timeout", "5",
+    flags = ["--reward_model", "remote", "--reward_url", url, "--reward_retries", "0", "--reward_timeout", "5",
              "--max_steps", "4", "--max_failed_reward_steps", "2"]
     with serve("--reward_model", "brightness", port=port) as (_, proc):
-        orig, calls = pt.reward_phase, []
+        orig, calls = pt.rollout_phase, []
 
-        def kill_before_the_second_step(c, traj):
+        def kill_before_the_second_step(c, state, *a):
             calls.append(1)
             if len(calls) == 2:
                 proc.kill()
                 proc.wait()
-            return orig(c, traj)
+            return orig(c, state, *a)
 
-        monkeypatch.setattr(pt, "reward_phase", kill_before_the_second_step)
+        monkeypatch.setattr(pt, "rollout_phase", kill_before_the_second_step)
         with pytest.raises(SageGRPOError, match="no finite reward in the last 2 steps .*checkpoint-3 is saved"):
             pt.main(_args(tiny_model, tmp_path, *flags))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["reward/failed"] for r in rows] == [0, 4, 4]
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3]
-    monkeypatch.setattr(pt, "reward_phase", orig)
+    monkeypatch.setattr(pt, "rollout_phase", orig)
     with serve("--reward_model", "brightness", port=port):  # back: the run goes on from checkpoint-3
         pt.main(_args(tiny_model, tmp_path, *flags, "--resume_from_checkpoint", "latest"))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert rows[-1]["reward/failed"] == 0 and [s for s, _ in list_checkpoints(tmp_path)][-1] == 4
 
+
+
+@pytest.mark.slow
+def test_overlapped_scoring_hides_the_rollout_behind_a_slow_server(tiny_model, tmp_path, monkeypatch, capsys):
+    """The measurement of docs/rewards.md: a server that takes 0.12 s a video, 8 videos a step in chunks of 2; the
+    rollout + reward time of steps 2-3 in order and overlapped, in one test (same machine, same load)."""
+    plugin = tmp_path / "slow.py"
+    plugin.write_text(SLOW)
+    monkeypatch.delenv("SAGE_REWARD_TOKEN", raising=False)
+    times = {}
+    with serve("--reward_model", f"{plugin}:build", env={"SLOW_REWARD_S_PER_VIDEO": "0.12"}) as (url, _):
+        for overlap in ("false", "true"):
+            out = tmp_path / overlap
+            pt.main(_args(tiny_model, out, "--reward_model", "remote", "--reward_url", url, "--batch_size", "8",
+                          "--mini_batch_size_per_update", "2", "--grpo_sampling_steps", "8", "--max_steps", "3",
+                          "--reward_overlap", overlap))
+            rows = read_metrics(out / "metrics.jsonl")[1:]
+            times[overlap] = [r["perf/rollout_s"] + r["perf/reward_s"] for r in rows]
+            assert all(r["reward/failed"] == 0 for r in rows)
+    serial, overlapped = sum(times["false"]) / 2, sum(times["true"]) / 2
+    with capsys.disabled():
+        print(f"\nrollout + reward per step: in order {serial:.2f} s, overlapped {overlapped:.2f} s "
+              f"(scoring alone 0.96 s)")
+    assert overlapped < serial - 0.25, times  # at least a quarter second of the rollout hidden
