@@ -246,3 +246,20 @@ def test_cli_prints_the_layout_choices(capsys):
     assert "total inter-node / intra-node" in out
     rows = [line for line in out.splitlines() if line.startswith(("full shard over 64", "HSDP: shard over 8"))]
     assert len(rows) == 4 and sum("kept gathered" in r for r in rows) == 2
+
+
+def test_a_remote_reward_takes_the_reward_model_off_every_rank(counts, capsys):
+    c, frozen = counts
+    run = lambda cfg: pm.plan(cfg, pm.PlanOptions(world_size=8), c, frozen)  # noqa: E731
+    local, remote = run(_cfg()), run(_cfg(reward_model="remote", reward_url="http://rewardhost:8000"))
+    model = frozen["reward"] * 2 / pm.GIB  # bf16 Qwen2-VL-2B + rm_head, on every rank when local
+    assert local["terms_gib"]["reward model"] == pytest.approx(model) and 4 < model < 5
+    assert remote["terms_gib"]["reward model"] == remote["terms_gib"]["reward forward (est)"] == 0
+    for phase in local["phases_gib"]:  # every phase holds the model; decode+reward also its forward (or the decode)
+        assert local["phases_gib"][phase] - remote["phases_gib"][phase] >= model - 1e-9
+    saving = local["peak_gib"] - remote["peak_gib"]
+    assert local["reward"]["peak_saving_gib"] == pytest.approx(saving) == remote["reward"]["peak_saving_gib"]
+    assert (local["reward"]["remote"], remote["reward"]["remote"]) == (False, True)
+    pm.main(["--config", str(ROOT / "configs/single_node_8gpu.yaml"), "--world_size", "8"])
+    assert f"--reward_model remote (a reward server on other GPUs) lowers the peak by {saving:.1f} GiB per rank" in \
+        capsys.readouterr().out
