@@ -5,6 +5,7 @@ timeout, a wrong token in one line, concurrent clients batched together, and no 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import socket
@@ -275,3 +276,26 @@ def test_overlapped_scoring_hides_the_rollout_behind_a_slow_server(tiny_model, t
         print(f"\nrollout + reward per step: in order {serial:.2f} s, overlapped {overlapped:.2f} s "
               f"(scoring alone 0.96 s)")
     assert overlapped < serial - 0.25, times  # at least a quarter second of the rollout hidden
+
+
+@pytest.mark.dist
+def test_two_ranks_score_through_one_server_as_they_would_locally(server, tiny_model, tmp_path):
+    """torchrun, 2 gloo ranks (dp 2, a group of 4 over both): the same launch trains with the served reward and
+    with the local one; the runs agree bitwise, and the server saw both ranks' requests."""
+    flags = ["--batch_size", "2", "--enable_fsdp", "False", "--reward_weights", '{"brightness":1.0,"colorfulness":0.5}']
+    runs = [_args(tiny_model, tmp_path / "local", *flags, "--reward_model", f"brightness,{EXAMPLE}"),
+            _args(tiny_model, tmp_path / "remote", *flags, "--reward_model", "remote", "--reward_url", server)]
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps(runs))
+    before = httpx.get(f"{server}/health").json()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "tests/dist_workers/post_train_runs_worker.py"), str(spec)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "SAGE_REWARD_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = httpx.get(f"{server}/health").json()
+    assert after["requests"] - before["requests"] == 2 * 2 * 2  # 2 ranks x 2 chunks of 1 video x 2 steps
+    a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("local", "remote"))
+    assert len(a) == 2 and _stable(a) == _stable(b)
+    wa, wb = _weights(tmp_path / "local"), _weights(tmp_path / "remote")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
