@@ -111,9 +111,12 @@ def test_videoalign_scores_through_the_server_equal_local_ones_and_only_its_fram
                          reward_base_model_path=tiny_dirs["base"], dtype="fp32", min_pixels=TINY_MIN_PIXELS)
     videos, prompts = smooth_videos(2, 33, 64, 96, seed=3), ["a red fox", "a calm sea"]
     with serve("--reward_model", "videoalign_local", *flags) as (url, _):
-        remote = RemoteReward([url], token="")
+        remote = RemoteReward([url], token="", video_fps=24)
         spec = remote.servers[0].read_spec
         got = remote(videos, prompts)
+        with pytest.raises(SageGRPOError, match="samples frames as if videos had 24 fps, but these have 12: restart "
+                                                "it with --video_fps 12"):
+            RemoteReward([url], token="", video_fps=12)
     want = local(videos, prompts)
     for k in local.components:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
@@ -299,3 +302,22 @@ def test_two_ranks_score_through_one_server_as_they_would_locally(server, tiny_m
     assert len(a) == 2 and _stable(a) == _stable(b)
     wa, wb = _weights(tmp_path / "local"), _weights(tmp_path / "remote")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_score_videos_scores_through_the_server(server, tmp_path, monkeypatch):
+    from test_rewards_scripts import load_script
+
+    from sage_grpo.video import read_video, write_video
+
+    monkeypatch.setenv("SAGE_REWARD_TOKEN", TOKEN)
+    d = tmp_path / "vids"
+    d.mkdir()
+    write_video(d / "a.mp4", smooth_videos(1, 9, 32, 48, seed=4)[0])
+    sv = load_script("score_videos")
+    out = tmp_path / "t"
+    assert sv.main(["--videos", str(d), "--out", str(out), "--metrics", "remote", "--reward_url", server]) == 0
+    row = json.loads(out.with_suffix(".json").read_text())["videos"][0]
+    frames = read_video(d / "a.mp4")[0][None]
+    want = build_reward(f"brightness,{EXAMPLE}", reward_weights="")(frames, ["a"])
+    assert row["brightness"] == pytest.approx(float(want["brightness"][0]), abs=1e-6)
+    assert row["colorfulness"] == pytest.approx(float(want["colorfulness"][0]), abs=1e-6)

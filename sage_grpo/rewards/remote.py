@@ -135,10 +135,11 @@ class RemoteReward:
     """`Reward` whose components are computed by reward servers; see the module docstring."""
 
     def __init__(self, urls: Sequence[str], timeout: float = 120.0, retries: int = 3, backoff: float = 1.0,
-                 token: str | None = None, rank: int = 0):
+                 token: str | None = None, rank: int = 0, video_fps: float | None = None):
         """``urls``: server base URLs; ``timeout``: seconds per request; ``retries``: further tries after the first;
         ``backoff``: seconds before the first retry (doubled each time); ``token``: bearer token (default: the
-        ``SAGE_REWARD_TOKEN`` environment variable); ``rank``: spreads ranks over replicas."""
+        ``SAGE_REWARD_TOKEN`` environment variable); ``rank``: spreads ranks over replicas; ``video_fps``: the frame
+        rate of the videos this client sends, checked against a server that samples frames by time."""
         import httpx
 
         urls = [u.strip().rstrip("/") for u in urls if u.strip()]
@@ -160,6 +161,12 @@ class RemoteReward:
                 groups[key] = _Server([url], tuple(info["components"]), dict(info["default_weights"]),
                                       info["version"], info.get("read_spec"))
         self.servers = list(groups.values())
+        for srv in self.servers:
+            frames = (srv.read_spec or {}).get("frames") or {}
+            if video_fps is not None and "video_fps" in frames and float(frames["video_fps"]) != float(video_fps):
+                raise SageGRPOError(f"reward server {srv.urls[0]} samples frames as if videos had "
+                                    f"{frames['video_fps']:g} fps, but these have {video_fps:g}: restart it with "
+                                    f"--video_fps {video_fps:g}")
         comps: list[str] = []
         for s in self.servers:
             clash = [c for c in s.components if c in comps]
@@ -240,7 +247,7 @@ class RemoteReward:
 
 @register_reward("remote")
 def build_remote(reward_url: str | Sequence[str] = "", reward_timeout: float = 120.0, reward_retries: int = 3,
-                 reward_backoff: float = 1.0, **_: object) -> RemoteReward:
+                 reward_backoff: float = 1.0, video_fps: float | None = None, **_: object) -> RemoteReward:
     """Builder of the remote reward (``reward_url``: comma-separated URLs)."""
     try:
         import httpx  # noqa: F401
@@ -248,4 +255,5 @@ def build_remote(reward_url: str | Sequence[str] = "", reward_timeout: float = 1
         raise SageGRPOError("--reward_model remote needs httpx: pip install 'sage-grpo[remote]'") from None
     urls = reward_url.split(",") if isinstance(reward_url, str) else list(reward_url)
     rank = int(os.environ.get("RANK", "0"))
-    return RemoteReward(urls, timeout=reward_timeout, retries=reward_retries, backoff=reward_backoff, rank=rank)
+    return RemoteReward(urls, timeout=reward_timeout, retries=reward_retries, backoff=reward_backoff, rank=rank,
+                        video_fps=video_fps)
