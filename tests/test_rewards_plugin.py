@@ -59,13 +59,17 @@ def test_import_paths_combine_with_registered_names_and_take_weights(in_root, tm
             default_weights = {"darkness": 1.0}
             def __call__(self, videos, prompts):
                 return {"darkness": 1 - videos.mean(dim=(1, 2, 3, 4))}
-        def make(**kw):
+        def Make(**kw):
             assert "device" in kw and "sample_fps" in kw  # the built-in builders' keyword arguments
             return Dark()
-    """, "dark.py")
-    r = build_reward(f"{EXAMPLE},my_rewards_pkg.dark:make,brightness",
+    """, "Dark.py")
+    # import paths keep their case (registered names do not): a module and a factory with capitals
+    r = build_reward(f"{EXAMPLE},my_rewards_pkg.Dark:Make,BRIGHTNESS",
                      reward_weights='{"colorfulness":2,"Darkness":0.5,"brightness":0}')
     assert r.components == ("colorfulness", "darkness", "brightness")
+    assert list(r.rewards) == [EXAMPLE, "my_rewards_pkg.Dark:Make", "brightness"]
+    assert parse_validation_metrics(["my_rewards_pkg.Dark:Make"], ["brightness"], ["a"]).rewards == (
+        "my_rewards_pkg.Dark:Make",)  # built again from this name for validation
     v = smooth_videos(2)
     out = r(v, ["a", "b"])
     torch.testing.assert_close(out["total"], 2 * out["colorfulness"] + 0.5 * out["darkness"])
