@@ -167,6 +167,10 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     val_records = load_validation_records(cfg, prompts)
     ensure_tiny_checkpoint(cfg.model.model_path, is_main=info.is_main, log=lambda msg: print0(info, msg))
 
+    # the reward before the policy: a user's reward (import path, server) that cannot be built or called fails in
+    # one line in seconds, not after the policy has loaded
+    reward = build_reward_from_config(cfg, info.device)
+    probe_user_rewards(cfg, reward, [rec.prompt for rec in prompts], info.device)
     dtype = torch_dtype(m.dtype)
     pipe, transformer, trainable = load_policy(cfg, info)
     resolve_checkpoint_defaults(cfg, pipe.sage_grpo_location)  # done by preflight when it found the model already
@@ -211,7 +215,6 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     s_t = (equalizer_weights(r.sde_type, sigmas, r.eta, cps_logprob=r.cps_logprob, sage_clamp=r.sage_sigma_clamp)
            if cfg.optim.use_grad_balancing else torch.ones(r.grpo_sampling_steps))
     vh, vw = parse_size(v.validation_fixed_size, "--validation_fixed_size")
-    reward = build_reward_from_config(cfg, info.device)
     spec = validation_metrics_spec(cfg, val_records)
     # a reward named in --validation_metrics is built (its model loaded) only when the run validates
     extra = {n: build_reward_from_config(replace(cfg, reward=replace(cfg.reward, reward_model=n, reward_weights="")),
@@ -236,6 +239,23 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     if resume is not None:
         load_checkpoint(c, state, resume)
     return c, state
+
+
+def probe_user_rewards(cfg: Config, reward, prompts: list[str], device: torch.device) -> None:
+    """Call each reward given by import path once on 2 test videos of the rollout's size (deterministic noise, the
+    first training prompts): one SageGRPOError line when it raises or returns missing components or wrong shapes.
+    The built-in rewards are tested in the repository and skip this (VideoAlign's forward is not free)."""
+    from sage_grpo.rewards import check_first_call, is_import_path
+
+    r = cfg.rollout
+    users = {n: rw for n, rw in reward.rewards.items() if is_import_path(n)}
+    if not users:
+        return
+    gen = torch.Generator().manual_seed(0)
+    videos = torch.rand(2, r.sample_n_frames, 3, r.height, r.width, generator=gen).to(device)  # [2, F, 3, H, W]
+    texts = (prompts * 2)[:2]
+    for name, rw in users.items():
+        check_first_call(rw, name, videos, texts)
 
 
 def load_validation_records(cfg: Config, prompts: list[PromptRecord]) -> list[PromptRecord]:
@@ -436,10 +456,12 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                     c.anchor.refresh()
                 state.anchor_refreshed_at, state.anchor_synced = state.updates, True
             metrics: dict = {"kl/anchor_synced": int(state.anchor_synced)}
+            # a remote reward scores each finished chunk while the next one samples (EarlyScores); otherwise in order
+            early = EarlyScores(c) if overlaps_reward(c) else None
             with clock("rollout"):
-                traj = rollout_phase(c, state)
+                traj = rollout_phase(c, state) if early is None else rollout_phase(c, state, early)
             with clock("reward"):
-                adv, valid, reward_metrics = reward_phase(c, traj)
+                adv, valid, reward_metrics = reward_phase(c, traj) if early is None else reward_phase(c, traj, early)
             metrics.update(reward_metrics)
             # no finite reward on any rank (every rank sees the gathered rewards, so all agree): nothing to learn, but
             # the round still counts toward the pending update (with no gradient), so updates fall on the same steps
@@ -611,9 +633,52 @@ class StopRequest:
 # ------------------------------------------------------------------------------------------------------ phases
 
 
-def rollout_phase(c: Components, state: TrainState) -> Trajectory:
+def overlaps_reward(c: Components) -> bool:
+    """Whether scoring overlaps the rollout: --reward_overlap, a reward that is only `remote` (a local reward would
+    compete with the rollout for the GPU), one sp rank per video (sp peers share the scoring of a video) and more
+    than one chunk of --mini_batch_size_per_update videos on the rank."""
+    cfg = c.cfg
+    return (cfg.reward.reward_overlap and list(c.reward.rewards) == ["remote"] and c.info.sp_size == 1
+            and cfg.data.batch_size > cfg.optim.mini_batch_size_per_update)
+
+
+class EarlyScores:
+    """Scores of the rollout's chunks, asked for as each chunk finishes: the chunk is decoded here (the GPU is this
+    thread's) and scored by the reward in a worker thread (the remote reward waits on the network there), while the
+    rollout goes on with the next chunk. `collect` -> the scores of all videos, in order."""
+
+    def __init__(self, c: Components):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.c = c
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reward")  # chunks are scored in order
+        self.futures: list = []
+        self.prompts: list[str] = []
+
+    def start(self, prompts: list[str]) -> None:
+        self.prompts = list(prompts)
+
+    def submit(self, indices: torch.Tensor, final_latents: torch.Tensor) -> None:
+        """A finished chunk: indices [n] into the rank's videos, final latents [n, C, F, H, W]."""
+        from sage_grpo.rollout import decode_latents
+
+        frames = decode_latents(self.c.pipe.vae, final_latents)  # [n, F, 3, H, W] in [0, 1]
+        texts = [self.prompts[i] for i in indices.tolist()]
+        self.futures.append(self.pool.submit(self.c.reward, frames, texts))
+
+    def collect(self) -> dict[str, torch.Tensor]:
+        """{"total": [b], component: [b]}: every chunk's scores, concatenated in rollout order."""
+        try:
+            parts = [f.result() for f in self.futures]
+        finally:
+            self.pool.shutdown(wait=True)
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = None) -> Trajectory:
     """Sample this rank's videos of the next step (the sampler advances) -> the trajectory (x_0..x_T, log-probs,
-    the step's global group ids of my videos)."""
+    the step's global group ids of my videos). `early`: each chunk of --mini_batch_size_per_update videos is
+    sampled through all steps and handed to it at once (the same samples, another order)."""
     from sage_grpo.parallel.fsdp import keep_unsharded
     from sage_grpo.rollout import rollout
     from sage_grpo.seeding import derive_seed, prompt_noise_seed
@@ -625,6 +690,8 @@ def rollout_phase(c: Components, state: TrainState) -> Trajectory:
     texts = [rec.prompt for rec in recs]
     cond = c.cache.get(texts)
     uncond = c.cache.get([cfg.rollout.neg_prompt] * len(texts)) if c.settings.use_cfg else None
+    if early is not None:
+        early.start(texts)
     c.transformer.eval()  # no LoRA dropout while sampling: the stored log-probs are the deterministic policy's
     # FSDP2: one all-gather per unit for the whole rollout instead of one per forward (resharded on exit)
     with keep_unsharded(c.transformer, enabled=not cfg.parallel.rollout_reshard_after_forward):
@@ -638,17 +705,19 @@ def rollout_phase(c: Components, state: TrainState) -> Trajectory:
             chunk_size=cfg.optim.mini_batch_size_per_update, device=info.device,
             # each sample its own prompt's image (the authors gave a whole rank the first group's image)
             image=c.images.get([rec.ref_image_path for rec in recs]) if c.images is not None else None,
+            on_chunk=None if early is None else early.submit,
         )
 
 
-def reward_phase(c: Components, traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Score, gather the rewards of all data-parallel ranks (a group may span several), group-relative advantages
-    -> (my advantages [b], my valid [b], metrics)."""
+def reward_phase(c: Components, traj: Trajectory, early: EarlyScores | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Score (or collect the `early` scores), gather the rewards of all data-parallel ranks (a group may span
+    several), group-relative advantages -> (my advantages [b], my valid [b], metrics)."""
     from sage_grpo.advantage import group_advantages
     from sage_grpo.parallel.dist import all_gather_cat
 
     cfg, info = c.cfg, c.info
-    names, mine = score_videos(c, traj)  # [b, K]
+    names, mine = score_videos(c, traj, early)  # [b, K]
     # over the ranks with my sp_rank: one copy of each data-parallel rank's videos, in dp-rank order
     every = all_gather_cat(mine, group=info.dp_group)  # [B_global, K]
     groups = all_gather_cat(traj.prompt_ids.to(info.device), group=info.dp_group)  # [B_global]
@@ -674,15 +743,19 @@ def reward_phase(c: Components, traj: Trajectory) -> tuple[torch.Tensor, torch.T
     return adv[sl].clone(), valid[sl].clone(), metrics
 
 
-def score_videos(c: Components, traj: Trajectory) -> tuple[list[str], torch.Tensor]:
+def score_videos(c: Components, traj: Trajectory, early: EarlyScores | None = None) -> tuple[list[str], torch.Tensor]:
     """Decode and score this data-parallel rank's videos -> (component names, [b, K] scores), each video decoded and
     scored once per sequence-parallel group: the sp peers hold the same b videos, each takes a contiguous share,
-    and the shares are all-gathered inside the group."""
+    and the shares are all-gathered inside the group. `early` (sp_size 1): the scores asked for during the
+    rollout."""
     from sage_grpo.parallel.dist import all_gather_cat
     from sage_grpo.rollout import decode_latents
 
     info, b = c.info, traj.batch_size
     names = sorted(["total", *c.reward.components])
+    if early is not None:
+        scores = early.collect()
+        return names, torch.stack([scores[k].float().to(info.device) for k in names], dim=1)  # [b, K]
     share = -(-b // info.sp_size)  # ceil(b / sp) rows per sp rank; the last ranks may get fewer (or none)
     lo, hi = min(info.sp_rank * share, b), min((info.sp_rank + 1) * share, b)
     mine = torch.full((share, len(names)), math.nan, device=info.device)  # [share, K], NaN rows = padding
@@ -1072,6 +1145,7 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     from sage_grpo.metrics import check_report_to
     from sage_grpo.models.image_cond import check_reference_images
     from sage_grpo.models.loading import locate_model
+    from sage_grpo.rewards import get_reward_builder
 
     validate(cfg, world_size=world_size)
     sp = cfg.parallel.sp_size
@@ -1107,6 +1181,8 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
         # before the sampler settings and the run's config are built: the checkpoint's shift and CFG scale
         resolve_checkpoint_defaults(cfg, locate_model(m.pretrained_model_root, m.model_path,
                                                       m.pretrained_transformer_version))
+    for name in cfg.reward.reward_model.split(","):  # an import path is imported here: a typo is one line, early
+        get_reward_builder(name)
 
 
 def check_resume_fits(cfg: Config, path: Path) -> None:

@@ -188,8 +188,10 @@ class RolloutConfig:
 class RewardConfig:
     """The reward: VideoAlign (VideoReward) or a built-in reward, and the composite weights."""
 
-    reward_model: str = opt("videoalign_local", "Reward name (videoalign_local, or a built-in / metric reward; see "
-                                                "docs/rewards.md).")
+    reward_model: str = opt("videoalign_local", "Reward name (videoalign_local, or a built-in / metric reward), an "
+                                                "import path of your own reward (package.module:factory or "
+                                                "path/to/file.py:factory), several joined by commas; see "
+                                                "docs/rewards.md.")
     reward_model_path: str = opt("", "VideoReward checkpoint directory; empty = <pretrained_model_root>/VideoReward.")
     reward_base_model_path: str = opt("", "Local Qwen2-VL-2B-Instruct directory (config and processor); empty = "
                                           "<pretrained_model_root>/Qwen2-VL-2B-Instruct. Never fetched at run time.")
@@ -212,6 +214,18 @@ class RewardConfig:
                                           "finite reward on any rank (such steps train nothing and are counted in "
                                           "train/failed_reward_steps); 0 = never stop.")
     reward_dtype: str = opt("bf16", "Dtype of the reward model.", DTYPES)
+    reward_url: str = opt("", "For --reward_model remote: the reward server(s) (scripts/serve_reward.py), "
+                              "http://host:port, several separated by commas (replicas of one reward share the load; "
+                              "servers of different rewards are combined). Token: the SAGE_REWARD_TOKEN environment "
+                              "variable.")
+    reward_timeout: float = opt(120.0, "Seconds a reward server request may take before it is retried (remote "
+                                       "reward).")
+    reward_overlap: bool = opt(True, "With --reward_model remote alone and --sp_size 1: each chunk of "
+                                     "--mini_batch_size_per_update videos is decoded and sent to the reward server as "
+                                     "soon as it is sampled, so scoring overlaps the rollout of the next chunk (the "
+                                     "same samples and scores as in order).")
+    reward_retries: int = opt(3, "Retries of a failed reward server request, with exponential backoff from 1 s, "
+                                 "before its videos score NaN (remote reward).")
     clip_model_path: str = opt("", "openai/clip-vit-large-patch14 directory for the clipscore reward/metric; empty = "
                                    "<pretrained_model_root>/clip-vit-large-patch14.")
     pickscore_model_path: str = opt("", "yuvalkirstain/PickScore_v1 directory for the pickscore reward/metric; empty = "
@@ -667,6 +681,7 @@ def check_values(cfg: Config) -> None:
         "kl_warmup_updates": k.kl_warmup_updates,
         "reward_batch_size": cfg.reward.reward_batch_size,
         "max_failed_reward_steps": cfg.reward.max_failed_reward_steps,
+        "reward_retries": cfg.reward.reward_retries,
         "reward_min_pixels": cfg.reward.reward_min_pixels,
         "eta": r.eta,
         "kl_weight": k.kl_weight,
@@ -697,6 +712,18 @@ def check_values(cfg: Config) -> None:
     for name, value in (("video_fps", r.video_fps), ("log_interval", cfg.logging.log_interval)):
         if value < 1:
             raise SageGRPOError(f"--{name} must be >= 1, got {value}")
+    remote = any(n.strip().lower() == "remote" for n in cfg.reward.reward_model.split(","))
+    if remote and not cfg.reward.reward_url.strip():
+        raise SageGRPOError("--reward_model remote needs --reward_url http://host:port (a server started with "
+                            "scripts/serve_reward.py)")
+    if cfg.reward.reward_url.strip() and not remote:
+        raise SageGRPOError(f"--reward_url is only used by --reward_model remote, got --reward_model "
+                            f"{cfg.reward.reward_model}")
+    for url in cfg.reward.reward_url.split(","):
+        if url.strip() and not url.strip().startswith(("http://", "https://")):
+            raise SageGRPOError(f"--reward_url {url.strip()!r} must start with http:// or https://")
+    if cfg.reward.reward_timeout <= 0:
+        raise SageGRPOError(f"--reward_timeout must be > 0 seconds, got {cfg.reward.reward_timeout}")
     if cfg.reward.reward_sample_fps <= 0:
         raise SageGRPOError(f"--reward_sample_fps must be > 0, got {cfg.reward.reward_sample_fps}")
     if cfg.reward.reward_min_pixels > cfg.reward.reward_max_pixels:

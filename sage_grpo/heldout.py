@@ -17,7 +17,8 @@
   reference image (bucket-cropped to the video's size, both in [0, 1]): the trained reward never sees the image, so
   a run can drift away from it while the reward rises; with `statistics`' motion (frames that stop moving) it is
   what the hacking check watches for I2V;
-* a registered reward name (``clipscore``, ``pickscore``, ``videoalign_local``, ...): built once for validation
+* a registered reward name (``clipscore``, ``pickscore``, ``videoalign_local``, ...) or an import path
+  (``package.module:factory``, ``path/to/file.py:factory``): built once for validation
   only (it loads its model on every rank) and its components reported;
 * ``auto``: components, statistics, drift, reference when the validation prompts have reference images, and world
   when they are world captions; ``none``: nothing.
@@ -76,17 +77,20 @@ def parse_validation_metrics(items: Sequence[str], trained: Sequence[str], promp
     trained reward named again, `world` with prompts that are not world captions, or `reference` without reference
     images. `trained`: the `--reward_model` names; `prompts`: the validation prompts; has_images: they have
     reference images (image-to-video)."""
-    from sage_grpo.rewards import reward_names
+    from sage_grpo.rewards import get_reward_builder, is_import_path, reward_key, reward_names
 
-    names = [str(i).strip().lower() for i in items if str(i).strip()]
+    names = [reward_key(str(i)) for i in items if str(i).strip()]
     known = reward_names()
     for n in names:
-        if n not in GROUPS and n not in known:
-            raise SageGRPOError(f"--validation_metrics: unknown {n!r}; use groups ({', '.join(GROUPS)}) or reward "
-                                f"names ({', '.join(known)})")
+        if is_import_path(n):
+            get_reward_builder(n)  # imported now: a missing file or attribute is one line before any model loads
+        elif n not in GROUPS and n not in known:
+            raise SageGRPOError(f"--validation_metrics: unknown {n!r}; use groups ({', '.join(GROUPS)}), reward "
+                                f"names ({', '.join(known)}) or an import path (package.module:factory, "
+                                "path/to/file.py:factory)")
     if "none" in names and len(names) > 1:
         raise SageGRPOError("--validation_metrics none reports no held-out metric: pass it alone")
-    trained = {t.strip().lower() for t in trained}
+    trained = {reward_key(t) for t in trained if t.strip()}
     again = [n for n in names if n in trained]
     if again:
         raise SageGRPOError(f"--validation_metrics {again[0]}: that reward is trained (--reward_model); its "

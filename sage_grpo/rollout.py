@@ -23,6 +23,7 @@ Time runs the pipeline's way here: x_0 is noise and x_T the clean sample (the pa
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -242,6 +243,7 @@ def rollout(
     chunk_size: int = 0,
     device: torch.device | str | None = None,
     image: ImageConditioning | None = None,
+    on_chunk: Callable[[Tensor, Tensor], None] | None = None,
 ) -> Trajectory:
     """Sample B trajectories (B = len(prompts); the caller repeats each prompt G times).
 
@@ -252,7 +254,10 @@ def rollout(
     transformer call (0 = all B at once); the update re-scores in the same chunks, so that its first ratio is exactly
     1 (a matmul's rounding depends on the batch it runs in). device: where the latents live (default: the
     conditioning's device). image: [B, ...] each sample's reference-image conditioning (i2v; its latent size must be
-    latent_shape's), None for t2v.
+    latent_shape's), None for t2v. on_chunk(indices [c], final latents [c, C, F, H, W]): run the chunks one after
+    another, each through all steps, and hand each finished chunk over at once (post_train scores it while the
+    next chunk samples); the samples are the same as in the default order (steps outermost), which the tests
+    check bitwise.
     """
     device = torch.device(device) if device is not None else cond.prompt_embeds.device
     cond = cond.to(device)
@@ -270,21 +275,46 @@ def rollout(
     latents = torch.empty((b, t_steps + 1, *x.shape[1:]), dtype=storage_dtype, device=device)  # [B, T+1, C, F, H, W]
     log_probs = torch.empty((b, t_steps), dtype=torch.float32, device=device)  # [B, T]
     latents[:, 0] = x
-    for i in tqdm(range(t_steps), desc="rollout", disable=not show_progress, leave=False):
-        steps = torch.full((b,), i, dtype=torch.long, device=device)
-        v = torch.cat([
-            predict_velocity(transformer, x[c], sigmas[steps[c]], cond.index(c),
+    chunks = list(torch.arange(b, device=device).split(chunk_size or b))
+
+    def advance(c: Tensor, x_c: Tensor, i: int) -> Tensor:
+        """Step i of the samples `c` [n] at x_c [n, C, F, H, W] -> x_{i+1}; stores it and its log-prob."""
+        steps = torch.full((len(c),), i, dtype=torch.long, device=device)
+        v = predict_velocity(transformer, x_c, sigmas[steps], cond.index(c),
                              uncond.index(c) if settings.use_cfg else None, settings, image_tokens,
-                             image.index(c) if image is not None else None, sigmas[steps[c] + 1])
-            for c in torch.arange(b, device=device).split(chunk_size or b)
-        ])  # [B, C, F, H, W]
+                             image.index(c) if image is not None else None, sigmas[steps + 1])
         seeds = [derive_seed(base_seed, int(ps), int(g), i)
-                 for ps, g in zip(prompt_seeds.tolist(), generation_ids.tolist())]
-        gens = _generators(seeds, device)
-        out = _step(settings, v, x, sigmas, steps, generator=gens)
-        x = out.prev_sample  # storage dtype
-        latents[:, i + 1] = x
-        log_probs[:, i] = out.log_prob
+                 for ps, g in zip(prompt_seeds[c.cpu()].tolist(), generation_ids[c.cpu()].tolist())]
+        out = _step(settings, v, x_c, sigmas, steps, generator=_generators(seeds, device))
+        latents[c, i + 1] = out.prev_sample  # storage dtype
+        log_probs[c, i] = out.log_prob
+        return out.prev_sample
+
+    if on_chunk is None:
+        for i in tqdm(range(t_steps), desc="rollout", disable=not show_progress, leave=False):
+            steps = torch.full((b,), i, dtype=torch.long, device=device)
+            v = torch.cat([
+                predict_velocity(transformer, x[c], sigmas[steps[c]], cond.index(c),
+                                 uncond.index(c) if settings.use_cfg else None, settings, image_tokens,
+                                 image.index(c) if image is not None else None, sigmas[steps[c] + 1])
+                for c in chunks
+            ])  # [B, C, F, H, W]
+            seeds = [derive_seed(base_seed, int(ps), int(g), i)
+                     for ps, g in zip(prompt_seeds.tolist(), generation_ids.tolist())]
+            gens = _generators(seeds, device)
+            out = _step(settings, v, x, sigmas, steps, generator=gens)
+            x = out.prev_sample  # storage dtype
+            latents[:, i + 1] = x
+            log_probs[:, i] = out.log_prob
+    else:
+        bar = tqdm(total=t_steps * len(chunks), desc="rollout", disable=not show_progress, leave=False)
+        for c in chunks:
+            x_c = x[c]
+            for i in range(t_steps):
+                x_c = advance(c, x_c, i)
+                bar.update()
+            on_chunk(c, x_c)
+        bar.close()
     return Trajectory(
         latents=latents,
         log_probs=log_probs,

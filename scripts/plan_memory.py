@@ -376,7 +376,11 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     ie_bytes = frozen.get("image_encoder", 0) * e if i2v else 0.0
     t["image encoder before offload"] = ie_bytes
     t["image encoder after offload"] = 0.0 if m.offload_text_encoder else ie_bytes
-    t["reward model"] = frozen["reward"] * re
+    # --reward_model remote: the reward runs on its own GPUs (scripts/serve_reward.py); the policy's ranks decode and
+    # send the frames, so they hold neither the reward model nor its forward
+    remote = [n.strip().lower() for n in cfg.reward.reward_model.split(",") if n.strip()] == ["remote"]
+    local_reward = {"reward model": frozen["reward"] * re}
+    t["reward model"] = 0.0 if remote else local_reward["reward model"]
     B, T = d.batch_size, r.grpo_sampling_steps
     lat = C * F * H * W
     cond = (TEXT_LEN_MLLM * tcfg["text_embed_dim"] + TEXT_LEN_BYT5 * tcfg["text_embed_2_dim"]) * e + (
@@ -407,7 +411,8 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t["vae decode"] = GPU_FACTS["vae_decode_gib"][m.vae_tiling] * GIB * scale
     t["decoded frames"] = B * r.sample_n_frames * 3 * r.height * r.width * 4
     rb = cfg.reward.reward_batch_size or B
-    t["reward forward (est)"] = REWARD_GIB_PER_VIDEO * GIB * min(rb, B)
+    local_reward["reward forward (est)"] = REWARD_GIB_PER_VIDEO * GIB * min(rb, B)
+    t["reward forward (est)"] = 0.0 if remote else local_reward["reward forward (est)"]
     t["text encoder forward (est)"] = ENCODE_GIB * GIB
     t["overhead (est)"] = opts.overhead_gib * GIB
 
@@ -417,24 +422,34 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t["muon gather + Newton-Schulz (est)"] = muon_gather
     accum = o.gradient_accumulation_steps > 1
     grads_idle = t["gradients"] if accum else 0.0
-    base = t["policy weights"] + t["optimizer state"] + t["anchor (resident)"] + t["vae weights"] + t[
-        "reward model"] + t["overhead (est)"] + t["image encoder after offload"]
-    phases = {
-        "encode": base + t["text encoders before offload"]
-        + (t["image encoder before offload"] - t["image encoder after offload"])
-        + t["text encoder forward (est)"] + grads_idle,
-        "rollout": base + t["text encoders after offload"] + t["trajectory"]
-        + (t["unsharded model (rollout, kept gathered)"] if keep_rollout else t["unsharded blocks (fwd)"])
-        + t["no-grad working set (est)"] + grads_idle,
-        "decode+reward": base + t["text encoders after offload"] + t["trajectory"] + grads_idle
-        + max(t["vae decode"], t["decoded frames"] + t["reward forward (est)"]),
-        "anchor": base - t["anchor (resident)"] + t["anchor (on GPU in its phase)"] + t["text encoders after offload"]
-        + t["trajectory"] + t["unsharded blocks (fwd)"] + t["no-grad working set (est)"] + grads_idle,
-        "update": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
-        + t["unsharded blocks (fwd)"] + t["unsharded block grad (bwd)"] + t["activations (update)"],
-        "optimizer step": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
-        + t["muon gather + Newton-Schulz (est)"],
-    }
+
+    def phases_of(t: dict) -> dict:
+        base = t["policy weights"] + t["optimizer state"] + t["anchor (resident)"] + t["vae weights"] + t[
+            "reward model"] + t["overhead (est)"] + t["image encoder after offload"]
+        phases = {
+            "encode": base + t["text encoders before offload"]
+            + (t["image encoder before offload"] - t["image encoder after offload"])
+            + t["text encoder forward (est)"] + grads_idle,
+            "rollout": base + t["text encoders after offload"] + t["trajectory"]
+            + (t["unsharded model (rollout, kept gathered)"] if keep_rollout else t["unsharded blocks (fwd)"])
+            + t["no-grad working set (est)"] + grads_idle,
+            "decode+reward": base + t["text encoders after offload"] + t["trajectory"] + grads_idle
+            + max(t["vae decode"], t["decoded frames"] + t["reward forward (est)"]),
+            "anchor": base - t["anchor (resident)"] + t["anchor (on GPU in its phase)"]
+            + t["text encoders after offload"] + t["trajectory"] + t["unsharded blocks (fwd)"]
+            + t["no-grad working set (est)"] + grads_idle,
+            "update": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
+            + t["unsharded blocks (fwd)"] + t["unsharded block grad (bwd)"] + t["activations (update)"],
+            "optimizer step": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
+            + t["muon gather + Newton-Schulz (est)"],
+        }
+        return phases
+
+    phases = phases_of(t)
+    # the same run with the reward the other way (local VideoAlign on every rank <-> remote): what moving it saves
+    other = phases_of({**t, **({k: 0.0 for k in local_reward} if not remote else local_reward)})
+    local_peak, remote_peak = (max(other.values()), max(phases.values())) if remote else (
+        max(phases.values()), max(other.values()))
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]
 
@@ -481,6 +496,8 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         "peak_gib": peak / GIB, "peak_phase": peak_phase, "gpu_memory_gib": opts.gpu_memory_gib,
         "fits": peak / GIB <= opts.gpu_memory_gib,
         "headroom_gib": opts.gpu_memory_gib - peak / GIB,
+        "reward": {"remote": remote, "local_gib": sum(local_reward.values()) / GIB,
+                   "peak_saving_gib": (local_peak - remote_peak) / GIB},
         "host_text_cache": text_cache_host(cfg, opts),
         # I2V image cache (sage_grpo/models/image_cond.py): per distinct image, in each process's memory without a
         # cache directory (one image per prompt assumed), nothing with one (read per batch from the files)
@@ -638,6 +655,15 @@ def render(pl: dict) -> str:
     verdict = "fits" if pl["fits"] else "does NOT fit"
     lines += ["", f"peak {pl['peak_gib']:.1f} GiB ({pl['peak_phase']}) {verdict} in {pl['gpu_memory_gib']:g} GiB "
               f"(headroom {pl['headroom_gib']:.1f} GiB). (est) = estimate not measured on a GPU; see the docstring."]
+    rw = pl["reward"]
+    if rw["remote"]:
+        lines.append(f"reward: remote (scripts/serve_reward.py), none on these GPUs; VideoAlign on every rank would "
+                     f"add {rw['local_gib']:.1f} GiB (model + forward, est) and raise the peak by "
+                     f"{rw['peak_saving_gib']:.1f} GiB per rank.")
+    else:
+        lines.append(f"reward: VideoAlign on every rank, {rw['local_gib']:.1f} GiB (model + forward, est); "
+                     f"--reward_model remote (a reward server on other GPUs) lowers the peak by "
+                     f"{rw['peak_saving_gib']:.1f} GiB per rank.")
     h = pl["host_text_cache"]
     lines += ["", f"host memory per rank, text-embedding cache: {h['num_prompts']:,} prompts x {h['prompt_tokens']} "
               f"MLLM + {h['glyph_tokens']} ByT5 valid tokens ({h['per_prompt_mb']:.2f} MB each, {s['dtype']}):",

@@ -127,6 +127,7 @@ def build_metrics(args: argparse.Namespace) -> dict:
         clip_model_path=args.clip_model_path,
         pickscore_model_path=args.pickscore_model_path,
         pickscore_processor_path=args.pickscore_processor_path,
+        reward_url=args.reward_url,
     )
     if args.min_pixels:
         kwargs["min_pixels"] = args.min_pixels
@@ -207,6 +208,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="default <root>/PickScore_v1 (yuvalkirstain/PickScore_v1)")
     ap.add_argument("--pickscore_processor_path", default="", help="default <root>/CLIP-ViT-H-14-laion2B-s32B-b79K "
                     "(laion/CLIP-ViT-H-14-laion2B-s32B-b79K, tokenizer and processor files only)")
+    ap.add_argument("--reward_url", default="", help="for the metric `remote`: reward server URL(s) "
+                    "(scripts/serve_reward.py), comma-separated; token from SAGE_REWARD_TOKEN")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--dtype", default=r.reward_dtype, choices=DTYPES, help="reward model dtype (default: %(default)s)")
     ap.add_argument("--max_pixels", type=int, default=REWARD_MAX_PIXELS,

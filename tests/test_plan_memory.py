@@ -271,3 +271,20 @@ def test_i2v_plans_the_image_tokens_siglip_and_the_image_conditioning(counts):
     encode = i2v["phases_gib"]["encode"] - t2v["phases_gib"]["encode"]
     assert encode == pytest.approx(ti["image encoder before offload"])
     assert i2v["host_image_cache"]["per_image_mb"] == pytest.approx(per_video / 1e6) and t2v["host_image_cache"] is None
+
+
+def test_a_remote_reward_takes_the_reward_model_off_every_rank(counts, capsys):
+    c, frozen = counts
+    run = lambda cfg: pm.plan(cfg, pm.PlanOptions(world_size=8), c, frozen)  # noqa: E731
+    local, remote = run(_cfg()), run(_cfg(reward_model="remote", reward_url="http://rewardhost:8000"))
+    model = frozen["reward"] * 2 / pm.GIB  # bf16 Qwen2-VL-2B + rm_head, on every rank when local
+    assert local["terms_gib"]["reward model"] == pytest.approx(model) and 4 < model < 5
+    assert remote["terms_gib"]["reward model"] == remote["terms_gib"]["reward forward (est)"] == 0
+    for phase in local["phases_gib"]:  # every phase holds the model; decode+reward also its forward (or the decode)
+        assert local["phases_gib"][phase] - remote["phases_gib"][phase] >= model - 1e-9
+    saving = local["peak_gib"] - remote["peak_gib"]
+    assert local["reward"]["peak_saving_gib"] == pytest.approx(saving) == remote["reward"]["peak_saving_gib"]
+    assert (local["reward"]["remote"], remote["reward"]["remote"]) == (False, True)
+    pm.main(["--config", str(ROOT / "configs/single_node_8gpu.yaml"), "--world_size", "8"])
+    assert f"--reward_model remote (a reward server on other GPUs) lowers the peak by {saving:.1f} GiB per rank" in \
+        capsys.readouterr().out

@@ -193,3 +193,17 @@ def test_autocast_rollout_rescores_to_ratio_one_with_fp32_timesteps(tiny_pipe, t
     assert all(t.dtype == torch.float32 for t in seen)
     torch.testing.assert_close(seen[1], (traj.sigmas[[1, 1, 1, 1]] * 1000).float())
     assert torch.equal(torch.exp(out.log_prob - traj.log_probs[:, 1]), torch.ones(2))
+
+
+@pytest.mark.parametrize("sde_type", ["sage_grpo", "cps"])
+def test_chunks_one_after_another_sample_exactly_what_steps_outermost_sample(tiny_pipe, text_cache, sde_type):
+    """on_chunk (post_train scores a finished chunk while the next samples) changes the order, not the samples."""
+    s = SamplerSettings(sde_type=sde_type, eta=0.5, num_steps=3, cfg_scale=6.0)
+    prompts = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
+    kw = dict(prompts=prompts, gens=torch.tensor([0, 1, 0, 1]), seeds=torch.tensor([7, 7, 8, 8]), chunk_size=2)
+    done = []
+    a = _run(tiny_pipe, text_cache, s, **kw)
+    b = _run(tiny_pipe, text_cache, s, on_chunk=lambda c, x: done.append((c.tolist(), x.clone())), **kw)
+    assert torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
+    assert [c for c, _ in done] == [[0, 1], [2, 3]]
+    assert all(torch.equal(x, a.final_latents[c]) for c, x in done)

@@ -14,13 +14,16 @@ from pathlib import Path
 import torch
 
 from sage_grpo.config import REWARD_MAX_PIXELS, REWARD_SAMPLE_FPS, VIDEO_FPS
-from sage_grpo.rewards import builtin, clip_metrics, videoalign, world  # noqa: F401 - registers the rewards
+from sage_grpo.rewards import builtin, clip_metrics, remote, videoalign, world  # noqa: F401 - registers the rewards
 from sage_grpo.rewards.base import (
     CompositeReward,
     Reward,
+    check_first_call,
     get_reward_builder,
+    is_import_path,
     parse_reward_weights,
     register_reward,
+    reward_key,
     reward_names,
     score_safely,
 )
@@ -36,9 +39,12 @@ __all__ = [
     "Reward",
     "build_reward",
     "build_reward_from_config",
+    "check_first_call",
+    "is_import_path",
     "get_reward_builder",
     "parse_reward_weights",
     "register_reward",
+    "reward_key",
     "reward_names",
     "score_safely",
 ]
@@ -61,7 +67,9 @@ def build_reward(
 ) -> CompositeReward:
     """Build the (composite) reward the training loop calls.
 
-    ``reward_model``: one registered name or several joined by commas (``"videoalign_local,clipscore"``).
+    ``reward_model``: one registered name or several joined by commas (``"videoalign_local,clipscore"``); an import
+    path ``package.module:factory`` or ``path/to/file.py:factory`` names a user's factory, called with the same
+    keyword arguments as the built-in builders.
     ``reward_weights``: JSON like ``'{"VQ":0.5,"MQ":0.5,"TA":1.0}'`` (keys case-insensitive, any component of the
     selected rewards); ``None`` or ``""`` = each reward's default weights. Paths default to
     ``<pretrained_model_root>/VideoReward`` and ``<pretrained_model_root>/Qwen2-VL-2B-Instruct``. ``extra`` goes to
@@ -70,7 +78,7 @@ def build_reward(
     names = [n.strip() for n in str(reward_model).split(",") if n.strip()]
     if not names:
         get_reward_builder("")  # raises with the list of valid names
-    builders = {n.lower(): get_reward_builder(n) for n in names}
+    builders = {reward_key(n): get_reward_builder(n) for n in names}
     kwargs = dict(
         reward_model_path=reward_model_path,
         reward_base_model_path=reward_base_model_path,
@@ -112,4 +120,7 @@ def build_reward_from_config(cfg, device: str | torch.device = "cpu") -> Composi
         clip_model_path=r.clip_model_path,
         pickscore_model_path=r.pickscore_model_path,
         pickscore_processor_path=r.pickscore_processor_path,
+        reward_url=r.reward_url,
+        reward_timeout=r.reward_timeout,
+        reward_retries=r.reward_retries,
     )

@@ -8,10 +8,18 @@ good or very bad) reward (defect 9 of the authors' code).
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
 import json
 import math
+import os
+import re
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -58,15 +66,157 @@ def reward_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def is_import_path(name: str) -> bool:
+    """True for ``package.module:factory`` and ``path/to/file.py:factory`` (registered names have no colon)."""
+    return ":" in name
+
+
+def reward_key(name: str) -> str:
+    """The key a reward is known by: registered names are case-insensitive, import paths are not (file systems and
+    Python attributes are case-sensitive)."""
+    return name.strip() if is_import_path(name) else name.strip().lower()
+
+
 def get_reward_builder(name: str) -> Callable[..., Reward]:
-    """The builder registered as ``name``; a SageGRPOError listing the valid names otherwise."""
+    """The builder registered as ``name``, or for an import path the user's factory wrapped so that whatever goes
+    wrong in it is one SageGRPOError line; a SageGRPOError listing the valid names otherwise."""
+    if is_import_path(name):
+        return _plugin_builder(name.strip())
     key = name.strip().lower()
     if key not in _REGISTRY:
         raise SageGRPOError(
             f"unknown reward {name!r}; valid names for --reward_model are: {', '.join(reward_names())} "
-            "(several may be combined with commas, e.g. 'videoalign_local,clipscore')"
+            "(several may be combined with commas, e.g. 'videoalign_local,clipscore'), or an import path "
+            "'package.module:factory' / 'path/to/file.py:factory'"
         )
     return _REGISTRY[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rewards by import path: package.module:factory or path/to/file.py:factory
+# ----------------------------------------------------------------------------------------------------------------
+
+_PLUGIN_MODULES: dict[str, ModuleType] = {}  # resolved file path or module name -> module (imported once)
+
+
+def _load_plugin_module(where: str, spec: str) -> ModuleType:
+    """Import the file (relative to the working directory) or module of an import path, once per process."""
+    is_file = where.endswith(".py") or "/" in where or os.sep in where
+    if is_file:
+        path = Path(where).expanduser().resolve()
+        key = str(path)
+        if key in _PLUGIN_MODULES:
+            return _PLUGIN_MODULES[key]
+        if not path.is_file():
+            raise SageGRPOError(f"--reward_model {spec}: file {where} not found (relative to the working directory "
+                                f"{Path.cwd()})")
+        # a unique module name per file, registered in sys.modules so that dataclasses in the user's file can look
+        # their module up
+        stem = re.sub(r"\W", "_", path.stem)
+        name = f"sage_grpo_reward_plugin_{stem}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+        mspec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[name] = module
+        try:
+            mspec.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - the user's file: any error is theirs, one line
+            del sys.modules[name]
+            raise SageGRPOError(f"--reward_model {spec}: importing {where} failed ({type(err).__name__}: "
+                                f"{_one_line(err)})") from None
+    else:
+        key = where
+        if key in _PLUGIN_MODULES:
+            return _PLUGIN_MODULES[key]
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as err:
+            missing = err.name or where
+            if where == missing or where.startswith(missing + "."):
+                raise SageGRPOError(f"--reward_model {spec}: module {where!r} not found (is it installed or on "
+                                    "PYTHONPATH? a file is written path/to/file.py:factory)") from None
+            raise SageGRPOError(f"--reward_model {spec}: importing {where} failed (it needs module {missing!r}, "
+                                "which is not installed)") from None
+        except Exception as err:  # noqa: BLE001
+            raise SageGRPOError(f"--reward_model {spec}: importing {where} failed ({type(err).__name__}: "
+                                f"{_one_line(err)})") from None
+    _PLUGIN_MODULES[key] = module
+    return module
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception's message on one line (user errors are one line)."""
+    return " ".join(str(err).split()) or "no message"
+
+
+def check_reward(reward: object, spec: str) -> None:
+    """Raise a SageGRPOError unless ``reward`` has the `Reward` protocol: non-empty string `components`, a
+    `default_weights` mapping over them and a `__call__`."""
+    if not isinstance(reward, Reward):
+        missing = [a for a in ("components", "default_weights", "__call__") if not hasattr(reward, a)]
+        raise SageGRPOError(f"--reward_model {spec}: the factory returned {type(reward).__name__}, not a Reward "
+                            f"(missing {', '.join(missing)}; see docs/rewards.md)")
+    comps = reward.components
+    if isinstance(comps, str) or not isinstance(comps, Sequence) or not comps or \
+            not all(isinstance(c, str) and c for c in comps):
+        raise SageGRPOError(f"--reward_model {spec}: components must be a non-empty tuple of names, got {comps!r}")
+    dw = reward.default_weights
+    if not isinstance(dw, Mapping) or any(k not in comps for k in dw):
+        raise SageGRPOError(f"--reward_model {spec}: default_weights must map some of its components "
+                            f"({', '.join(comps)}) to numbers, got {dw!r}")
+
+
+def _plugin_builder(spec: str) -> Callable[..., Reward]:
+    """Resolve ``spec`` (module or file imported now, so a typo fails before any model loads) -> a builder that
+    calls the user's factory with the built-in builders' keyword arguments and checks what it returns."""
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise SageGRPOError(f"--reward_model {spec}: an import path is 'package.module:factory' or "
+                            "'path/to/file.py:factory'")
+    module = _load_plugin_module(where, spec)
+    factory = getattr(module, attr, None)
+    if factory is None:
+        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+        raise SageGRPOError(f"--reward_model {spec}: {where} has no attribute {attr!r} (callables there: "
+                            f"{', '.join(public) or 'none'})")
+    if not callable(factory):
+        raise SageGRPOError(f"--reward_model {spec}: {where}:{attr} is a {type(factory).__name__}, not a factory "
+                            "function or class")
+
+    def build(**kwargs: object) -> Reward:
+        try:
+            reward = factory(**kwargs)
+        except Exception as err:  # noqa: BLE001 - the user's factory: one line, not their traceback
+            raise SageGRPOError(f"--reward_model {spec}: the factory raised {type(err).__name__}: "
+                                f"{_one_line(err)}") from None
+        check_reward(reward, spec)
+        return reward
+
+    build.__name__ = f"plugin:{spec}"
+    return build
+
+
+def check_first_call(reward: Reward, spec: str, videos: torch.Tensor, prompts: Sequence[str]) -> None:
+    """Call a freshly built reward once on ``videos`` [B, F, 3, H, W] (B >= 2) and raise one SageGRPOError line when
+    it raises, misses a component or returns anything but a tensor [B] per component: training would otherwise
+    turn every such step into NaN, silently."""
+    n = videos.shape[0]
+    try:
+        out = reward(videos, list(prompts))
+    except Exception as err:  # noqa: BLE001
+        raise SageGRPOError(f"--reward_model {spec}: a first call on {n} test videos {tuple(videos.shape)} raised "
+                            f"{type(err).__name__}: {_one_line(err)}") from None
+    if not isinstance(out, Mapping):
+        raise SageGRPOError(f"--reward_model {spec}: a call must return {{component: tensor [B]}}, got "
+                            f"{type(out).__name__}")
+    for c in reward.components:
+        if c not in out:
+            raise SageGRPOError(f"--reward_model {spec}: a first call returned no {c!r} (got {sorted(out)}; "
+                                f"components: {', '.join(reward.components)})")
+        v = out[c]
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != (n,):
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise SageGRPOError(f"--reward_model {spec}: component {c!r} of a first call on {n} videos is {got}, "
+                                f"expected a tensor of shape ({n},)")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -148,17 +148,34 @@ def preprocess_videos(
     """
     if videos.ndim != 5 or videos.shape[2] != 3:
         raise ValueError(f"expected videos [B, F, 3, H, W], got {tuple(videos.shape)}")
-    B, nf, _, H, W = videos.shape
-    idx = sample_frame_indices(nf, video_fps, sample_fps).to(videos.device)
+    x = resize_read(read_frames(videos, video_fps, sample_fps), min_pixels, max_pixels, quantize)
+    return pixels_from_read(x)
+
+
+def read_frames(videos: torch.Tensor, video_fps: float = VIDEO_FPS,
+                sample_fps: float = REWARD_SAMPLE_FPS) -> torch.Tensor:
+    """The frames VideoAlign looks at: [B, F, 3, H, W] -> [B, n, 3, H, W] (`sample_frame_indices`)."""
+    idx = sample_frame_indices(videos.shape[1], video_fps, sample_fps).to(videos.device)
+    return videos.index_select(1, idx)
+
+
+def resize_read(frames: torch.Tensor, min_pixels: int = REWARD_MIN_PIXELS, max_pixels: int = REWARD_MAX_PIXELS,
+                quantize: bool = True) -> torch.Tensor:
+    """Sampled frames [B, n, 3, H, W] in [0, 1] -> smart-resized [B, n, 3, h, w] in [0, 255] (whole numbers with
+    ``quantize``): what VideoAlign reads, and what a reward server of it receives."""
+    B, n, _, H, W = frames.shape
     size = smart_resize(H, W, min_pixels=min_pixels, max_pixels=max_pixels)
-    frames = videos.index_select(1, idx)  # [B, n, 3, H, W]
-    n = frames.shape[1]
-    x = resize_frames(frames.reshape(B * n, 3, H, W), size, quantize)  # [B*n, 3, h, w]
-    x = normalize(x).reshape(B, n, 3, *size)
+    return resize_frames(frames.reshape(B * n, 3, H, W), size, quantize).reshape(B, n, 3, *size)
+
+
+def pixels_from_read(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`resize_read`'s [B, n, 3, h, w] in [0, 255] -> (pixel_values [B*t*h*w, 1176], video_grid_thw int64 [B, 3])."""
+    B, n, _, h, w = x.shape
+    x = normalize(x.reshape(B * n, 3, h, w)).reshape(B, n, 3, h, w)
     patches, grids = [], []
     for b in range(B):
         p, g = patchify(x[b])
         patches.append(p)
         grids.append(g)
-    grid = torch.tensor(grids, dtype=torch.long, device=videos.device)
+    grid = torch.tensor(grids, dtype=torch.long, device=x.device)
     return torch.cat(patches, dim=0), grid

@@ -20,7 +20,7 @@ import torch
 from sage_grpo.config import REWARD_MAX_PIXELS, REWARD_MIN_PIXELS, REWARD_SAMPLE_FPS, VIDEO_FPS, torch_dtype
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards.base import register_reward
-from sage_grpo.rewards.video_preprocess import MERGE_SIZE, preprocess_videos
+from sage_grpo.rewards.video_preprocess import MERGE_SIZE, pixels_from_read, preprocess_videos
 from sage_grpo.rewards.videoalign_ckpt import (
     DEFAULT_NORM,
     SPECIAL_TOKENS,
@@ -202,6 +202,13 @@ class VideoAlignReward:
             mask[i, : len(r)] = 1
         return ids.to(self.device), mask.to(self.device)
 
+    @property
+    def read_spec(self) -> dict:
+        """What it reads of a video (`sage_grpo.rewards.remote.apply_read`): the frames at ``sample_fps``, resized;
+        a reward server of it receives only those."""
+        size = {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels, "quantize": self.quantize}
+        return {"frames": {"sample_fps": self.sample_fps, "video_fps": self.video_fps}, "size": size}
+
     @torch.no_grad()
     def raw_scores(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """Un-normalised (VQ, MQ, TA) of one batch: videos [B, F, 3, H, W] -> float32 [B, 3]."""
@@ -209,6 +216,16 @@ class VideoAlignReward:
         pixels, grid = preprocess_videos(
             videos, self.video_fps, self.sample_fps, self.min_pixels, self.max_pixels, self.quantize
         )  # [B*t*h*w, 1176], [B, 3]
+        return self._raw(pixels, grid, prompts)
+
+    @torch.no_grad()
+    def raw_scores_read(self, x: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """`raw_scores` of what `read_spec` reads: [B, n, 3, h, w] in [0, 255] -> float32 [B, 3]."""
+        pixels, grid = pixels_from_read(x.to(self.device).float())
+        return self._raw(pixels, grid, prompts)
+
+    def _raw(self, pixels: torch.Tensor, grid: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """The model on preprocessed pixels [B*t*h*w, 1176] with grids [B, 3] -> float32 [B, 3]."""
         n_tokens = (grid.prod(-1) // MERGE_SIZE**2).tolist()  # merged tokens per video
         ids, mask = self.build_input_ids(prompts, n_tokens)  # [B, L]
         lm = self.net.model.language_model
@@ -233,11 +250,18 @@ class VideoAlignReward:
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score [B, F, 3, H, W] -> {VQ, MQ, TA, Overall, VQ_raw, MQ_raw, TA_raw: float32 [B]} on the input device."""
+        return self._scores(self.raw_scores, videos, prompts)
+
+    def score_read(self, x: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """`__call__` on what `read_spec` reads ([B, n, 3, h, w] in [0, 255]): what a reward server calls."""
+        return self._scores(self.raw_scores_read, x, prompts)
+
+    def _scores(self, raw_fn, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         B = videos.shape[0]
         if len(prompts) != B:
             raise ValueError(f"{B} videos but {len(prompts)} prompts")
         bs = self.batch_size if self.batch_size > 0 else B
-        raw = torch.cat([self.raw_scores(videos[i : i + bs], prompts[i : i + bs]) for i in range(0, B, bs)])
+        raw = torch.cat([raw_fn(videos[i : i + bs], prompts[i : i + bs]) for i in range(0, B, bs)])
         norm = (raw - self.norm_mean) / self.norm_std  # [B, 3]
         out = {"VQ": norm[:, 0], "MQ": norm[:, 1], "TA": norm[:, 2], "Overall": norm.sum(-1)}
         out.update({"VQ_raw": raw[:, 0], "MQ_raw": raw[:, 1], "TA_raw": raw[:, 2]})

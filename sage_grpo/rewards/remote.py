@@ -1,0 +1,259 @@
+"""A reward scored by reward servers (`scripts/serve_reward.py`) over HTTP: ``--reward_model remote --reward_url URL``.
+
+What travels: only what the served reward reads. A reward may declare ``read_spec`` (which frames, at which size;
+executed here by `apply_read`, the same code the reward runs) and ``score_read`` (scores what `apply_read` returned);
+the client then sends those frames, as uint8 when the reward quantises them itself (VideoAlign), else in the video's
+own dtype. Without ``read_spec`` the whole decoded video is sent. The body is a safetensors file (tensors and the
+prompts as UTF-8 bytes, never a pickle) compressed with zlib: lossless, so remote scores equal local ones.
+
+Several URLs: servers that report the same reward (components and version) are replicas, tried in turn starting
+from one chosen by the rank (the load spreads over ranks); servers of different rewards are combined, each
+contributing its components. A request that times out or fails is retried with exponential backoff on the next
+replica; what still fails is NaN (one warning), so the failed-reward policy (`--max_failed_reward_steps`) applies.
+A server that cannot be reached when the run starts, or refuses the token, is one error line instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.rewards.base import _one_line, register_reward
+
+__all__ = ["TOKEN_ENV", "RemoteReward", "apply_read", "encode_batch", "decode_batch", "read_spec_of"]
+
+TOKEN_ENV = "SAGE_REWARD_TOKEN"  # bearer token: checked by the server when set there, sent by the client when set
+CONTENT_TYPE = "application/x-safetensors+zlib"
+MAX_BODY_BYTES = 4 << 30  # a request larger than this is refused by the server (a whole 121-frame 720p batch fits)
+
+
+# ------------------------------------------------------------------------------------------------ what is read
+
+
+def read_spec_of(reward) -> dict | None:
+    """The reward's ``read_spec`` (a JSON-able dict) when it also has ``score_read``; None = it reads whole videos."""
+    spec = getattr(reward, "read_spec", None)
+    return dict(spec) if spec is not None and callable(getattr(reward, "score_read", None)) else None
+
+
+def apply_read(spec: Mapping | None, videos: torch.Tensor) -> torch.Tensor:
+    """Reduce videos float [B, F, 3, H, W] in [0, 1] to what a reward with ``read_spec`` ``spec`` reads.
+
+    ``{"frames": {"count": n}}``: n evenly spaced frames (all when n <= 0 or n >= F), values unchanged.
+    ``{"frames": {"sample_fps": s, "video_fps": v}, "size": {"min_pixels", "max_pixels", "quantize"}}``: VideoAlign's
+    frame sampling and smart resize -> float [B, n, 3, h, w] in [0, 255] (integers when quantize).
+    None: the videos unchanged.
+    """
+    if spec is None:
+        return videos
+    from sage_grpo.rewards.video_preprocess import read_frames, resize_read
+
+    frames = spec.get("frames") or {}
+    if "count" in frames:
+        nf, n = videos.shape[1], int(frames["count"])
+        n = nf if n <= 0 else min(n, nf)
+        return videos.index_select(1, torch.linspace(0, nf - 1, n).round().long().to(videos.device))
+    if "sample_fps" in frames:
+        x = read_frames(videos, float(frames["video_fps"]), float(frames["sample_fps"]))  # [B, n, 3, H, W]
+        size = spec.get("size")
+        if size:
+            x = resize_read(x, int(size["min_pixels"]), int(size["max_pixels"]), bool(size["quantize"]))
+        return x
+    raise ValueError(f"unknown read_spec {dict(spec)!r}")
+
+
+def wire_dtype(spec: Mapping | None) -> torch.dtype | None:
+    """uint8 when the read values are whole numbers in [0, 255] (lossless and 4x smaller), else None (as they are)."""
+    size = (spec or {}).get("size") or {}
+    return torch.uint8 if size.get("quantize") else None
+
+
+# ------------------------------------------------------------------------------------------------ wire format
+
+
+def encode_batch(x: torch.Tensor, prompts: Sequence[str], dtype: torch.dtype | None = None) -> bytes:
+    """Frames (any shape) and prompts -> zlib-compressed safetensors bytes (the request body)."""
+    from safetensors.torch import save
+
+    x = x.detach().cpu()
+    if dtype is not None:
+        x = x.round().clamp(0, 255).to(dtype) if dtype == torch.uint8 else x.to(dtype)
+    text = torch.frombuffer(bytearray(json.dumps(list(prompts)).encode()), dtype=torch.uint8)
+    return zlib.compress(save({"frames": x.contiguous(), "prompts": text}), 1)  # level 1: the network is the budget
+
+
+def decode_batch(body: bytes) -> tuple[torch.Tensor, list[str]]:
+    """The inverse of `encode_batch` -> (frames float32, or the sent float dtype; prompts). Raises ValueError on
+    anything malformed (the server answers 400)."""
+    from safetensors.torch import load
+
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(body, MAX_BODY_BYTES)
+        if d.unconsumed_tail:
+            raise ValueError(f"request larger than {MAX_BODY_BYTES} bytes uncompressed")
+        tensors = load(raw)
+        prompts = json.loads(bytes(tensors["prompts"].numpy()).decode())
+        frames = tensors["frames"]
+    except Exception as err:  # noqa: BLE001 - whatever a client sent: a 400, never a crash
+        raise ValueError(f"malformed request body ({type(err).__name__}: {err})") from None
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts must be a list of strings")
+    if frames.ndim < 1 or frames.shape[0] != len(prompts):
+        raise ValueError(f"{tuple(frames.shape)} frames for {len(prompts)} prompts")
+    if frames.dtype == torch.uint8:
+        frames = frames.float()
+    elif not frames.is_floating_point():
+        raise ValueError(f"frames must be float or uint8, got {frames.dtype}")
+    return frames, prompts
+
+
+# ------------------------------------------------------------------------------------------------ the client
+
+
+@dataclass
+class _Server:
+    """One reward served by one or more replicas."""
+
+    urls: list[str]
+    components: tuple[str, ...]
+    default_weights: dict[str, float]
+    version: str
+    read_spec: dict | None
+
+
+class RemoteReward:
+    """`Reward` whose components are computed by reward servers; see the module docstring."""
+
+    def __init__(self, urls: Sequence[str], timeout: float = 120.0, retries: int = 3, backoff: float = 1.0,
+                 token: str | None = None, rank: int = 0, video_fps: float | None = None):
+        """``urls``: server base URLs; ``timeout``: seconds per request; ``retries``: further tries after the first;
+        ``backoff``: seconds before the first retry (doubled each time); ``token``: bearer token (default: the
+        ``SAGE_REWARD_TOKEN`` environment variable); ``rank``: spreads ranks over replicas; ``video_fps``: the frame
+        rate of the videos this client sends, checked against a server that samples frames by time."""
+        import httpx
+
+        urls = [u.strip().rstrip("/") for u in urls if u.strip()]
+        if not urls:
+            raise SageGRPOError("--reward_model remote needs --reward_url (the server's http://host:port, several "
+                                "separated by commas)")
+        self.timeout, self.retries, self.backoff, self.rank = float(timeout), int(retries), float(backoff), rank
+        token = os.environ.get(TOKEN_ENV, "") if token is None else token
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(timeout=httpx.Timeout(self.timeout), headers=self.headers)
+        self._calls = 0
+        groups: dict[tuple, _Server] = {}
+        for url in urls:
+            info = self._info(url)
+            key = (tuple(info["components"]), info["version"])
+            if key in groups:
+                groups[key].urls.append(url)
+            else:
+                groups[key] = _Server([url], tuple(info["components"]), dict(info["default_weights"]),
+                                      info["version"], info.get("read_spec"))
+        self.servers = list(groups.values())
+        for srv in self.servers:
+            frames = (srv.read_spec or {}).get("frames") or {}
+            if video_fps is not None and "video_fps" in frames and float(frames["video_fps"]) != float(video_fps):
+                raise SageGRPOError(f"reward server {srv.urls[0]} samples frames as if videos had "
+                                    f"{frames['video_fps']:g} fps, but these have {video_fps:g}: restart it with "
+                                    f"--video_fps {video_fps:g}")
+        comps: list[str] = []
+        for s in self.servers:
+            clash = [c for c in s.components if c in comps]
+            if clash:
+                raise SageGRPOError(f"--reward_url: {s.urls[0]} serves component {clash[0]!r} that another server "
+                                    "serves too, with a different reward version; replicas must serve the same one")
+            comps += s.components
+        self.components = tuple(comps)
+        self.default_weights = {k: v for s in self.servers for k, v in s.default_weights.items()}
+
+    def _info(self, url: str) -> dict:
+        """GET /info, with the same retries as scoring; one SageGRPOError line when it cannot be had."""
+        import httpx
+
+        err: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.client.get(f"{url}/info")
+                if r.status_code in (401, 403):
+                    raise SageGRPOError(f"reward server {url} refused the token ({r.status_code}): set {TOKEN_ENV} "
+                                        "to the server's token")
+                r.raise_for_status()
+                info = r.json()
+                if not info.get("components"):
+                    raise SageGRPOError(f"{url}/info is not a reward server's answer: {str(info)[:200]}")
+                return info
+            except (httpx.HTTPError, ValueError) as e:
+                err = e
+                if attempt < self.retries:
+                    time.sleep(self.backoff * 2**attempt)
+        raise SageGRPOError(f"reward server {url} cannot be reached ({type(err).__name__}: {_one_line(err)}); start "
+                            "it with "
+                            "python scripts/serve_reward.py, or check --reward_url") from None
+
+    def health(self) -> list[dict]:
+        """GET /health of every URL (for scripts and tests)."""
+        return [self.client.get(f"{u}/health").json() for s in self.servers for u in s.urls]
+
+    def _score(self, server: _Server, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """One server's components for the batch, NaN when every try failed."""
+        n = videos.shape[0]
+        x = apply_read(server.read_spec, videos)
+        body = encode_batch(x, prompts, wire_dtype(server.read_spec))
+        start = (self.rank + self._calls) % len(server.urls)
+        errors = []
+        for attempt in range(self.retries + 1):
+            url = server.urls[(start + attempt) % len(server.urls)]
+            try:
+                r = self.client.post(f"{url}/score", content=body, headers={"Content-Type": CONTENT_TYPE})
+                if r.status_code in (401, 403):  # a token changed mid-run: retrying cannot help
+                    errors.append(f"{url}: token refused ({r.status_code})")
+                    break
+                r.raise_for_status()
+                scores = r.json()["scores"]
+                out = {}
+                for c in server.components:
+                    vals = scores[c]
+                    if len(vals) != n:
+                        raise ValueError(f"{c!r} has {len(vals)} scores for {n} videos")
+                    out[c] = torch.tensor([math.nan if v is None else float(v) for v in vals], dtype=torch.float32)
+                return {c: v.to(videos.device) for c, v in out.items()}
+            except Exception as e:  # noqa: BLE001 - network, server and answer errors all end as a retry, then NaN
+                errors.append(f"{url}: {type(e).__name__}: {_one_line(e)}")
+                if attempt < self.retries:
+                    time.sleep(self.backoff * 2**attempt)
+        warnings.warn(f"reward server failed {len(errors)} time(s) on a batch of {n} ({errors[-1]}); its scores are "
+                      "NaN", RuntimeWarning, stacklevel=3)
+        return {c: torch.full((n,), math.nan, dtype=torch.float32, device=videos.device) for c in server.components}
+
+    def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Score float [B, F, 3, H, W] in [0, 1] -> {component: float32 [B]} (NaN where the servers failed)."""
+        out: dict[str, torch.Tensor] = {}
+        for s in self.servers:
+            out.update(self._score(s, videos, prompts))
+        self._calls += 1
+        return out
+
+
+@register_reward("remote")
+def build_remote(reward_url: str | Sequence[str] = "", reward_timeout: float = 120.0, reward_retries: int = 3,
+                 reward_backoff: float = 1.0, video_fps: float | None = None, **_: object) -> RemoteReward:
+    """Builder of the remote reward (``reward_url``: comma-separated URLs)."""
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise SageGRPOError("--reward_model remote needs httpx: pip install 'sage-grpo[remote]'") from None
+    urls = reward_url.split(",") if isinstance(reward_url, str) else list(reward_url)
+    rank = int(os.environ.get("RANK", "0"))
+    return RemoteReward(urls, timeout=reward_timeout, retries=reward_retries, backoff=reward_backoff, rank=rank,
+                        video_fps=video_fps)

@@ -1,0 +1,165 @@
+"""The reward server behind `scripts/serve_reward.py`: a FastAPI app that scores with any reward.
+
+Endpoints: ``GET /health`` (no token: for load balancers and start-up scripts; counts of requests and batches),
+``GET /info`` (components, default weights, version, ``read_spec``: what `RemoteReward` needs to know) and
+``POST /score`` (a body of `sage_grpo.rewards.remote.encode_batch`; answers ``{"scores": {component: [B]}}``,
+null for NaN). Requests that arrive while a batch is scored, or within ``batch_wait_s`` of the first, are scored
+together (up to ``max_batch`` videos of one shape) by one worker thread, so the model sees one batch at a time.
+When ``token`` is set, /info and /score need ``Authorization: Bearer <token>``. No request body is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from fastapi import FastAPI, HTTPException, Request  # at module level: FastAPI resolves the handlers' annotations here
+from fastapi.responses import JSONResponse
+
+from sage_grpo.rewards.base import score_safely
+from sage_grpo.rewards.remote import decode_batch, read_spec_of
+
+__all__ = ["make_app"]
+
+
+class _ReadScorer:
+    """`score_read` seen as a reward: what `score_safely` calls on the frames a client already reduced."""
+
+    def __init__(self, reward):
+        self.reward, self.components = reward, tuple(reward.components)
+
+    def __call__(self, x: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        return self.reward.score_read(x, prompts)
+
+
+class Batcher:
+    """Collects concurrent requests into batches for one scoring thread."""
+
+    def __init__(self, score, max_batch: int, wait_s: float):
+        """``score(frames [B, ...], prompts) -> {component: [B]}``."""
+        self.score, self.max_batch, self.wait_s = score, max_batch, wait_s
+        self.queue: asyncio.Queue | None = None
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="reward")  # one model, one batch at a time
+        self.requests = self.batches = self.videos = 0
+
+    async def submit(self, frames: torch.Tensor, prompts: list[str]) -> dict[str, list]:
+        fut = asyncio.get_running_loop().create_future()
+        await self.queue.put((frames, prompts, fut))
+        return await fut
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self.queue.get()]
+            n = batch[0][0].shape[0]
+            deadline = loop.time() + self.wait_s
+            while n < self.max_batch:
+                # whatever else is queued, then what arrives before the deadline
+                try:
+                    item = self.queue.get_nowait() if not self.queue.empty() else await asyncio.wait_for(
+                        self.queue.get(), max(0.0, deadline - loop.time()))
+                except (asyncio.TimeoutError, TimeoutError):
+                    break
+                batch.append(item)
+                n += item[0].shape[0]
+            by_shape: dict[tuple, list] = {}
+            for item in batch:  # only frames of one shape and dtype can share a tensor
+                by_shape.setdefault((tuple(item[0].shape[1:]), item[0].dtype), []).append(item)
+            for items in by_shape.values():
+                await self._score(loop, items)
+
+    async def _score(self, loop, items: list) -> None:
+        frames = torch.cat([f for f, _, _ in items])
+        prompts = [p for _, ps, _ in items for p in ps]
+        self.requests += len(items)
+        self.batches += 1
+        self.videos += len(prompts)
+        try:
+            scores = await loop.run_in_executor(self.executor, self.score, frames, prompts)
+        except Exception as err:  # noqa: BLE001 - answered as a 500 to each waiting request
+            for _, _, fut in items:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        lo = 0
+        for f, _, fut in items:
+            hi = lo + f.shape[0]
+            if not fut.done():  # the client may have gone (timeout)
+                fut.set_result({c: [None if math.isnan(v) else v for v in s[lo:hi].tolist()]
+                                for c, s in scores.items()})
+            lo = hi
+
+
+def make_app(reward, name: str, version: str, *, token: str = "", max_batch: int = 16, batch_wait_s: float = 0.01,
+             device: str | torch.device = "cpu"):
+    """The FastAPI app serving ``reward`` (a `Reward`, or a `CompositeReward` of one or more) as ``name``."""
+    from contextlib import asynccontextmanager
+
+    rewards = list(getattr(reward, "rewards", {"": reward}).values())
+    # a reward that says what it reads gets only that from clients (one reward per server: a composite's parts
+    # could read different frames, so it gets whole videos)
+    single = rewards[0] if len(rewards) == 1 else None
+    spec = read_spec_of(single) if single is not None else None
+    scorer = _ReadScorer(single) if spec is not None else None
+    components = tuple(c for r in rewards for c in r.components)
+    default_weights = {k: v for r in rewards for k, v in r.default_weights.items()}
+    device = torch.device(device)
+
+    def score(frames: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+        frames = frames.to(device)
+        out: dict[str, torch.Tensor] = {}
+        for r in rewards:
+            out.update(score_safely(scorer if scorer is not None else r, frames, prompts))
+        return {c: out[c].float().cpu() for c in components}
+
+    batcher = Batcher(score, max_batch, batch_wait_s)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        batcher.queue = asyncio.Queue()
+        task = asyncio.create_task(batcher.run())
+        yield
+        task.cancel()
+        batcher.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title=f"sage-grpo reward server: {name}", lifespan=lifespan)
+
+    def authorize(request: Request) -> None:
+        if not token:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "reward": name, "requests": batcher.requests, "batches": batcher.batches,
+                "videos": batcher.videos}
+
+    @app.get("/info")
+    async def info(request: Request):
+        authorize(request)
+        return {"reward": name, "components": list(components), "default_weights": default_weights,
+                "version": version, "read_spec": spec, "max_batch": max_batch}
+
+    @app.post("/score")
+    async def score_endpoint(request: Request):
+        authorize(request)
+        body = await request.body()
+        try:
+            frames, prompts = decode_batch(body)
+        except ValueError as err:
+            raise HTTPException(status_code=400, detail=str(err)) from None
+        if spec is None and (frames.ndim != 5 or frames.shape[2] != 3):
+            raise HTTPException(status_code=400, detail=f"expected videos [B, F, 3, H, W], got {tuple(frames.shape)}")
+        try:
+            scores = await batcher.submit(frames, prompts)
+        except Exception as err:  # noqa: BLE001
+            return JSONResponse(status_code=500, content={"detail": f"{type(err).__name__}: {err}"})
+        return {"scores": scores}
+
+    return app
