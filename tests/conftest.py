@@ -146,25 +146,30 @@ def tiny_i2v_pipe(tiny_i2v_dir):
 
 # ------------------------------------------------------------------------------------------ scheduling
 
-# The longest tests (seconds on 2 cores, one thread each), started first so that scripts/test.sh's workers
-# (pytest-xdist, one test at a time) finish together instead of one waiting for a long test started last.
+# scripts/test.sh runs the suite on pytest-xdist workers with --dist loadfile: a file runs whole on one worker, so its
+# module-scoped fixtures (the shared torchrun launches, the shared training rounds) are built once, not once per
+# worker or again each time a worker comes back to the file. The files below (the most CPU, measured on 2 cores,
+# one thread per worker) go out first, longest first, so that no long file starts last and leaves a worker idle.
 LONGEST_FIRST = (
-    "tests/test_world_model.py::test_the_demo_training_rises_with_the_hacking_check_silent",
-    "tests/test_post_train.py::test_two_rank_layouts_train_resume_and_match_one_process",
-    "tests/test_compile.py::test_compiled_blocks_equal_eager",
-    "tests/test_launch.py::test_a_clean_stop_through_the_launcher_exits_0_and_two_nodes_continue_it",
-    "tests/test_gpu_check.py::test_tiny_gpu_check_runs_every_stage",
+    "tests/test_world_model.py",
+    "tests/test_post_train.py",
+    "tests/test_launch.py",
+    "tests/test_rewards_remote.py",
+    "tests/test_robustness.py",
+    "tests/test_compile.py",
+    "tests/test_parallel_fsdp.py",
+    "tests/test_i2v.py",
+    "tests/test_generate.py",
 )
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run order: the longest tests, then the other slow and multi-process ones, then the fast suite. Test order
-    carries no meaning here (every test builds what it needs from fixtures), so this changes only the wall time."""
+    """Run order: the files of LONGEST_FIRST in that order, then the others as collected; within a file, the
+    collected order. Test order carries no meaning (every test builds what it needs from fixtures), so this changes
+    only the wall time."""
 
-    def rank(item) -> tuple[int, int]:
-        base = item.nodeid.split("[")[0]
-        if base in LONGEST_FIRST:
-            return 0, LONGEST_FIRST.index(base)
-        return (1 if item.get_closest_marker("slow") or item.get_closest_marker("dist") else 2), 0
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
-    items.sort(key=rank)  # stable: the original order within each rank
+    items.sort(key=rank)  # stable: the collected order within each file and among the others

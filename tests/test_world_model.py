@@ -44,7 +44,7 @@ def test_committed_model_loads_like_real_weights(world_pipe):
 def test_committed_model_draws_heldout_captions(world_pipe):
     from sage_grpo.world.evaluate import eval_captions, quality, sample_world_videos
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     captions = eval_captions(12)
     videos = sample_world_videos(world_pipe, captions, steps=20, cfg_scale=4.0, seed=0)
     q = quality(videos, captions, seeds=list(range(len(captions))))
@@ -52,18 +52,21 @@ def test_committed_model_draws_heldout_captions(world_pipe):
         assert q[k] >= floor, (k, q)
 
 
-@pytest.mark.slow  # the demo's first 20 GRPO steps on the world model: ~2 minutes on 2 cores
+@pytest.mark.slow  # the demo's first 20 GRPO steps on the world model: 94 s on one thread of the 2-core machine
 def test_the_demo_training_rises_with_the_hacking_check_silent(tmp_path, monkeypatch):
     """scripts/demo.sh's training (configs/tiny_world.yaml: world_size inside the calibrated trust region) for its
     first 20 steps, validated on the held-out captions at steps 0, 10 and 20: the size reward rises and the hacking
-    check stays silent. The same run with a weaker trust region (--kl_weight 0.01) warned at step 20 (background
-    cleanliness, caption background, motion), and with KL off at step 20 (README)."""
+    check stays silent. One torch thread (the numbers depend on the thread count; with 2 threads beside the other
+    test worker the run cost 4x the CPU). The same run with a weaker trust region (--kl_weight 0.01 --kl_coef 0.01
+    --kl_min_coef 0.01 --threads 1) warned 3 times at step 20 (contrast, motion, background cleanliness; with 2
+    threads: background cleanliness, caption background, motion), and with KL off at step 20
+    (docs/world_model.md)."""
     from post_train_helpers import pt
 
     from sage_grpo.metrics import read_metrics
 
     monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     out = tmp_path / "run"
     pt.main(["--config", "configs/tiny_world.yaml", "--output_dir", str(out), "--max_steps", "20",
              "--save_interval", "0"])
