@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,22 +249,10 @@ class ImageConditioningCache:
         return self.cache_dir / f"image-{key}.safetensors"
 
     def _read(self, file: Path, path: str) -> ImageConditioning | None:
-        from safetensors import safe_open
-        from safetensors.torch import load_file
+        from sage_grpo.models.text_cache import read_cache_file
 
-        if not file.is_file():
-            return None
-        try:
-            with safe_open(file, "pt") as f:
-                meta = f.metadata() or {}
-            if meta.get("image") != path or meta.get("identity") != self.identity:
-                return None
-            t = load_file(file)
-            return ImageConditioning(t["latents"], t["embeds"])
-        except Exception as e:  # noqa: BLE001 -- a truncated or foreign file is a miss
-            warnings.warn(f"image cache file {file} is unreadable ({type(e).__name__}: {e}); encoding the image "
-                          "again", stacklevel=3)
-            return None
+        found = read_cache_file(file, {"image": path, "identity": self.identity}, "image", "image")
+        return None if found is None else ImageConditioning(found[0]["latents"], found[0]["embeds"])
 
     def _save(self, file: Path, path: str, e: ImageConditioning) -> None:
         from safetensors.torch import save_file

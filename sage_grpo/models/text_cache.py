@@ -39,7 +39,7 @@ from torch import Tensor
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.files import usual_permissions
 
-__all__ = ["TextConditioning", "TextEmbeddingCache", "encoder_identity"]
+__all__ = ["TextConditioning", "TextEmbeddingCache", "encoder_identity", "read_cache_file"]
 
 
 @dataclass
@@ -215,6 +215,27 @@ _ROUND_PROMPTS = 1024
 _FORMAT = "trimmed-1"  # disk files: the valid tokens only; files of the padded format (masks stored) still load
 
 
+def read_cache_file(path: Path, expect: dict[str, str], what: str, item: str) -> tuple[dict, dict] | None:
+    """(tensors, metadata) of a cache file written by this module or sage_grpo.models.image_cond, or None when it
+    is missing, its metadata differ from `expect` (another prompt's or image's, another encoder's), or it is
+    unreadable: a file truncated by a crash or a foreign file is a miss (warned: "<what> cache file ... encoding
+    the <item> again"), never an error."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        if any(meta.get(k) != v for k, v in expect.items()):
+            return None
+        return load_file(path), meta
+    except Exception as e:  # noqa: BLE001 -- any unreadable file is a miss
+        warnings.warn(f"{what} cache file {path} is unreadable ({type(e).__name__}: {e}); encoding the {item} again",
+                      stacklevel=4)
+        return None
+
+
 class TextEmbeddingCache:
     """prompt -> its valid-token embeddings on CPU in `dtype`; `get` batches them, re-padded.
 
@@ -252,23 +273,13 @@ class TextEmbeddingCache:
 
     def _read(self, path: Path, prompt: str) -> _Entry | None:
         """The entry in `path`, or None when it is missing, another prompt's / encoder's, or unreadable."""
-        from safetensors import safe_open
-
-        if not path.is_file():
+        found = read_cache_file(path, {"prompt": prompt, "identity": self.identity}, "text-embedding", "prompt")
+        if found is None:
             return None
-        try:
-            with safe_open(path, "pt") as f:
-                meta = f.metadata() or {}
-            if meta.get("prompt") != prompt or meta.get("identity") != self.identity:
-                return None
-            t = load_file(path)
-            if meta.get("format") == _FORMAT:
-                return _Entry(t["mllm"], t["byt5"])
-            return _trim(TextConditioning(t["prompt_embeds"], t["prompt_mask"], t["byt5_embeds"], t["byt5_mask"]))
-        except Exception as e:  # noqa: BLE001 -- any unreadable file (truncated by a crash, a foreign file) is a miss
-            warnings.warn(f"text-embedding cache file {path} is unreadable ({type(e).__name__}: {e}); "
-                          "encoding the prompt again", stacklevel=3)
-            return None
+        t, meta = found
+        if meta.get("format") == _FORMAT:
+            return _Entry(t["mllm"], t["byt5"])
+        return _trim(TextConditioning(t["prompt_embeds"], t["prompt_mask"], t["byt5_embeds"], t["byt5_mask"]))
 
     def _save_disk(self, prompt: str, entry: _Entry) -> None:
         path = self._path(prompt)
