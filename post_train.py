@@ -86,7 +86,9 @@ class Components:
     val_settings: SamplerSettings  # validation's ODE sampler
     shape: tuple  # (C, F, H, W) rollout latent
     val_shape: tuple  # (C, F, H, W) validation latent
-    step_weights: torch.Tensor  # [T] equalizer S_t (ones without --use_grad_balancing)
+    windows: torch.Tensor  # [P, T] bool: the SDE steps of each position of the SDE window (P = 1 unless sliding)
+    step_weights: torch.Tensor  # [P, T] equalizer S_t normalised over each window's steps (ones without
+    # --use_grad_balancing)
     variance: torch.Tensor  # [T] V_t of the rollout sampler
     heldout: HeldOut  # the held-out metrics validation reports (--validation_metrics)
     images: ImageConditioningCache | None = None  # each reference image's conditioning (I2V checkpoint); None: T2V
@@ -160,6 +162,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     from sage_grpo.rollout import SamplerSettings, latent_shape
     from sage_grpo.schedule import sigma_schedule
     from sage_grpo.sde import step_variance
+    from sage_grpo.window import window_masks
 
     m, r, v = cfg.model, cfg.rollout, cfg.validation
     out = check_writable_dir(cfg.checkpoint.output_dir, "--output_dir")  # a private probe file per rank
@@ -212,8 +215,10 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     sigmas = sigma_schedule(r.grpo_sampling_steps, r.flow_shift)
     variance = step_variance(r.sde_type, sigmas[:-1], sigmas[1:], r.eta, sigma_max=sigmas[1],
                              sage_clamp=r.sage_sigma_clamp)
-    s_t = (equalizer_weights(r.sde_type, sigmas, r.eta, cps_logprob=r.cps_logprob, sage_clamp=r.sage_sigma_clamp)
-           if cfg.optim.use_grad_balancing else torch.ones(r.grpo_sampling_steps))
+    windows = window_masks(r.grpo_sampling_steps, r.sde_window_start, r.sde_window_size, r.sde_window_stride)  # [P, T]
+    s_t = torch.stack([equalizer_weights(r.sde_type, sigmas, r.eta, cps_logprob=r.cps_logprob,
+                                         sage_clamp=r.sage_sigma_clamp, steps=w)
+                       if cfg.optim.use_grad_balancing else torch.ones(r.grpo_sampling_steps) for w in windows])
     vh, vw = parse_size(v.validation_fixed_size, "--validation_fixed_size")
     spec = validation_metrics_spec(cfg, val_records)
     # a reward named in --validation_metrics is built (its model loaded) only when the run validates
@@ -228,7 +233,8 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
         val_records=val_records, settings=settings, val_settings=val_settings,
         shape=shape,
         val_shape=latent_shape(pipe.vae.config, v.validate_video_length, vh, vw),
-        step_weights=s_t.float(), variance=variance.float(), heldout=HeldOut(spec, reward, extra), images=images,
+        windows=windows, step_weights=s_t.float(), variance=variance.float(), heldout=HeldOut(spec, reward, extra),
+        images=images,
     )
     state = TrainState(
         controller=AdaptiveKLController.from_config(cfg.kl),
@@ -455,7 +461,8 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                 with clock("refresh"):
                     c.anchor.refresh()
                 state.anchor_refreshed_at, state.anchor_synced = state.updates, True
-            metrics: dict = {"kl/anchor_synced": int(state.anchor_synced)}
+            metrics: dict = {"kl/anchor_synced": int(state.anchor_synced),
+                             "rollout/window_start": int(c.windows[window_of(c, state)].int().argmax())}
             # a remote reward scores each finished chunk while the next one samples (EarlyScores); otherwise in order
             early = EarlyScores(c) if overlaps_reward(c) else None
             with clock("rollout"):
@@ -679,9 +686,13 @@ def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = 
     """Sample this rank's videos of the next step (the sampler advances) -> the trajectory (x_0..x_T, log-probs,
     the step's global group ids of my videos). `early`: each chunk of --mini_batch_size_per_update videos is
     sampled through all steps and handed to it at once (the same samples, another order)."""
+    from sage_grpo.parallel.dist import all_gather_cat
     from sage_grpo.parallel.fsdp import keep_unsharded
     from sage_grpo.rollout import rollout
     from sage_grpo.seeding import derive_seed, prompt_noise_seed
+
+    def agree_calls(n: int) -> int:  # the shared prefix's transformer calls: the most any rank makes
+        return int(all_gather_cat(torch.tensor([n], device=info.device)).max())
 
     cfg, info = c.cfg, c.info
     step_prompts = state.sampler.next_step()
@@ -706,7 +717,22 @@ def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = 
             # each sample its own prompt's image (the authors gave a whole rank the first group's image)
             image=c.images.get([rec.ref_image_path for rec in recs]) if c.images is not None else None,
             on_chunk=None if early is None else early.submit,
+            sde_steps=c.windows[window_of(c, state)], share_prefix=cfg.rollout.shared_prefix, agree_calls=agree_calls,
         )
+
+
+def window_of(c: Components, state: TrainState) -> int:
+    """The position (row of c.windows) of the SDE window in this round: a sliding window moves with the optimizer
+    updates done, which the train state saves, so a resumed run takes the same windows."""
+    from sage_grpo.window import window_index
+
+    return window_index(len(c.windows), c.cfg.rollout.sde_window_every, state.updates)
+
+
+def window_of_rollout(c: Components, traj: Trajectory) -> int:
+    """The row of c.windows a trajectory was sampled with (the update may have moved on since, with
+    --updates_per_rollout > 1: the round trains the rollout's window)."""
+    return int((c.windows == traj.sde_steps.cpu()).all(dim=1).nonzero()[0])
 
 
 def reward_phase(c: Components, traj: Trajectory, early: EarlyScores | None = None
@@ -777,7 +803,8 @@ def plan_round(c: Components, state: TrainState, traj: Trajectory) -> torch.Tens
     first = c.info.dp_rank * b
     gens = [torch.Generator().manual_seed(derive_seed(cfg.optim.seed, state.step, first + i, 0x7E5))
             for i in range(b)]
-    return plan_steps(b, c.variance, cfg.optim.timestep_fraction, cfg.optim.enable_timestep_permutation, gens)
+    variance = c.variance * c.windows[window_of_rollout(c, traj)]  # [T]: only the window's steps are trained
+    return plan_steps(b, variance, cfg.optim.timestep_fraction, cfg.optim.enable_timestep_permutation, gens)
 
 
 def micro_batches_of(c: Components, plan: torch.Tensor) -> list[list[PairBatch]]:
@@ -834,7 +861,8 @@ def backward_phase(c: Components, state: TrainState, traj: Trajectory, adv: torc
     stats = UpdateStats()
     for mb in mbs:
         stats.merge(grpo_backward(
-            mb, step_fn, logp_old=traj.log_probs, advantages=adv, valid=valid, step_weights=c.step_weights,
+            mb, step_fn, logp_old=traj.log_probs, advantages=adv, valid=valid,
+            step_weights=c.step_weights[window_of_rollout(c, traj)],
             clip_range=cfg.optim.clip_range, normalizer=normalizer, kl_coef=state.controller.value,
             beta_pos=beta_pos, beta_vel=beta_vel, anchor_fn=anchor_fn, anchor_is_policy=state.anchor_synced,
         ))

@@ -176,6 +176,20 @@ class RolloutConfig:
     width: int = opt(624, "Rollout video width in pixels (multiple of 16).")
     use_same_noise: bool = opt(False, "One initial noise per group (the G rollouts of a prompt differ only by SDE "
                                       "noise).")
+    sde_window_start: int = opt(0, "First SDE step of the rollout (MixGRPO's window): steps before the window and "
+                                   "after it are deterministic ODE steps, carry no log-prob and are not trained; "
+                                   "--timestep_fraction and the equalizer act on the window's steps. 0 with "
+                                   "--sde_window_size 0 = every step SDE (the paper).")
+    sde_window_size: int = opt(0, "SDE steps in the window; 0 = from --sde_window_start to the last step.")
+    sde_window_stride: int = opt(0, "Sliding window (MixGRPO): move the window this many steps later every "
+                                    "--sde_window_every optimizer updates, back to --sde_window_start when it would "
+                                    "pass the last step; 0 = a fixed window. Needs --sde_window_size.")
+    sde_window_every: int = opt(25, "Optimizer updates between two moves of a sliding window (MixGRPO's "
+                                    "iters_per_group 25).")
+    shared_prefix: bool = opt(False, "Run the ODE steps before the window once per prompt instead of once per sample "
+                                     "(with --use_same_noise the G samples of a group are identical until the window "
+                                     "starts): (G - 1) / G fewer forwards there, the same videos. Needs "
+                                     "--use_same_noise and --sde_window_start >= 1.")
     video_fps: int = opt(VIDEO_FPS, "Frame rate of decoded videos (rewards sample frames relative to it; mp4 files use "
                                     "it).")
     cps_logprob: str = opt("peer", "cps log-prob: peer = -(x' - mean)^2 averaged (what every CPS implementation uses), "
@@ -647,6 +661,46 @@ def dp_degree(cfg: Config, world_size: int) -> int:
     return world_size // cfg.parallel.sp_size
 
 
+def check_window(r: RolloutConfig, o: OptimConfig) -> None:
+    """The SDE window lies inside the schedule, every position of it has a noisy step to train, and the shared
+    prefix has something to share."""
+    from sage_grpo.window import window_positions
+
+    t = r.grpo_sampling_steps
+    for name in ("sde_window_start", "sde_window_size", "sde_window_stride"):
+        if getattr(r, name) < 0:
+            raise SageGRPOError(f"--{name} must be >= 0, got {getattr(r, name)}")
+    if r.sde_window_every < 1:
+        raise SageGRPOError(f"--sde_window_every must be >= 1, got {r.sde_window_every}")
+    size = r.sde_window_size or t - r.sde_window_start
+    if r.sde_window_start >= t or r.sde_window_start + size > t:
+        raise SageGRPOError(f"the SDE window [{r.sde_window_start}, {r.sde_window_start + size}) is not inside the "
+                            f"{t} steps (--grpo_sampling_steps): lower --sde_window_start or --sde_window_size")
+    if r.sde_window_stride and not r.sde_window_size:
+        raise SageGRPOError("a sliding window (--sde_window_stride) needs --sde_window_size (a window that reaches the "
+                            "last step cannot move)")
+    positions = window_positions(t, r.sde_window_start, r.sde_window_size, r.sde_window_stride)
+    if r.sde_window_stride and len(positions) < 2:
+        raise SageGRPOError(f"the window [{r.sde_window_start}, {r.sde_window_start + size}) cannot slide by "
+                            f"{r.sde_window_stride} inside {t} steps: lower --sde_window_size or --sde_window_stride")
+    where = "" if size == t else " of the SDE window"
+    for lo in positions:
+        noisy = size - (1 if r.sde_type == "cps" and lo + size == t else 0)  # cps's last step injects no noise
+        if noisy < 1:
+            raise SageGRPOError(f"the SDE window [{lo}, {lo + size}) holds only cps's last step, which injects no "
+                                "noise: nothing to train; widen --sde_window_size")
+        if math.floor(round(noisy * o.timestep_fraction, 9)) < 1:
+            raise SageGRPOError(f"--timestep_fraction {o.timestep_fraction:g} trains int({noisy} x "
+                                f"{o.timestep_fraction:g}) = 0 of the {noisy} noisy steps{where}; use at least "
+                                f"{1 / noisy:.4g}")
+    if r.shared_prefix and not r.use_same_noise:
+        raise SageGRPOError("--shared_prefix needs --use_same_noise True: without one initial noise per group the "
+                            "samples of a group differ from the first step, so there is no prefix to share")
+    if r.shared_prefix and r.sde_window_start < 1:
+        raise SageGRPOError("--shared_prefix needs --sde_window_start >= 1: the shared prefix is the ODE steps before "
+                            "the SDE window, and a window from step 0 leaves none")
+
+
 def check_values(cfg: Config) -> None:
     """Value checks that need no world size: ranges, sizes, frame counts, JSON."""
     r, o, v, d, k = cfg.rollout, cfg.optim, cfg.validation, cfg.data, cfg.kl
@@ -695,10 +749,7 @@ def check_values(cfg: Config) -> None:
             raise SageGRPOError(f"--{name} must be >= 0, got {value}")
     if not 0.0 < o.timestep_fraction <= 1.0:
         raise SageGRPOError(f"--timestep_fraction must be in (0, 1], got {o.timestep_fraction}")
-    noisy = r.grpo_sampling_steps - (1 if r.sde_type == "cps" else 0)  # cps's last step injects no noise
-    if noisy >= 1 and math.floor(round(noisy * o.timestep_fraction, 9)) < 1:
-        raise SageGRPOError(f"--timestep_fraction {o.timestep_fraction:g} trains int({noisy} x "
-                            f"{o.timestep_fraction:g}) = 0 of the {noisy} noisy steps; use at least {1 / noisy:.4g}")
+    check_window(r, o)
     for name, value in (("adam_beta1", o.adam_beta1), ("adam_beta2", o.adam_beta2)):
         if not 0.0 <= value < 1.0:
             raise SageGRPOError(f"--{name} must be in [0, 1), got {value}")

@@ -53,10 +53,14 @@ def equalizer_weights(
     eps: float = 1e-8,
     cps_logprob: str = "peer",
     sage_clamp: float = SAGE_SIGMA_CLAMP,
+    steps: Tensor | None = None,
 ) -> Tensor:
     """S_t = median_tau(N_tau) / (N_t + eps) -> Tensor[T] (fp32), indexed by the original diffusion step.
 
-    The median of an even count is the lower middle value (torch.median), as in the authors' code.
+    The median of an even count is the lower middle value (torch.median), as in the authors' code. steps: [T]
+    bool, the steps the median runs over: an SDE window's (only they are trained, so they are brought to their own
+    median); None = every step.
     """
     n = gradient_scale(sde_type, sigmas, eta, cps_logprob=cps_logprob, sage_clamp=sage_clamp)
-    return (torch.median(n) / (n + eps)).float()
+    over = n if steps is None else n[torch.as_tensor(steps, dtype=torch.bool)]
+    return (torch.median(over) / (n + eps)).float()

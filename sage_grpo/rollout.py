@@ -17,14 +17,19 @@ sample) fills the condition channels (image latent in frame 0, mask 1 there) and
 branches; the trajectory keeps it, so re-scoring, the anchor and the update see each sample's own image. Without it
 (text-to-video) those inputs are zeros, as in diffusers' T2V pipeline.
 
+SDE windows (sage_grpo.window): `sde_steps` [T] marks the steps that run the SDE; the others are deterministic
+Euler (ODE) steps whose log-prob is stored as NaN (they are never trained). With `share_prefix` and one initial noise
+per group, the leading ODE steps are identical for the G samples of a prompt and run once per prompt.
+
 Time runs the pipeline's way here: x_0 is noise and x_T the clean sample (the paper's x_1 ... x_0 reversed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -35,6 +40,7 @@ from sage_grpo.models.text_cache import TextConditioning
 from sage_grpo.schedule import sigma_schedule
 from sage_grpo.sde import SAGE_SIGMA_CLAMP, SDEStepOutput, check_sampler, sde_step
 from sage_grpo.seeding import derive_seed
+from sage_grpo.window import prefix_steps
 
 __all__ = [
     "SamplerSettings",
@@ -111,6 +117,7 @@ class Trajectory:
     uncond: TextConditioning | None  # [B, ...] negative-prompt conditioning; None without CFG
     settings: SamplerSettings = field(default_factory=SamplerSettings)
     image: ImageConditioning | None = None  # [B, ...] each sample's reference image (I2V); None for T2V
+    sde_steps: Tensor | None = None  # [T] bool: the steps that ran the SDE (the window); None = every step
 
     @property
     def batch_size(self) -> int:
@@ -215,6 +222,8 @@ def predict_velocity(
 
 def _step(settings: SamplerSettings, v: Tensor, x: Tensor, sigmas: Tensor, steps: Tensor, **kw) -> SDEStepOutput:
     """sde_step at per-sample diffusion indices `steps` [B]."""
+    if settings.sde_type == "ode" and "prev_sample" not in kw:
+        kw = {"noise": torch.zeros((), device=x.device).expand(x.shape)}  # deterministic: draw nothing
     return sde_step(
         settings.sde_type, v, x, sigmas[steps], sigmas[steps + 1], settings.eta,
         sigma_max=float(sigmas[1]),
@@ -244,6 +253,9 @@ def rollout(
     device: torch.device | str | None = None,
     image: ImageConditioning | None = None,
     on_chunk: Callable[[Tensor, Tensor], None] | None = None,
+    sde_steps: Tensor | None = None,
+    share_prefix: bool = False,
+    agree_calls: Callable[[int], int] | None = None,
 ) -> Trajectory:
     """Sample B trajectories (B = len(prompts); the caller repeats each prompt G times).
 
@@ -257,7 +269,11 @@ def rollout(
     latent_shape's), None for t2v. on_chunk(indices [c], final latents [c, C, F, H, W]): run the chunks one after
     another, each through all steps, and hand each finished chunk over at once (post_train scores it while the
     next chunk samples); the samples are the same as in the default order (steps outermost), which the tests
-    check bitwise.
+    check bitwise. sde_steps: [T] bool, the SDE window (None = every step); the other steps are ODE steps with a
+    NaN log-prob. share_prefix (needs same_noise): the ODE steps before the window run once per prompt (the first
+    sample of each prompt id) and every sample of the prompt takes their result. agree_calls(n) -> the number of
+    prefix transformer calls every rank makes (FSDP2 needs the same forwards on every rank; a rank with fewer
+    prompts repeats its last call); default n.
     """
     device = torch.device(device) if device is not None else cond.prompt_embeds.device
     cond = cond.to(device)
@@ -276,42 +292,65 @@ def rollout(
     log_probs = torch.empty((b, t_steps), dtype=torch.float32, device=device)  # [B, T]
     latents[:, 0] = x
     chunks = list(torch.arange(b, device=device).split(chunk_size or b))
+    sde = torch.ones(t_steps, dtype=torch.bool) if sde_steps is None else torch.as_tensor(sde_steps).bool().cpu()
+    if sde.shape != (t_steps,):
+        raise ValueError(f"sde_steps must be [{t_steps}] bool, got shape {tuple(sde.shape)}")
+    ode = replace(settings, sde_type="ode")
 
-    def advance(c: Tensor, x_c: Tensor, i: int) -> Tensor:
-        """Step i of the samples `c` [n] at x_c [n, C, F, H, W] -> x_{i+1}; stores it and its log-prob."""
+    def velocity(c: Tensor, x_c: Tensor, steps: Tensor) -> Tensor:
+        """Guided velocity [n, C, F, H, W] of the samples `c` [n] at x_c, diffusion indices steps [n]."""
+        return predict_velocity(transformer, x_c, sigmas[steps], cond.index(c),
+                                uncond.index(c) if settings.use_cfg else None, settings, image_tokens,
+                                image.index(c) if image is not None else None, sigmas[steps + 1])
+
+    def take(c: Tensor, i: int, v: Tensor, x_c: Tensor) -> Tensor:
+        """Step i of the samples `c` [n] from x_c with velocity v -> x_{i+1}, stored with its log-prob."""
         steps = torch.full((len(c),), i, dtype=torch.long, device=device)
-        v = predict_velocity(transformer, x_c, sigmas[steps], cond.index(c),
-                             uncond.index(c) if settings.use_cfg else None, settings, image_tokens,
-                             image.index(c) if image is not None else None, sigmas[steps + 1])
-        seeds = [derive_seed(base_seed, int(ps), int(g), i)
-                 for ps, g in zip(prompt_seeds[c.cpu()].tolist(), generation_ids[c.cpu()].tolist())]
-        out = _step(settings, v, x_c, sigmas, steps, generator=_generators(seeds, device))
+        if sde[i]:
+            seeds = [derive_seed(base_seed, int(ps), int(g), i)
+                     for ps, g in zip(prompt_seeds[c.cpu()].tolist(), generation_ids[c.cpu()].tolist())]
+            out = _step(settings, v, x_c, sigmas, steps, generator=_generators(seeds, device))
+            log_probs[c, i] = out.log_prob
+        else:  # outside the window: deterministic, nothing to train
+            out = _step(ode, v, x_c, sigmas, steps)
+            log_probs[c, i] = math.nan
         latents[c, i + 1] = out.prev_sample  # storage dtype
-        log_probs[c, i] = out.log_prob
         return out.prev_sample
 
-    if on_chunk is None:
-        for i in tqdm(range(t_steps), desc="rollout", disable=not show_progress, leave=False):
-            steps = torch.full((b,), i, dtype=torch.long, device=device)
-            v = torch.cat([
-                predict_velocity(transformer, x[c], sigmas[steps[c]], cond.index(c),
-                                 uncond.index(c) if settings.use_cfg else None, settings, image_tokens,
-                                 image.index(c) if image is not None else None, sigmas[steps[c] + 1])
-                for c in chunks
-            ])  # [B, C, F, H, W]
-            seeds = [derive_seed(base_seed, int(ps), int(g), i)
-                     for ps, g in zip(prompt_seeds.tolist(), generation_ids.tolist())]
-            gens = _generators(seeds, device)
-            out = _step(settings, v, x, sigmas, steps, generator=gens)
-            x = out.prev_sample  # storage dtype
+    first = 0
+    if share_prefix and prefix_steps(sde) > 0:
+        if not same_noise:
+            raise ValueError("share_prefix needs same_noise: without it the samples of a group differ from x_0")
+        first = prefix_steps(sde)
+        # one representative (the first sample) per prompt id; `owner` [B] maps each sample to its representative
+        ids = prompt_ids.tolist()
+        reps = sorted({ids.index(p) for p in ids})
+        owner = torch.tensor([reps.index(ids.index(p)) for p in ids], device=device)
+        reps = torch.tensor(reps, device=device)
+        rep_chunks = list(reps.split(chunk_size or len(reps)))
+        calls = agree_calls(len(rep_chunks)) if agree_calls is not None else len(rep_chunks)
+        rep_chunks += rep_chunks[-1:] * (calls - len(rep_chunks))  # repeated calls keep the ranks' forwards equal
+        x_r = x[reps]  # [P, C, F, H, W]
+        for i in tqdm(range(first), desc="rollout prefix", disable=not show_progress, leave=False):
+            steps = torch.full((len(reps),), i, dtype=torch.long, device=device)
+            v = torch.cat([velocity(c, x[c], steps[: len(c)]) for c in rep_chunks])[: len(reps)]  # [P, C, F, H, W]
+            x_r = _step(ode, v, x_r, sigmas, steps).prev_sample
+            x = x_r[owner]  # [B, C, F, H, W]
             latents[:, i + 1] = x
-            log_probs[:, i] = out.log_prob
+            log_probs[:, i] = math.nan
+    # the steps after the prefix: each sample on its own
+    if on_chunk is None:
+        for i in tqdm(range(first, t_steps), desc="rollout", disable=not show_progress, leave=False):
+            steps = torch.full((b,), i, dtype=torch.long, device=device)
+            v = torch.cat([velocity(c, x[c], steps[c]) for c in chunks])  # [B, C, F, H, W]
+            x = take(torch.arange(b, device=device), i, v, x)
     else:
-        bar = tqdm(total=t_steps * len(chunks), desc="rollout", disable=not show_progress, leave=False)
+        bar = tqdm(total=(t_steps - first) * len(chunks), desc="rollout", disable=not show_progress, leave=False)
         for c in chunks:
             x_c = x[c]
-            for i in range(t_steps):
-                x_c = advance(c, x_c, i)
+            for i in range(first, t_steps):
+                steps = torch.full((len(c),), i, dtype=torch.long, device=device)
+                x_c = take(c, i, velocity(c, x_c, steps), x_c)
                 bar.update()
             on_chunk(c, x_c)
         bar.close()
@@ -328,6 +367,7 @@ def rollout(
         uncond=uncond if settings.use_cfg else None,
         settings=settings,
         image=image,
+        sde_steps=None if sde_steps is None else sde.to(device),
     )
 
 

@@ -269,24 +269,31 @@ class CaptureLogger:
 
 def minimum_per_step(cfg, steps: int) -> list[dict]:
     """The least transformer work each of `steps` steps can do, from the configuration alone (independent of the
-    loop's own state): per-sample forwards by phase."""
+    loop's own state): per-sample forwards by phase. With an SDE window the update trains int(T_w' x fraction) of
+    the window's T_w' noisy steps; with a shared prefix the ODE steps before the window run once per prompt (P
+    distinct prompts among the rank's b samples) instead of once per sample."""
     from sage_grpo.grpo import stochastic_steps
     from sage_grpo.kl import kl_term_weights
     from sage_grpo.schedule import num_train_timesteps, sigma_schedule
     from sage_grpo.sde import step_variance
+    from sage_grpo.window import window_bounds
 
     r, o, k_cfg = cfg.rollout, cfg.optim, cfg.kl
     cfg_mult = 2 if r.cfg_scale != 1.0 else 1
-    b, t = cfg.data.batch_size, r.grpo_sampling_steps
+    b, t, g = cfg.data.batch_size, r.grpo_sampling_steps, cfg.data.num_generations
+    prompts = len({i // g for i in range(b)})  # distinct prompts among data-parallel rank 0's b samples
     sigmas = sigma_schedule(t, r.flow_shift)
     var = step_variance(r.sde_type, sigmas[:-1], sigmas[1:], r.eta, sigma_max=sigmas[1], sage_clamp=r.sage_sigma_clamp)
-    k = num_train_timesteps(int(stochastic_steps(var).numel()), o.timestep_fraction)
     position_kl = k_cfg.kl_weight > 0 and kl_term_weights(k_cfg)[0] > 0
     upr, accum = o.updates_per_rollout, o.gradient_accumulation_steps
-    pairs_per_update = b // upr * k
     updates, refreshed_at, accum_rounds, synced = 0, 0, 0, True
     out = []
     for _ in range(steps):
+        lo, hi = window_bounds(t, r.sde_window_start, r.sde_window_size, r.sde_window_stride, r.sde_window_every,
+                               updates)
+        k = num_train_timesteps(int(stochastic_steps(var[lo:hi]).numel()), o.timestep_fraction)
+        prefix = lo if r.shared_prefix else 0  # ODE steps run once per prompt
+        pairs_per_update = b // upr * k
         if accum_rounds == 0 and k_cfg.use_moving_KL and updates - refreshed_at >= k_cfg.update_ref_model_step:
             refreshed_at, synced = updates, True
         anchor = 0
@@ -299,8 +306,8 @@ def minimum_per_step(cfg, steps: int) -> list[dict]:
             accum_rounds += 1
             if accum_rounds == accum:
                 updates, synced, accum_rounds = updates + 1, False, 0
-        out.append({"rollout": t * b * cfg_mult, "anchor": anchor, "update": b * k * cfg_mult,
-                    "vae_samples": b, "reward_calls": 1, "synced_at_start": anchor == 0})
+        out.append({"rollout": ((t - prefix) * b + prefix * prompts) * cfg_mult, "anchor": anchor,
+                    "update": b * k * cfg_mult, "vae_samples": b, "reward_calls": 1, "synced_at_start": anchor == 0})
     return out
 
 

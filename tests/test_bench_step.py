@@ -85,6 +85,18 @@ def test_counts_at_minimum_training_phase_anchor_and_fraction(tiny_model, tmp_pa
     assert [s["counts"]["rollout"] for s in res["per_step"]] == [4 * 4] * 2
 
 
+def test_counts_at_minimum_sliding_window_shared_prefix_no_cfg(tiny_model, tmp_path):
+    """The cheap recipe: SDE window of 2 sliding from step 1, shared ODE prefix, no CFG. B 4 = one group of 4: the
+    prefix runs once, the window trains 2 steps per sample."""
+    res = _measure(tiny_model, tmp_path, 2, "--sde_window_start", "1", "--sde_window_size", "2",
+                   "--sde_window_stride", "1", "--sde_window_every", "1", "--use_same_noise", "True",
+                   "--shared_prefix", "True", "--cfg_scale", "1", "--kl_weight", "0")
+    _check_at_minimum(res, text=False)
+    # window [1, 3): prefix 1 step x 1 prompt + 3 steps x 4 samples; window [2, 4): 2 x 1 + 2 x 4
+    assert [s["counts"]["rollout"] for s in res["per_step"]] == [1 + 3 * 4, 2 + 2 * 4]
+    assert [s["counts"]["update"] for s in res["per_step"]] == [4 * 2] * 2
+
+
 def test_text_encoder_no_cfg_does_not_encode_the_negative_prompt(tiny_model, tmp_path):
     res = _measure(tiny_model, tmp_path, 1, "--cfg_scale", "1")
     te = res["text_encoder"]

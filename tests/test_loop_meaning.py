@@ -268,11 +268,12 @@ def _plan_context(info: DistInfo):
     """What plan_round reads: the seed, the trained fraction (half of 8 noisy steps) with permutation, the rank."""
     cfg = Config()
     cfg.optim.timestep_fraction, cfg.optim.enable_timestep_permutation = 0.5, True
-    return SimpleNamespace(cfg=cfg, info=info, variance=torch.ones(8))
+    return SimpleNamespace(cfg=cfg, info=info, variance=torch.ones(8), windows=torch.ones(1, 8, dtype=torch.bool))
 
 
 def _plan(info: DistInfo, step: int, videos: int) -> torch.Tensor:
-    return pt.plan_round(_plan_context(info), SimpleNamespace(step=step), SimpleNamespace(batch_size=videos))
+    return pt.plan_round(_plan_context(info), SimpleNamespace(step=step),
+                         SimpleNamespace(batch_size=videos, sde_steps=torch.ones(8, dtype=torch.bool)))
 
 
 def test_trained_steps_vary_per_step_and_sample_and_agree_across_ranks():
@@ -348,7 +349,7 @@ def test_rollout_noise_and_prompts_vary_per_step(tiny_model, tmp_path):
     # what must not vary: a video's noise, whichever rank samples it (dp rank 1 of 2 samples videos 2 and 3)
     rank1 = replace(c, info=DistInfo(rank=1, world_size=2))
     sampler = GroupSampler(len(c.prompts), batch_size=2, num_generations=4, dp_size=2, seed=c.cfg.optim.seed)
-    half = pt.rollout_phase(rank1, SimpleNamespace(step=0, sampler=sampler))
+    half = pt.rollout_phase(rank1, SimpleNamespace(step=0, updates=0, sampler=sampler))
     same = half.prompts == first.prompts[2:] and torch.equal(half.latents, first.latents[2:])
     assert same, "dp rank 1 samples other videos than one process does for the same positions"
 
