@@ -50,6 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sage_grpo.recipes import RECIPES, minimum_forwards, recipe_flags  # noqa: E402
+
 # Video sizes per preset (overrides of configs/tiny_cpu.yaml). Tiny VAE: 4x spatial, 4x temporal, patch 1.
 PRESETS = {
     "tiny": [],  # 9 x 32 x 32 -> 3 x 8 x 8 = 192 video tokens
@@ -267,50 +269,6 @@ class CaptureLogger:
 # ------------------------------------------------------------------------------------------------------ minimum
 
 
-def minimum_per_step(cfg, steps: int) -> list[dict]:
-    """The least transformer work each of `steps` steps can do, from the configuration alone (independent of the
-    loop's own state): per-sample forwards by phase. With an SDE window the update trains int(T_w' x fraction) of
-    the window's T_w' noisy steps; with a shared prefix the ODE steps before the window run once per prompt (P
-    distinct prompts among the rank's b samples) instead of once per sample."""
-    from sage_grpo.grpo import stochastic_steps
-    from sage_grpo.kl import kl_term_weights
-    from sage_grpo.schedule import num_train_timesteps, sigma_schedule
-    from sage_grpo.sde import step_variance
-    from sage_grpo.window import window_bounds
-
-    r, o, k_cfg = cfg.rollout, cfg.optim, cfg.kl
-    cfg_mult = 2 if r.cfg_scale != 1.0 else 1
-    b, t, g = cfg.data.batch_size, r.grpo_sampling_steps, cfg.data.num_generations
-    prompts = len({i // g for i in range(b)})  # distinct prompts among data-parallel rank 0's b samples
-    sigmas = sigma_schedule(t, r.flow_shift)
-    var = step_variance(r.sde_type, sigmas[:-1], sigmas[1:], r.eta, sigma_max=sigmas[1], sage_clamp=r.sage_sigma_clamp)
-    position_kl = k_cfg.kl_weight > 0 and kl_term_weights(k_cfg)[0] > 0
-    upr, accum = o.updates_per_rollout, o.gradient_accumulation_steps
-    updates, refreshed_at, accum_rounds, synced = 0, 0, 0, True
-    out = []
-    for _ in range(steps):
-        lo, hi = window_bounds(t, r.sde_window_start, r.sde_window_size, r.sde_window_stride, r.sde_window_every,
-                               updates)
-        k = num_train_timesteps(int(stochastic_steps(var[lo:hi]).numel()), o.timestep_fraction)
-        prefix = lo if r.shared_prefix else 0  # ODE steps run once per prompt
-        pairs_per_update = b // upr * k
-        if accum_rounds == 0 and k_cfg.use_moving_KL and updates - refreshed_at >= k_cfg.update_ref_model_step:
-            refreshed_at, synced = updates, True
-        anchor = 0
-        for _u in range(upr):  # the anchor's means are needed once the policy has moved away from it
-            if position_kl and not synced:
-                anchor += pairs_per_update * cfg_mult
-            if upr > 1:
-                updates, synced = updates + 1, False
-        if upr == 1:
-            accum_rounds += 1
-            if accum_rounds == accum:
-                updates, synced, accum_rounds = updates + 1, False, 0
-        out.append({"rollout": ((t - prefix) * b + prefix * prompts) * cfg_mult, "anchor": anchor,
-                    "update": b * k * cfg_mult, "vae_samples": b, "reward_calls": 1, "synced_at_start": anchor == 0})
-    return out
-
-
 # ------------------------------------------------------------------------------------------------------ runs
 
 
@@ -465,7 +423,7 @@ def summarise(cfg, c, meter: Meter, steps: list[dict], train_s: float, setup_s: 
 
     from sage_grpo.kl import kl_variant
 
-    mins = minimum_per_step(cfg, len(steps))
+    mins = minimum_forwards(cfg, len(steps))
     per_step = []
     for rec, mn in zip(steps, mins):
         f = rec["forwards"]
@@ -554,7 +512,7 @@ def text_prompts_needed(cfg, c) -> set:
 
 
 def minimum_trained_k(cfg) -> int:
-    m = minimum_per_step(cfg, 1)[0]
+    m = minimum_forwards(cfg, 1)[0]
     return m["update"] // (cfg.data.batch_size * (2 if cfg.rollout.cfg_scale != 1.0 else 1))
 
 
@@ -577,6 +535,9 @@ def parse(argv=None):
     ap.add_argument("--extra", default="", help="more post_train overrides for every preset, e.g. '--kl_weight 0'")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default); 1 on a "
                     "shared CPU avoids oversubscription")
+    ap.add_argument("--recipes", default="", help="comma list of cheaper-steps recipes to run on every preset (their "
+                    "flags after --extra; all = every one): " + ", ".join(RECIPES) + "; the report adds a table of "
+                    "per-sample forwards per step against the paper's recipe")
     ap.add_argument("--keep_tmp", action="store_true", help="keep the temp dir (checkpoints built, run outputs)")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -588,6 +549,10 @@ def parse(argv=None):
         ap.error("the `real` preset needs --real_width")
     if a.steps < 1:
         ap.error("--steps must be >= 1")
+    a.recipes = list(RECIPES) if a.recipes.strip() == "all" else [r.strip() for r in a.recipes.split(",") if r.strip()]
+    for r in a.recipes:
+        if r not in RECIPES:
+            ap.error(f"unknown recipe {r!r}; choose from {', '.join(RECIPES)} or all")
     return a
 
 
@@ -612,24 +577,33 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_step_"))
     tiny = Path(a.model_path) if a.model_path else write_tiny_checkpoint(tmp / "tiny" / "hv")
     results, ratios, notes = {}, {}, []
+    from sage_grpo.config import load_config
+
     for preset in a.presets:
-        extra = shlex.split(a.extra)
-        if preset == "real":
-            model = write_real_width_checkpoint(tmp / "real" / "hv", a.real_blocks)
-            extra = ["--grpo_sampling_steps", str(a.real_sampling_steps), *extra]
-        else:
-            model = tiny
-        argv_p = config_argv(preset, model, tmp / f"run_{preset}", a.steps, extra)
-        print(f"[bench_step] {preset}: {a.steps} steps ...", flush=True)
-        res = measure(argv_p, a.steps, pipeline_repeats=a.pipeline_repeats, quiet=not a.verbose)
-        res["overrides"] = argv_p[argv_p.index(str(tmp / f"run_{preset}")) + 1:]
-        results[preset] = res
-        md = res["median"]
-        ratios[f"{preset}/overhead"] = md["overhead_ratio"]
-        ratios[f"{preset}/overhead_transformer_only"] = md["overhead_ratio_transformer_only"]
-        if res["pipeline_comparison"]:
-            ratios[f"{preset}/rollout_over_diffusers"] = res["pipeline_comparison"]["ratio_ours_over_diffusers"]
-        report_preset(preset, res)
+        for recipe in a.recipes or [None]:
+            extra = shlex.split(a.extra)
+            if preset == "real":
+                model = write_real_width_checkpoint(tmp / "real" / "hv", a.real_blocks)
+                extra = ["--grpo_sampling_steps", str(a.real_sampling_steps), *extra]
+            else:
+                model = tiny
+            name = preset if recipe is None else f"{preset}/{recipe}"
+            run_dir = tmp / f"run_{name.replace('/', '_')}"
+            argv_p = config_argv(preset, model, run_dir, a.steps, extra)
+            if recipe is not None:
+                argv_p += recipe_flags(recipe, load_config(argv_p).rollout.grpo_sampling_steps)
+            print(f"[bench_step] {name}: {a.steps} steps ...", flush=True)
+            res = measure(argv_p, a.steps, pipeline_repeats=a.pipeline_repeats, quiet=not a.verbose)
+            res["overrides"] = argv_p[argv_p.index(str(run_dir)) + 1:]
+            results[name] = res
+            md = res["median"]
+            ratios[f"{name}/overhead"] = md["overhead_ratio"]
+            ratios[f"{name}/overhead_transformer_only"] = md["overhead_ratio_transformer_only"]
+            if res["pipeline_comparison"]:
+                ratios[f"{name}/rollout_over_diffusers"] = res["pipeline_comparison"]["ratio_ours_over_diffusers"]
+            report_preset(name, res)
+        if a.recipes:
+            ratios.update(report_recipes(preset, {r: results[f"{preset}/{r}"] for r in a.recipes}))
     if a.device == "cpu":
         notes.append("real-width figures: not yet measured on a GPU (run with --device cuda --presets "
                      "tiny,small,real --real_width)")
@@ -644,6 +618,30 @@ def main(argv=None) -> int:
     ok = all(r["at_minimum"] for r in results.values())
     print(f"[bench_step] transformer / VAE / reward / text-encoder work at the minimum: {ok}")
     return 0
+
+
+def report_recipes(preset: str, res: dict[str, dict]) -> dict[str, float]:
+    """The recipes' table: per-sample transformer forwards per step by phase (the update's are also its backward
+    passes), at the minimum or not, and the median step time, against the paper's recipe when it ran -> ratios."""
+    for r in res.values():
+        n = len(r["per_step"]) * r["batch_size"]
+        per = {k: sum(s["counts"][k] for s in r["per_step"]) / n for k in PHASES}
+        r["forwards_per_sample_step"] = {**per, "total": sum(per.values())}
+    ref = res.get("paper")
+    print(f"== {preset}: recipes, per-sample transformer forwards per step (mean over the steps)")
+    print("   recipe            rollout  anchor  update(=backward)  total  vs paper  at minimum  step_s  vs paper")
+    ratios = {}
+    for name, r in res.items():
+        per = r["forwards_per_sample_step"]
+        fwd_ratio = per["total"] / ref["forwards_per_sample_step"]["total"] if ref else math.nan
+        step_ratio = r["median"]["step_s"] / ref["median"]["step_s"] if ref else math.nan
+        if ref:
+            ratios[f"{preset}/{name}/forwards_over_paper"] = fwd_ratio
+            ratios[f"{preset}/{name}/step_s_over_paper"] = step_ratio
+        print(f"   {name:<16}  {per['rollout']:>7.2f}  {per['anchor']:>6.2f}  {per['update']:>17.2f}  "
+              f"{per['total']:>5.2f}  {fwd_ratio:>8.3f}  {str(r['at_minimum']):>10}  {r['median']['step_s']:>6.3f}  "
+              f"{step_ratio:>8.3f}")
+    return ratios
 
 
 def report_preset(preset: str, res: dict) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from sage_grpo.recipes import minimum_forwards
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -112,9 +114,9 @@ def test_minimum_model_accumulation_and_fixed_anchor():
     cfg = load_config(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--gradient_accumulation_steps", "2",
                        "--update_ref_model_step", "2", "--max_steps", "6"])
     # updates complete after rounds 2, 4, 6; the refresh (every 2 updates) happens at the start of round 5
-    assert [m["anchor"] > 0 for m in bs.minimum_per_step(cfg, 6)] == [False, False, True, True, False, False]
+    assert [m["anchor"] > 0 for m in minimum_forwards(cfg, 6)] == [False, False, True, True, False, False]
     cfg = load_config(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--use_moving_KL", "False"])
-    assert [m["anchor"] > 0 for m in bs.minimum_per_step(cfg, 3)] == [False, True, True]
+    assert [m["anchor"] > 0 for m in minimum_forwards(cfg, 3)] == [False, True, True]
 
 
 def test_json_report(tmp_path, monkeypatch):

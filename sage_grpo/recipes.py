@@ -1,0 +1,91 @@
+"""The cheaper-steps recipes (docs/performance.md "Cheaper steps") and the transformer work a configuration needs.
+
+A video GRPO step is dominated by transformer forwards: the rollout (T steps, two forwards each with CFG), the
+re-scored trained pairs (forward + backward) and the anchor's forwards for the position KL. The recipes cut them
+the peers' ways, each a set of post_train.py flags relative to the schedule's T steps:
+
+  paper            every step SDE and trainable, CFG (the paper's recipe, the default)
+  cfg_free         --cfg_scale 1: one forward per step instead of a CFG pair ("RL performs the CFG distillation")
+  window           a fixed SDE window of T/4 steps at the start (the high-noise steps), ODE after it
+  sliding          MixGRPO: a window of T/4 steps sliding by 1 every 2 updates, back to the start after the end
+  sliding_shared   the sliding window from step 1 with one initial noise per group and the shared ODE prefix
+  cfg_free_sliding cfg_free + sliding_shared
+
+`minimum_forwards` is the least transformer work per step of a configuration, from the configuration alone; the
+step benchmark (scripts/bench_step.py) checks the loop's counted forwards against it, and the learning-per-compute
+table (scripts/video_ablation.py --recipes) reports it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RECIPES", "recipe_flags", "minimum_forwards", "forwards_per_sample_step"]
+
+RECIPES = ("paper", "cfg_free", "window", "sliding", "sliding_shared", "cfg_free_sliding")
+SLIDE_EVERY = 2  # updates between two moves of the recipes' sliding window (short runs: MixGRPO moves every 25)
+
+
+def recipe_flags(name: str, num_steps: int) -> list[str]:
+    """post_train.py flags of recipe `name` for a schedule of `num_steps` steps (the window is T/4 steps, >= 1)."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
+    size = str(max(1, num_steps // 4))
+    sliding = ["--sde_window_size", size, "--sde_window_stride", "1", "--sde_window_every", str(SLIDE_EVERY)]
+    shared = ["--sde_window_start", "1", *sliding, "--use_same_noise", "True", "--shared_prefix", "True"]
+    return {
+        "paper": [],
+        "cfg_free": ["--cfg_scale", "1"],
+        "window": ["--sde_window_size", size],
+        "sliding": sliding,
+        "sliding_shared": shared,
+        "cfg_free_sliding": ["--cfg_scale", "1", *shared],
+    }[name]
+
+
+def minimum_forwards(cfg, steps: int) -> list[dict]:
+    """The least transformer work each of `steps` steps can do, from the configuration alone (independent of the
+    loop's own state): per-sample forwards by phase. With an SDE window the update trains int(T_w' x fraction) of
+    the window's T_w' noisy steps; with a shared prefix the ODE steps before the window run once per prompt (P
+    distinct prompts among the rank's b samples) instead of once per sample."""
+    from sage_grpo.grpo import stochastic_steps
+    from sage_grpo.kl import kl_term_weights
+    from sage_grpo.schedule import num_train_timesteps, sigma_schedule
+    from sage_grpo.sde import step_variance
+    from sage_grpo.window import window_bounds
+
+    r, o, k_cfg = cfg.rollout, cfg.optim, cfg.kl
+    cfg_mult = 2 if r.cfg_scale != 1.0 else 1
+    b, t, g = cfg.data.batch_size, r.grpo_sampling_steps, cfg.data.num_generations
+    prompts = len({i // g for i in range(b)})  # distinct prompts among data-parallel rank 0's b samples
+    sigmas = sigma_schedule(t, r.flow_shift)
+    var = step_variance(r.sde_type, sigmas[:-1], sigmas[1:], r.eta, sigma_max=sigmas[1], sage_clamp=r.sage_sigma_clamp)
+    position_kl = k_cfg.kl_weight > 0 and kl_term_weights(k_cfg)[0] > 0
+    upr, accum = o.updates_per_rollout, o.gradient_accumulation_steps
+    updates, refreshed_at, accum_rounds, synced = 0, 0, 0, True
+    out = []
+    for _ in range(steps):
+        lo, hi = window_bounds(t, r.sde_window_start, r.sde_window_size, r.sde_window_stride, r.sde_window_every,
+                               updates)
+        k = num_train_timesteps(int(stochastic_steps(var[lo:hi]).numel()), o.timestep_fraction)
+        prefix = lo if r.shared_prefix else 0  # ODE steps run once per prompt
+        pairs_per_update = b // upr * k
+        if accum_rounds == 0 and k_cfg.use_moving_KL and updates - refreshed_at >= k_cfg.update_ref_model_step:
+            refreshed_at, synced = updates, True
+        anchor = 0
+        for _u in range(upr):  # the anchor's means are needed once the policy has moved away from it
+            if position_kl and not synced:
+                anchor += pairs_per_update * cfg_mult
+            if upr > 1:
+                updates, synced = updates + 1, False
+        if upr == 1:
+            accum_rounds += 1
+            if accum_rounds == accum:
+                updates, synced, accum_rounds = updates + 1, False, 0
+        out.append({"rollout": ((t - prefix) * b + prefix * prompts) * cfg_mult, "anchor": anchor,
+                    "update": b * k * cfg_mult, "vae_samples": b, "reward_calls": 1, "synced_at_start": anchor == 0})
+    return out
+
+
+def forwards_per_sample_step(cfg, steps: int) -> float:
+    """Mean per-sample transformer forwards per step over `steps` steps (rollout + anchor + update)."""
+    work = minimum_forwards(cfg, steps)
+    return sum(w["rollout"] + w["anchor"] + w["update"] for w in work) / (steps * cfg.data.batch_size)
