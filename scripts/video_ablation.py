@@ -4,6 +4,7 @@
     python scripts/video_ablation.py --quick                 # 16 cells x 1 seed, 6 GRPO steps each
     python scripts/video_ablation.py --seeds 3               # 16 cells x 3 seeds, the config's max_steps
     python scripts/video_ablation.py --quick --samplers sage_grpo flow_grpo --model_path /tmp/world
+    python scripts/video_ablation.py --recipes all --seeds 3 --steps 20   # learning per compute of the recipes
 
 Grid: {dance_grpo, flow_grpo, sage_grpo, cps} x {KL: none (--kl_weight 0), dual (--use_dual_kl True
 --use_moving_KL True at the config's --kl_weight)} x {equalizer: --use_grad_balancing False / True}. Each cell is
@@ -13,6 +14,11 @@ sampled by ODE with the config's validation settings and the run's last checkpoi
 lab seed, and scored: the trained reward (the config's), the held-out metrics of sage_grpo.world.metrics and the drift
 (RMSE from the base model's samples of the same captions and noise, sampled once per seed and cached under
 --out/base/). The reward curve comes from the run's metrics.jsonl.
+
+--recipes: instead of that grid, the cheaper-steps recipes of sage_grpo.recipes (paper, cfg_free, window, sliding,
+sliding_shared, cfg_free_sliding) at the config's sampler, KL and equalizer, over seeds; the table (recipes.md) adds
+each recipe's per-sample transformer forwards per step (sage_grpo.recipes.minimum_forwards, which the step benchmark
+checks against the loop's counted forwards) and gives mean ± standard error over seeds.
 
 Writes to --out: summary.csv (one row per run), curves.csv (rollout reward per step), table.csv (mean and std per
 cell), table.md (mean ± std over seeds), stability_plasticity.png and reward_curves.png (the "plot" extra), and
@@ -42,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sage_grpo.cli import CLIParser, at_least, check_writable_dir  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
 from sage_grpo.lab.video import VIDEO_KLS, VIDEO_SAMPLERS  # noqa: E402
+from sage_grpo.recipes import RECIPES  # noqa: E402
 from sage_grpo.world.pretrain import WORLD_MODEL_DIR  # noqa: E402
 
 QUICK_STEPS = 6  # GRPO steps per run in --quick (the full mode runs the config's max_steps)
@@ -57,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samplers", nargs="+", default=list(VIDEO_SAMPLERS), choices=VIDEO_SAMPLERS)
     p.add_argument("--kls", nargs="+", default=list(VIDEO_KLS), choices=VIDEO_KLS)
     p.add_argument("--equalizer", nargs="+", default=list(EQUALIZER), choices=tuple(EQUALIZER))
+    p.add_argument("--recipes", nargs="+", default=None, choices=(*RECIPES, "all"),
+                   help="run these cheaper-steps recipes (all = every one) at the config's sampler, KL and equalizer "
+                        "instead of the sampler x KL x equalizer grid")
     p.add_argument("--config", type=Path, default=Path("configs/tiny_world.yaml"),
                    help="post_train.py config every run starts from (default: configs/tiny_world.yaml)")
     p.add_argument("--model_path", default=WORLD_MODEL_DIR, help=f"diffusers-layout model (default: {WORLD_MODEL_DIR})")
@@ -73,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     at_least("--threads", args.threads, 1)
     args.samplers, args.kls = list(dict.fromkeys(args.samplers)), list(dict.fromkeys(args.kls))
     args.equalizer = [EQUALIZER[e] for e in dict.fromkeys(args.equalizer)]
+    if args.recipes is not None:
+        args.recipes = list(RECIPES) if "all" in args.recipes else list(dict.fromkeys(args.recipes))
     return args
 
 
@@ -187,19 +199,22 @@ class Evaluator:
             self.pipe.transformer.load_state_dict(self.base_state)
 
 
-def run_cell(args, cfg_kl_weight: float, sampler: str, kl: str, eq: bool, seed: int, out: Path) -> Path:
-    """One post_train.py run -> its output_dir (config.yaml, metrics.jsonl, the final checkpoint)."""
-    from sage_grpo.lab.video import cell_flags, cell_name
+def run_cell(args, name: str, flags: list[str], seed: int, out: Path) -> Path:
+    """One post_train.py run (the config with `flags`) -> its output_dir (config.yaml, metrics.jsonl, the final
+    checkpoint)."""
+    run_dir = out / "runs" / name
+    _post_train().main(run_argv(args, run_dir, flags, seed))
+    return run_dir
 
-    run_dir = out / "runs" / cell_name(sampler, kl, eq, seed)
+
+def run_argv(args, run_dir: Path, flags: list[str], seed: int) -> list[str]:
     argv = ["--config", str(args.config), "--model_path", str(args.model_path), "--output_dir", str(run_dir),
             "--seed", str(seed), "--validation_interval", "0", "--validate_at_step0", "False", "--save_interval", "0",
             "--resume_from_checkpoint", "", "--overwrite_output_dir", "True", "--report_to", "none",
-            "--threads", str(args.threads), *cell_flags(sampler, kl, eq, cfg_kl_weight)]
+            "--threads", str(args.threads), *flags]
     if args.steps is not None:
         argv += ["--max_steps", str(args.steps)]
-    _post_train().main(argv)
-    return run_dir
+    return argv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,23 +246,43 @@ def main(argv: list[str] | None = None) -> int:
 
     from sage_grpo.checkpoint import list_checkpoints
     from sage_grpo.cli import quiet_libraries
-    from sage_grpo.lab.report import draw_figures, write_csv
-    from sage_grpo.lab.video import aggregate_runs, format_video_table, plot_video_lab, reward_curve, run_row
+    from sage_grpo.lab.report import aggregate, draw_figures, write_csv
+    from sage_grpo.lab.video import (
+        aggregate_runs,
+        cell_flags,
+        cell_name,
+        format_recipe_table,
+        format_video_table,
+        plot_video_lab,
+        reward_curve,
+        run_row,
+    )
+    from sage_grpo.recipes import forwards_per_sample_step, recipe_flags
 
     quiet_libraries()
     torch.set_num_threads(args.threads)
-    jobs = [(s, kl, eq, seed) for seed in range(args.seeds) for s in args.samplers for eq in args.equalizer
-            for kl in args.kls]
-    print(f"[video_lab] {len(jobs)} runs ({args.seeds} seeds x {len(args.samplers)} samplers x "
-          f"{len(args.equalizer)} equalizer x {len(args.kls)} KL), {steps} steps each, {len(records)} held-out "
+    if args.recipes:
+        jobs = [({"recipe": r, "seed": seed, "steps": steps}, f"{r}_s{seed}",
+                 recipe_flags(r, cfg.rollout.grpo_sampling_steps)) for seed in range(args.seeds) for r in args.recipes]
+        grid = f"{args.seeds} seeds x {len(args.recipes)} recipes"
+    else:
+        jobs = [({"sampler": s, "equalizer": eq, "kl": kl, "seed": seed, "steps": steps},
+                 cell_name(s, kl, eq, seed), cell_flags(s, kl, eq, cfg.kl.kl_weight))
+                for seed in range(args.seeds) for s in args.samplers for eq in args.equalizer for kl in args.kls]
+        grid = (f"{args.seeds} seeds x {len(args.samplers)} samplers x {len(args.equalizer)} equalizer x "
+                f"{len(args.kls)} KL")
+    print(f"[video_lab] {len(jobs)} runs ({grid}), {steps} steps each, {len(records)} held-out "
           f"captions, model {args.model_path} -> {out}", flush=True)
     ev = Evaluator(cfg, args.model_path, records, out)
     rows, curves = [], []
-    for i, (sampler, kl, eq, seed) in enumerate(jobs):
-        tag = {"sampler": sampler, "equalizer": eq, "kl": kl, "seed": seed, "steps": steps}
+    for i, (tag, name, flags) in enumerate(jobs):
+        seed = tag["seed"]
+        if args.recipes:  # the transformer work of the run's own configuration
+            tag["forwards_per_step"] = forwards_per_sample_step(
+                load_config(run_argv(args, out / "runs" / name, flags, seed)), steps)
         c0, w0 = time.process_time(), time.perf_counter()
         _, base_reward, base_metrics = ev.base(seed)  # first use: sampled and timed with the first cell
-        run_dir = run_cell(args, cfg.kl.kl_weight, sampler, kl, eq, seed, out)
+        run_dir = run_cell(args, name, flags, seed, out)
         c1, w1 = time.process_time(), time.perf_counter()
         ckpts = list_checkpoints(run_dir)
         if not ckpts or ckpts[-1][0] != steps:
@@ -269,6 +304,16 @@ def main(argv: list[str] | None = None) -> int:
 
     write_csv(out / "summary.csv", rows)
     write_csv(out / "curves.csv", curves)
+    if args.recipes:
+        aggs = aggregate(rows, keys=("recipe",))
+        write_csv(out / "table.csv", aggs)
+        table = format_recipe_table(aggs, args.recipes)
+        (out / "recipes.md").write_text(table + "\n")
+        print(f"\nRecipes, mean ± standard error over {args.seeds} seeds, {steps} GRPO steps per run, "
+              f"{len(records)} held-out captions (ODE); gains and drift against the base model on the same noise:")
+        print(table)
+        print(f"[video_lab] total {time.perf_counter() - t0:.1f} s")
+        return 0
     aggs = aggregate_runs(rows)
     write_csv(out / "table.csv", aggs)
     table = format_video_table(aggs, args.samplers, args.kls)

@@ -30,6 +30,7 @@ __all__ = [
     "run_row",
     "aggregate_runs",
     "format_video_table",
+    "format_recipe_table",
     "plot_video_lab",
 ]
 
@@ -143,6 +144,39 @@ def format_video_table(aggs: Sequence[dict], samplers: Sequence[str], kls: Seque
                 if a is not None:
                     vals = [_cell(a, k, d) for _, k, d in TABLE_COLUMNS]
                     lines.append(f"| {sampler} | {'on' if eq else 'off'} | {kl} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+# (column title, row key, decimals) of the recipes' table (scripts/video_ablation.py --recipes), mean ± standard
+# error over seeds: what a step costs and what it learns
+RECIPE_COLUMNS = (
+    ("Reward gain", "reward_gain", 3),
+    ("Rollout gain", "rollout_gain", 3),
+    ("Held-out change", "heldout_change", 3),
+    ("Drift", "drift", 4),
+)
+
+
+def _mean_se(agg: Mapping, key: str, decimals: int) -> str:
+    se = agg[f"{key}_std"] / agg["n"] ** 0.5  # standard error of the mean over seeds
+    return f"{agg[f'{key}_mean']:.{decimals}f} ± {se:.{decimals}f}"
+
+
+def format_recipe_table(aggs: Sequence[dict], recipes: Sequence[str]) -> str:
+    """Markdown: one row per recipe (in `recipes` order): per-sample transformer forwards per step, their ratio to
+    the paper's recipe (when it ran), seeds, and the learning columns as mean ± standard error over seeds."""
+    cells = {a["recipe"]: a for a in aggs}
+    paper = cells.get("paper")
+    head = ["Recipe", "Forwards / sample / step", "vs paper", "Seeds"] + [t for t, _, _ in RECIPE_COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in recipes:
+        a = cells.get(name)
+        if a is None:
+            continue
+        fwd = a["forwards_per_step_mean"]
+        ratio = f"{fwd / paper['forwards_per_step_mean']:.2f}" if paper else "-"
+        vals = [_mean_se(a, k, d) for _, k, d in RECIPE_COLUMNS]
+        lines.append(f"| {name} | {fwd:.2f} | {ratio} | {a['n']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
 
