@@ -18,27 +18,33 @@ table (scripts/video_ablation.py --recipes) reports it.
 
 from __future__ import annotations
 
-__all__ = ["RECIPES", "recipe_flags", "minimum_forwards", "forwards_per_sample_step"]
+__all__ = ["RECIPES", "recipe_settings", "recipe_flags", "minimum_forwards", "forwards_per_sample_step"]
 
 RECIPES = ("paper", "cfg_free", "window", "sliding", "sliding_shared", "cfg_free_sliding")
 SLIDE_EVERY = 2  # updates between two moves of the recipes' sliding window (short runs: MixGRPO moves every 25)
 
 
-def recipe_flags(name: str, num_steps: int) -> list[str]:
-    """post_train.py flags of recipe `name` for a schedule of `num_steps` steps (the window is T/4 steps, >= 1)."""
+def recipe_settings(name: str, num_steps: int) -> dict:
+    """The rollout settings recipe `name` changes for a schedule of `num_steps` steps (post_train.py's rollout keys;
+    the window is T/4 steps, at least 1). The toy lab reads the same dict."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
-    size = str(max(1, num_steps // 4))
-    sliding = ["--sde_window_size", size, "--sde_window_stride", "1", "--sde_window_every", str(SLIDE_EVERY)]
-    shared = ["--sde_window_start", "1", *sliding, "--use_same_noise", "True", "--shared_prefix", "True"]
+    size = max(1, num_steps // 4)
+    sliding = {"sde_window_size": size, "sde_window_stride": 1, "sde_window_every": SLIDE_EVERY}
+    shared = {"sde_window_start": 1, **sliding, "use_same_noise": True, "shared_prefix": True}
     return {
-        "paper": [],
-        "cfg_free": ["--cfg_scale", "1"],
-        "window": ["--sde_window_size", size],
+        "paper": {},
+        "cfg_free": {"cfg_scale": 1.0},
+        "window": {"sde_window_size": size},
         "sliding": sliding,
         "sliding_shared": shared,
-        "cfg_free_sliding": ["--cfg_scale", "1", *shared],
+        "cfg_free_sliding": {"cfg_scale": 1.0, **shared},
     }[name]
+
+
+def recipe_flags(name: str, num_steps: int) -> list[str]:
+    """post_train.py flags of recipe `name` for a schedule of `num_steps` steps."""
+    return [item for key, value in recipe_settings(name, num_steps).items() for item in (f"--{key}", str(value))]
 
 
 def minimum_forwards(cfg, steps: int) -> list[dict]:

@@ -4,12 +4,18 @@
     python scripts/lab_ablation.py --quick              # 2-D ring, 3 seeds, 30 iterations: a few minutes on 2 cores
     python scripts/lab_ablation.py --seeds 5            # 2-D and 16-D, 5 seeds, 60 iterations
     python scripts/lab_ablation.py --quick --out outputs/lab_quick --workers 2
+    python scripts/lab_ablation.py --recipes --seeds 5     # learning per compute of the cheaper-steps recipes
 
 Grid: {dance_grpo, flow_grpo, sage_grpo, cps} x {equalizer off, on} x {KL: none, fixed, stepwise, moving, dual}.
 Writes to --out: summary.csv (one row per run), table.csv (mean and std per cell), table_d{D}.md (mean ± std over
 seeds), curves.csv (per iteration), steps.csv (per step: noise std, S_t, N_t, measured gradient norms), and PNG
 figures (with matplotlib installed, the "plot" extra). Pre-trained base models are cached per (dim, seed) under
 --out/base/.
+
+--recipes: instead of that grid, the cheaper-steps recipes of sage_grpo.recipes that apply to the unconditional lab
+(paper, window, sliding, sliding_shared: the CFG recipes need a conditional model) at sage_grpo, equalizer on, dual
+KL; recipes.md gives per-sample policy forwards per iteration (rollout + update + anchor, counted in the run) and
+the final metrics' gains over the base model as mean ± standard error over seeds.
 
 Each grid cell runs single-threaded (tiny MLPs gain nothing from intra-op threads and lose to their
 synchronisation) and --workers cells run side by side in spawned processes (--workers 1: in this process).
@@ -31,6 +37,7 @@ from sage_grpo.errors import run_cli
 from sage_grpo.lab import KL_VARIANTS, LAB_SAMPLERS, LabConfig
 from sage_grpo.lab.ablation import init_worker, pretrain_job, run_job
 from sage_grpo.lab.report import aggregate, draw_figures, format_table, plot_all, write_csv
+from sage_grpo.recipes import RECIPES, recipe_settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kls", nargs="+", default=[k for k in KL_VARIANTS if k != "dual_fixed"], choices=KL_VARIANTS,
                    help="KL variants (default: all but dual_fixed, which differs from dual only in never refreshing "
                    "the anchor)")
+    p.add_argument("--recipes", action="store_true", help="the cheaper-steps recipes instead of the sampler x "
+                   "equalizer x KL grid")
     p.add_argument("--workers", type=int, default=2, help="cells run in parallel (one thread each)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     args = p.parse_args(argv)
@@ -62,6 +71,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def lab_recipe(name: str, num_steps: int) -> dict:
+    """A recipe's rollout settings (sage_grpo.recipes) as LabConfig fields."""
+    fields = {"sde_window_start": "window_start", "sde_window_size": "window_size",
+              "sde_window_stride": "window_stride", "sde_window_every": "window_every", "use_same_noise": "same_noise",
+              "shared_prefix": "shared_prefix"}
+    return {fields[k]: v for k, v in recipe_settings(name, num_steps).items()}
+
+
+def format_recipe_table(aggs: list[dict], recipes: list[str], dim: int) -> str:
+    """Markdown, one row per recipe: policy forwards per sample and iteration, their ratio to the paper's recipe,
+    seeds, and the final metrics' gains over the base model (mean ± standard error over seeds)."""
+    cells = {a["recipe"]: a for a in aggs if a["dim"] == dim}
+    paper = cells.get("paper")
+    cols = (("Reward gain", "gain_reward", 3), ("Off-manifold change", "gain_off_manifold", 4),
+            ("Mode-entropy change", "gain_mode_entropy", 3))
+    lines = ["| Recipe | Forwards / sample / iteration | vs paper | Seeds | " + " | ".join(c for c, _, _ in cols)
+             + " |", "|" + "---|" * (4 + len(cols))]
+    for name in recipes:
+        a = cells.get(name)
+        if a is None:
+            continue
+        fwd = a["forwards_per_sample_iter_mean"]
+        ratio = f"{fwd / paper['forwards_per_sample_iter_mean']:.2f}" if paper else "-"
+        vals = [f"{a[k + '_mean']:.{d}f} ± {a[k + '_std'] / a['n'] ** 0.5:.{d}f}" for _, k, d in cols]
+        lines.append(f"| {name} | {fwd:.1f} | {ratio} | {a['n']} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 def _progress(done: int, total: int, t0: float) -> None:
     if done % 20 == 0 or done == total:
         print(f"[lab] {done}/{total} runs ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -74,16 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = check_writable_dir(args.out, "--out")
     seeds = list(range(args.seeds))
     base_cfg = LabConfig(iterations=args.iterations)
-    jobs = [
-        (out, dim, replace(base_cfg, sampler=s, equalizer=eq, kl=kl, seed=seed))
-        for dim in args.dims
-        for seed in seeds
-        for s in args.samplers
-        for eq in (False, True)
-        for kl in args.kls
-    ]
-    print(f"[lab] {len(jobs)} runs ({len(args.dims)} dims x {len(seeds)} seeds x {len(args.samplers)} samplers x 2 x "
-          f"{len(args.kls)} KL), {args.iterations} iterations each, {args.workers} workers -> {out}", flush=True)
+    if args.recipes:
+        recipes = [r for r in RECIPES if "cfg_scale" not in recipe_settings(r, base_cfg.num_steps)]
+        jobs = [(out, dim, replace(base_cfg, seed=seed, **lab_recipe(r, base_cfg.num_steps)))
+                for dim in args.dims for seed in seeds for r in recipes]
+        names = [r for _dim in args.dims for _seed in seeds for r in recipes]
+        grid = f"{len(args.dims)} dims x {len(seeds)} seeds x {len(recipes)} recipes"
+    else:
+        jobs = [
+            (out, dim, replace(base_cfg, sampler=s, equalizer=eq, kl=kl, seed=seed))
+            for dim in args.dims
+            for seed in seeds
+            for s in args.samplers
+            for eq in (False, True)
+            for kl in args.kls
+        ]
+        grid = f"{len(args.dims)} dims x {len(seeds)} seeds x {len(args.samplers)} samplers x 2 x {len(args.kls)} KL"
+    print(f"[lab] {len(jobs)} runs ({grid}), {args.iterations} iterations each, {args.workers} workers -> {out}",
+          flush=True)
 
     pretrain_jobs = [(out, d, s) for d in args.dims for s in seeds]
     results = []
@@ -104,6 +149,20 @@ def main(argv: list[str] | None = None) -> int:
             _progress(len(results), len(jobs), t0)
 
     summary = [r["summary"] for r in results]
+    if args.recipes:
+        for row, name in zip(summary, names):
+            row["recipe"] = name
+            for k in ("reward", "off_manifold", "mode_entropy"):
+                row[f"gain_{k}"] = row[f"final_{k}"] - row[f"base_{k}"]
+        aggs = aggregate(summary, keys=("dim", "recipe"))
+        write_csv(out / "summary.csv", summary)
+        write_csv(out / "table.csv", aggs)
+        table = "\n\n".join(f"D = {dim}\n\n" + format_recipe_table(aggs, recipes, dim) for dim in args.dims)
+        (out / "recipes.md").write_text(table + "\n")
+        print(f"\nLab recipes, mean ± standard error over {len(seeds)} seeds, {args.iterations} iterations (ODE "
+              "samples of the final policy against the base model's):\n" + table)
+        print(f"[lab] total {time.perf_counter() - t0:.1f} s")
+        return 0
     curves = [row for r in results for row in r["curves"]]
     steps = [row for r in results for row in r["steps"]]
     write_csv(out / "summary.csv", summary)

@@ -454,6 +454,11 @@ LAYOUTS = {
     "fsdp_dp2": (["--batch_size", "2", "--enable_fsdp", "True"], ["--use_muon", "False"]),
     "fsdp_sp2_lora": (["--sp_size", "2", "--batch_size", "4", "--enable_fsdp", "True"],
                       ["--use_muon", "False", "--use_lora"]),
+    # a sliding SDE window with the shared ODE prefix, the group of 4 spread over both FSDP2 ranks
+    "fsdp_dp2_window": (["--batch_size", "2", "--enable_fsdp", "True"],
+                        ["--use_muon", "False", "--sde_window_start", "1", "--sde_window_size", "2",
+                         "--sde_window_stride", "1", "--sde_window_every", "1", "--use_same_noise", "True",
+                         "--shared_prefix", "True"]),
 }
 
 

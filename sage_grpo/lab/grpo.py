@@ -30,6 +30,7 @@ observed KL range so that the adaptive rule actually moves (see LabConfig).
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -48,6 +49,7 @@ from ..kl import (
 )
 from ..schedule import sigma_schedule
 from ..sde import check_sampler, sde_step
+from ..window import prefix_steps, window_index, window_masks, window_positions
 from .data import RingManifold
 from .metrics import log_spread, per_step_grad_norms, sample_metrics
 from .model import ode_sample
@@ -94,6 +96,14 @@ class LabConfig:
     grad_norm_batch: int = 32  # rollouts used to measure per-step gradient norms (Fig. 3-4)
     grad_norms_at_end: bool = False  # also measure them on the final policy (one more rollout + T vmapped grads)
     seed: int = 0
+    # SDE window (post_train.py's --sde_window_*; sage_grpo.window): SDE steps only in [start, start + size), ODE
+    # elsewhere; size 0 = to the last step; stride > 0 slides it every `window_every` optimizer updates
+    window_start: int = 0
+    window_size: int = 0
+    window_stride: int = 0
+    window_every: int = 2
+    same_noise: bool = False  # one initial noise per group (--use_same_noise)
+    shared_prefix: bool = False  # the ODE steps before the window once per group (--shared_prefix)
 
     def validate(self) -> LabConfig:
         check_sampler(self.sampler)
@@ -103,6 +113,9 @@ class LabConfig:
             raise ValueError(f"unknown kl {self.kl!r}; valid variants: {', '.join(KL_VARIANTS)}")
         if self.num_groups * self.group_size % self.updates_per_rollout:
             raise ValueError("num_groups * group_size must be divisible by updates_per_rollout")
+        window_positions(self.num_steps, self.window_start, self.window_size, self.window_stride)  # inside T
+        if self.shared_prefix and not self.same_noise:
+            raise ValueError("shared_prefix needs same_noise (the samples of a group differ from x_0 otherwise)")
         return self
 
     @property
@@ -124,7 +137,8 @@ class Trajectory:
 
     latents: Tensor  # [T + 1, B, D] x_0 (noise) .. x_T (sample)
     log_probs: Tensor  # [T, B] rollout log-probs
-    std: Tensor  # [T] injected noise std per step (schedule-only)
+    std: Tensor  # [T] injected noise std per step (schedule-only; 0 at ODE steps outside the SDE window)
+    forwards: int = 0  # per-sample policy forwards the rollout took
 
 
 @dataclass
@@ -145,24 +159,39 @@ class RunResult:
 
 @torch.no_grad()
 def rollout(
-    policy: nn.Module, noise: Tensor, sigmas: Tensor, cfg: LabConfig, generator: torch.Generator
+    policy: nn.Module, noise: Tensor, sigmas: Tensor, cfg: LabConfig, generator: torch.Generator,
+    sde_steps: Tensor | None = None,
 ) -> Trajectory:
-    """T SDE steps of cfg.sampler from `noise` [B, D]; the SDE noise is drawn from `generator`."""
+    """T steps from `noise` [B, D]: cfg.sampler at the SDE steps `sde_steps` [T] bool (default: all), the ODE step
+    elsewhere (no draw from `generator`); the SDE noise is drawn from `generator`. With cfg.shared_prefix the ODE
+    steps before the window run once per group (the groups are contiguous runs of cfg.group_size samples, which
+    start from one noise under cfg.same_noise)."""
     num_steps = sigmas.numel() - 1
+    sde = torch.ones(num_steps, dtype=torch.bool) if sde_steps is None else sde_steps
     x = noise
-    latents, log_probs, std = [x], [], []
+    latents, log_probs, std, forwards = [x], [], [], 0
+    prefix = prefix_steps(sde) if cfg.shared_prefix else 0
     for t in range(num_steps):
         s, s_next = float(sigmas[t]), float(sigmas[t + 1])
-        v = policy(x, torch.full((x.shape[0],), s))  # [B, D]
-        out = sde_step(
-            cfg.sampler, v, x, s, s_next, cfg.eta, sigma_max=sigmas[1], generator=generator,
-            cps_logprob=cfg.cps_logprob,
-        )
+        if t < prefix:  # one forward per group, its result for every sample of the group
+            rep = x[:: cfg.group_size]  # [groups, D]
+            v = policy(rep, torch.full((rep.shape[0],), s)).repeat_interleave(cfg.group_size, dim=0)  # [B, D]
+            forwards += rep.shape[0]
+        else:
+            v = policy(x, torch.full((x.shape[0],), s))  # [B, D]
+            forwards += x.shape[0]
+        if sde[t]:
+            out = sde_step(cfg.sampler, v, x, s, s_next, cfg.eta, sigma_max=sigmas[1], generator=generator,
+                           cps_logprob=cfg.cps_logprob)
+            log_probs.append(out.log_prob)
+        else:
+            out = sde_step("ode", v, x, s, s_next, 0.0, noise=torch.zeros_like(x))
+            log_probs.append(torch.full_like(out.log_prob, math.nan))  # never trained
         x = out.prev_sample
         latents.append(x)
-        log_probs.append(out.log_prob)
         std.append(out.std[0])
-    return Trajectory(latents=torch.stack(latents), log_probs=torch.stack(log_probs), std=torch.stack(std))
+    return Trajectory(latents=torch.stack(latents), log_probs=torch.stack(log_probs), std=torch.stack(std),
+                      forwards=forwards)
 
 
 def _evaluate(model: nn.Module, data: RingManifold, noise: Tensor, cfg: LabConfig) -> dict[str, float]:
@@ -193,8 +222,11 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
         )
 
     sigmas = sigma_schedule(cfg.num_steps, cfg.shift)  # [T + 1] fp64
+    windows = window_masks(cfg.num_steps, cfg.window_start, cfg.window_size, cfg.window_stride)  # [P, T]
     s_eq = equalizer_weights(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob)  # [T]
-    weights = s_eq if cfg.equalizer else torch.ones_like(s_eq)  # [T]
+    # [P, T]: S_t normalised over each window's steps (the whole schedule's S_t without a window)
+    weights = torch.stack([equalizer_weights(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob, steps=w)
+                           if cfg.equalizer else torch.ones(cfg.num_steps) for w in windows])
     batch = cfg.num_groups * cfg.group_size
     group_ids = torch.arange(cfg.num_groups).repeat_interleave(cfg.group_size)  # [B]
     beta_pos = cfg.kl_beta_pos if cfg.uses_kl_pos else 0.0
@@ -211,8 +243,13 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
             row.update({f"eval/{k}": v for k, v in _evaluate(policy, data, eval_noise, cfg).items()})
 
         # 1. rollout, 2. reward and advantages
-        noise = torch.randn(batch, data.dim, generator=gen)  # [B, D]
-        traj = rollout(policy, noise, sigmas, cfg, gen)
+        if cfg.same_noise:
+            noise = torch.randn(cfg.num_groups, data.dim, generator=gen).repeat_interleave(cfg.group_size, dim=0)
+        else:
+            noise = torch.randn(batch, data.dim, generator=gen)  # [B, D]
+        w = window_index(len(windows), cfg.window_every, num_updates)  # the window of this rollout
+        traj = rollout(policy, noise, sigmas, cfg, gen, windows[w])
+        forwards = traj.forwards
         rewards = data.reward(traj.latents[-1])  # [B]
         adv, valid = group_advantages(rewards, group_ids, adv_clip_max=cfg.adv_clip_max)  # [B], [B]
         if it == 0:
@@ -227,9 +264,10 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
         for mb in order.chunk(cfg.updates_per_rollout):
             pairs = PairBatch(samples=mb.repeat_interleave(steps.shape[1]), steps=steps[mb].reshape(-1))
             opt.zero_grad(set_to_none=True)
+            forwards += pairs.samples.numel() * (2 if cfg.uses_kl_pos and not anchor_synced else 1)  # + anchor's
             mb_stats = grpo_backward(
                 pairs, lambda i, t, tr=traj: _rescore(policy, tr, sigmas, i, t, cfg),
-                logp_old=traj.log_probs.T, advantages=adv, valid=valid, step_weights=weights,
+                logp_old=traj.log_probs.T, advantages=adv, valid=valid, step_weights=weights[w],
                 clip_range=cfg.clip_range, normalizer=max(int(valid[pairs.samples].sum()), 1),
                 kl_coef=controller.value if controller is not None else 0.0, beta_pos=beta_pos, beta_vel=beta_vel,
                 anchor_fn=(lambda b, tr=traj: _rescore(anchor, tr, sigmas, b.samples, b.steps, cfg).mean),
@@ -251,6 +289,7 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
                     _acc(stats_acc, key, summary[key])
             _acc(stats_acc, "train/grad_norm", float(gnorm))
         row["reward/rollout"] = float(rewards.mean())
+        row["forwards_per_sample"] = forwards / batch
         row["off_manifold/rollout"] = float(data.distance_to_support(traj.latents[-1]).mean())
         row.update({k: sum(v) / len(v) for k, v in stats_acc.items()})
         result.history.append(row)
@@ -298,4 +337,6 @@ def summarize(result: RunResult) -> dict:
     row["grad_spread_eq"] = log_spread(g0 * s_eq.double())
     row["grad_spread_pred"] = log_spread(result.predicted_scale * (g0 > 0))
     row["wall_s"] = result.wall_s
+    per_iter = [h["forwards_per_sample"] for h in result.history if "forwards_per_sample" in h]
+    row["forwards_per_sample_iter"] = sum(per_iter) / len(per_iter)  # policy forwards: rollout, update, anchor
     return row
