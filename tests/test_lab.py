@@ -140,6 +140,38 @@ def test_rollout_log_probs_rescore_exactly(ring, base_flow):
     assert torch.allclose(traj.std.double(), expected_std, rtol=1e-5)
 
 
+def test_window_rollout_ode_outside_shared_prefix_and_forward_count(ring, base_flow):
+    """Outside the SDE window the lab takes the ODE step (NaN log-prob, no draw from the generator); the shared
+    prefix gives every sample of a group its group's ODE steps from one forward; a windowed run counts exactly the
+    forwards it needs (rollout + trained pairs + the anchor's once it has moved)."""
+    from sage_grpo.window import window_mask
+
+    cfg = LabConfig(sampler="sage_grpo", num_steps=8, group_size=4, num_groups=2, same_noise=True,
+                    shared_prefix=True)
+    sigmas = sigma_schedule(8, cfg.shift)
+    noise = torch.randn(2, 2, generator=torch.Generator().manual_seed(0)).repeat_interleave(4, dim=0)  # [8, 2]
+    window = window_mask(8, 3, 5)
+    shared = rollout(base_flow, noise, sigmas, cfg, torch.Generator().manual_seed(1), window)
+    separate = rollout(base_flow, noise, sigmas, LabConfig(**{**cfg.__dict__, "shared_prefix": False}),
+                       torch.Generator().manual_seed(1), window)
+    assert torch.isnan(shared.log_probs[[0, 1, 2, 5, 6, 7]]).all() and torch.isfinite(shared.log_probs[3:5]).all()
+    assert (shared.std[[0, 1, 2, 5, 6, 7]] == 0).all() and (shared.std[3:5] > 0).all()
+    torch.testing.assert_close(shared.latents, separate.latents, rtol=0, atol=1e-6)
+    assert shared.forwards == 3 * 2 + 5 * 8 and separate.forwards == 8 * 8
+    for t in (0, 5):  # an ODE step is the Euler step, computed here independently
+        with torch.no_grad():
+            v = base_flow(separate.latents[t], torch.full((8,), float(sigmas[t])))
+        euler = separate.latents[t] + (sigmas[t + 1] - sigmas[t]).float() * v
+        torch.testing.assert_close(separate.latents[t + 1], euler, rtol=0, atol=1e-6)
+    # a fixed window of 2 steps, fraction 0.5 trains 1 step per sample; dual KL: the anchor's forwards from the
+    # second update of each refresh period on (2 updates per rollout, refresh every 10)
+    run = train_grpo(LabConfig(sampler="sage_grpo", kl="dual", num_steps=8, window_start=3, window_size=2,
+                               iterations=2, num_groups=2, group_size=4, eval_every=5), ring, base_flow)
+    per = [h["forwards_per_sample"] for h in run.history if "forwards_per_sample" in h]
+    # rollout 8 steps; 2 updates on 4 samples x 1 step; the anchor on the 3 updates after the first
+    assert per == [8 + 1 + 0.5, 8 + 1 + 1]
+
+
 def test_short_grpo_run_raises_reward(ring, base_flow):
     res = train_grpo(LabConfig(sampler="sage_grpo", kl="none", iterations=20, seed=0), ring, base_flow)
     assert res.final["reward"] > res.base["reward"] + 0.15, (res.base, res.final)

@@ -44,6 +44,25 @@ def test_ablation_script_writes_table_csv_and_cache(tmp_path, capsys):
     assert (tmp_path / "table_d2.md").read_text().startswith("| Method |")
 
 
+def test_recipes_table_reports_forwards_and_standard_errors(tmp_path, capsys):
+    """--recipes: the recipes an unconditional model can run, their counted forwards against the paper's recipe,
+    and the gains as mean ± standard error over seeds (recomputed here from summary.csv)."""
+    import statistics
+
+    mod = _load_script()
+    assert mod.main(["--recipes", "--seeds", "2", "--dims", "2", "--iterations", "2", "--workers", "1", "--out",
+                     str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert sorted({r["recipe"] for r in rows}) == ["paper", "sliding", "sliding_shared", "window"]
+    table = (tmp_path / "recipes.md").read_text()
+    fwd = {r["recipe"]: float(r["forwards_per_sample_iter"]) for r in rows if r["seed"] == "0"}
+    assert fwd["window"] < fwd["paper"] and fwd["sliding_shared"] < fwd["sliding"]  # the prefix runs once per group
+    gains = [float(r["gain_reward"]) for r in rows if r["recipe"] == "window"]
+    mean, se = statistics.mean(gains), statistics.stdev(gains) / 2**0.5
+    line = next(x for x in table.splitlines() if x.startswith("| window |"))
+    assert f"{mean:.3f} ± {se:.3f}" in line and f"| {fwd['window'] / fwd['paper']:.2f} |" in line
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--seeds", "0"], "--seeds must be >= 1"),  # was silently 5 (`args.seeds or 5`)
     (["--iterations", "0"], "--iterations must be >= 1"),  # was silently 60

@@ -53,6 +53,31 @@ def test_cell_flags_are_real_post_train_flags_with_the_cell_values(sampler, kl, 
         assert cfg.kl.kl_weight > 0 and cfg.kl.use_dual_kl and cfg.kl.use_moving_KL
 
 
+@pytest.mark.parametrize("recipe", ["paper", "cfg_free", "window", "sliding", "sliding_shared", "cfg_free_sliding"])
+def test_recipe_flags_are_real_post_train_flags_with_the_recipe_values(recipe):
+    from sage_grpo.config import load_config
+    from sage_grpo.recipes import recipe_flags, recipe_settings
+
+    cfg = load_config(["--config", str(CONFIG), *recipe_flags(recipe, 10)])
+    for key, value in recipe_settings(recipe, 10).items():
+        assert getattr(cfg.rollout, key) == value, key
+    assert (cfg.rollout.cfg_scale == 1.0) == recipe.startswith("cfg_free")
+
+
+def test_recipe_table_gives_forwards_against_the_paper_and_standard_errors():
+    from sage_grpo.lab.report import aggregate
+    from sage_grpo.lab.video import format_recipe_table
+
+    rows = [{"recipe": r, "seed": s, "forwards_per_step": f, "reward_gain": g, "rollout_gain": 0.0,
+             "heldout_change": 0.0, "drift": 0.0}
+            for r, f, gains in (("paper", 60.0, (0.1, 0.3, 0.2)), ("sliding", 30.0, (0.0, 0.4, 0.2)))
+            for s, g in enumerate(gains)]
+    table = format_recipe_table(aggregate(rows, keys=("recipe",)), ["paper", "sliding"])
+    line = next(x for x in table.splitlines() if x.startswith("| sliding |"))
+    # mean 0.2, sample std 0.2, standard error 0.2 / sqrt(3) = 0.115
+    assert line.startswith("| sliding | 30.00 | 0.50 | 3 | 0.200 ± 0.115 |"), line
+
+
 def test_cell_flags_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="kl_weight > 0"):
         cell_flags("sage_grpo", "dual", True, kl_weight=0.0)  # "dual" with no KL term would be "none" in disguise
@@ -209,3 +234,27 @@ def test_quick_machinery_runs_end_to_end(tmp_path, tiny_model, capsys):
     assert not list((out / "runs").glob("*/checkpoint-*"))  # evaluated checkpoints are deleted
     assert all((out / "runs" / n / "metrics.jsonl").is_file() for n in (
         "sage_grpo_eqon_klnone_s0", "flow_grpo_eqon_kldual_s0"))
+
+
+@pytest.mark.slow
+def test_recipes_run_end_to_end_with_their_forward_counts(tmp_path, tiny_model, capsys):
+    """--recipes: each recipe a post_train.py run; its row carries the forwards its own configuration needs (the
+    step benchmark checks those against the counted ones) and the table compares them with the paper's."""
+    from sage_grpo.config import load_config
+    from sage_grpo.recipes import minimum_forwards, recipe_flags
+
+    mod = _load_script()
+    out = tmp_path / "lab"
+    config = _small_config(tmp_path, rollout={"grpo_sampling_steps": 4})  # a window of 1 sliding over steps 1..3
+    assert mod.main(["--recipes", "paper", "cfg_free_sliding", "--seeds", "1", "--steps", "2", "--config",
+                     str(config), "--model_path", str(tiny_model), "--out", str(out), "--threads", "1"]) == 0
+    rows = {r["recipe"]: r for r in csv.DictReader((out / "summary.csv").open())}
+    assert sorted(rows) == ["cfg_free_sliding", "paper"]
+    for name, r in rows.items():
+        cfg = load_config(["--config", str(config), *recipe_flags(name, load_config(
+            ["--config", str(config)]).rollout.grpo_sampling_steps)])
+        work = minimum_forwards(cfg, 2)
+        expect = sum(w["rollout"] + w["anchor"] + w["update"] for w in work) / (2 * cfg.data.batch_size)
+        assert float(r["forwards_per_step"]) == pytest.approx(expect) and math.isfinite(float(r["reward_gain"]))
+    assert float(rows["cfg_free_sliding"]["forwards_per_step"]) < float(rows["paper"]["forwards_per_step"]) / 2
+    assert "| cfg_free_sliding |" in (out / "recipes.md").read_text()
