@@ -85,6 +85,7 @@ def test_counts_at_minimum_training_phase_anchor_and_fraction(tiny_model, tmp_pa
     assert [s["counts"]["update"] for s in res["per_step"]] == [4 * 2] * 2
     assert [s["counts"]["anchor"] for s in res["per_step"]] == [0, 4 * 2]
     assert [s["counts"]["rollout"] for s in res["per_step"]] == [4 * 4] * 2
+    assert res["per_step"][0]["ratio_min"] == res["per_step"][0]["ratio_max"] == 1.0  # no CFG: the first update
 
 
 def test_counts_at_minimum_sliding_window_shared_prefix_no_cfg(tiny_model, tmp_path):
@@ -97,6 +98,7 @@ def test_counts_at_minimum_sliding_window_shared_prefix_no_cfg(tiny_model, tmp_p
     # window [1, 3): prefix 1 step x 1 prompt + 3 steps x 4 samples; window [2, 4): 2 x 1 + 2 x 4
     assert [s["counts"]["rollout"] for s in res["per_step"]] == [1 + 3 * 4, 2 + 2 * 4]
     assert [s["counts"]["update"] for s in res["per_step"]] == [4 * 2] * 2
+    assert res["per_step"][0]["ratio_min"] == res["per_step"][0]["ratio_max"] == 1.0  # the first update
 
 
 def test_text_encoder_no_cfg_does_not_encode_the_negative_prompt(tiny_model, tmp_path):

@@ -170,3 +170,17 @@ def test_training_with_a_sliding_window_and_a_shared_prefix_resumes_exactly(tiny
     wa, wb = _weights(full), _weights(half)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert _stable(read_metrics(full / "metrics.jsonl")) == _stable(read_metrics(half / "metrics.jsonl"))
+
+
+# the other recipes' first ratio: paper (tests/test_post_train.py), sliding_shared (above), cfg_free and
+# cfg_free_sliding (tests/test_bench_step.py)
+@pytest.mark.parametrize("recipe", ["window", "sliding"])
+def test_every_recipe_trains_with_ratio_one_at_the_first_update(tiny_model, tmp_path, recipe):
+    from post_train_helpers import _args, pt
+
+    from sage_grpo.metrics import read_metrics
+    from sage_grpo.recipes import recipe_flags
+
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "1", *recipe_flags(recipe, 4)))
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert row["train/ratio_min"] == row["train/ratio_max"] == 1.0 and row["reward/failed"] == 0
