@@ -36,7 +36,7 @@ from sage_grpo.cli import CLIParser, at_least, check_writable_dir
 from sage_grpo.errors import run_cli
 from sage_grpo.lab import KL_VARIANTS, LAB_SAMPLERS, LabConfig
 from sage_grpo.lab.ablation import init_worker, pretrain_job, run_job
-from sage_grpo.lab.report import aggregate, draw_figures, format_table, plot_all, write_csv
+from sage_grpo.lab.report import aggregate, draw_figures, format_recipe_table, format_table, plot_all, write_csv
 from sage_grpo.recipes import RECIPES, recipe_settings
 
 
@@ -79,24 +79,9 @@ def lab_recipe(name: str, num_steps: int) -> dict:
     return {fields[k]: v for k, v in recipe_settings(name, num_steps).items()}
 
 
-def format_recipe_table(aggs: list[dict], recipes: list[str], dim: int) -> str:
-    """Markdown, one row per recipe: policy forwards per sample and iteration, their ratio to the paper's recipe,
-    seeds, and the final metrics' gains over the base model (mean ± standard error over seeds)."""
-    cells = {a["recipe"]: a for a in aggs if a["dim"] == dim}
-    paper = cells.get("paper")
-    cols = (("Reward gain", "gain_reward", 3), ("Off-manifold change", "gain_off_manifold", 4),
-            ("Mode-entropy change", "gain_mode_entropy", 3))
-    lines = ["| Recipe | Forwards / sample / iteration | vs paper | Seeds | " + " | ".join(c for c, _, _ in cols)
-             + " |", "|" + "---|" * (4 + len(cols))]
-    for name in recipes:
-        a = cells.get(name)
-        if a is None:
-            continue
-        fwd = a["forwards_per_sample_iter_mean"]
-        ratio = f"{fwd / paper['forwards_per_sample_iter_mean']:.2f}" if paper else "-"
-        vals = [f"{a[k + '_mean']:.{d}f} ± {a[k + '_std'] / a['n'] ** 0.5:.{d}f}" for _, k, d in cols]
-        lines.append(f"| {name} | {fwd:.1f} | {ratio} | {a['n']} | " + " | ".join(vals) + " |")
-    return "\n".join(lines)
+# (column title, key, decimals) of the lab's recipes table: the final metrics' gains over the base model
+RECIPE_COLUMNS = (("Reward gain", "gain_reward", 3), ("Off-manifold change", "gain_off_manifold", 4),
+                  ("Mode-entropy change", "gain_mode_entropy", 3))
 
 
 def _progress(done: int, total: int, t0: float) -> None:
@@ -157,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         aggs = aggregate(summary, keys=("dim", "recipe"))
         write_csv(out / "summary.csv", summary)
         write_csv(out / "table.csv", aggs)
-        table = "\n\n".join(f"D = {dim}\n\n" + format_recipe_table(aggs, recipes, dim) for dim in args.dims)
+        table = "\n\n".join(
+            f"D = {dim}\n\n" + format_recipe_table(
+                [a for a in aggs if a["dim"] == dim], recipes, RECIPE_COLUMNS, forwards_key="forwards_per_sample_iter",
+                forwards_title="Forwards / sample / iteration", forwards_decimals=1)
+            for dim in args.dims)
         (out / "recipes.md").write_text(table + "\n")
         print(f"\nLab recipes, mean ± standard error over {len(seeds)} seeds, {args.iterations} iterations (ODE "
               "samples of the final policy against the base model's):\n" + table)

@@ -205,3 +205,24 @@ def draw_figures(tag: str, out: Path, draw: Callable[[], Iterable[Path]]) -> lis
         return []
     print(f"\n[{tag}] figures in {out}: {', '.join(sorted({p.name for p in paths}))}")
     return paths
+
+
+def format_recipe_table(aggs: Sequence[dict], recipes: Sequence[str], columns: Sequence[tuple[str, str, int]], *,
+                        forwards_key: str, forwards_title: str, forwards_decimals: int) -> str:
+    """Markdown of the cheaper-steps recipes (the toy lab's and the video lab's): one row per recipe in `recipes`
+    order with its forwards (`<forwards_key>_mean`), their ratio to the paper's recipe when it ran, the seeds, and
+    `columns` (title, key, decimals) as mean ± standard error over seeds."""
+    cells = {a["recipe"]: a for a in aggs}
+    paper = cells.get("paper")
+    head = ["Recipe", forwards_title, "vs paper", "Seeds"] + [t for t, _, _ in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in recipes:
+        a = cells.get(name)
+        if a is None:
+            continue
+        fwd = a[f"{forwards_key}_mean"]
+        ratio = f"{fwd / paper[f'{forwards_key}_mean']:.2f}" if paper else "-"
+        vals = [f"{a[f'{k}_mean']:.{d}f} ± {a[f'{k}_std'] / a['n'] ** 0.5:.{d}f}" for _, k, d in columns]  # SE
+        lines.append(f"| {name} | {fwd:.{forwards_decimals}f} | {ratio} | {a['n']} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+

@@ -18,6 +18,7 @@ import torch
 
 from .grpo import LAB_SAMPLERS
 from .report import aggregate, save_figure
+from .report import format_recipe_table as report_recipe_table
 
 __all__ = [
     "VIDEO_SAMPLERS",
@@ -157,27 +158,11 @@ RECIPE_COLUMNS = (
 )
 
 
-def _mean_se(agg: Mapping, key: str, decimals: int) -> str:
-    se = agg[f"{key}_std"] / agg["n"] ** 0.5  # standard error of the mean over seeds
-    return f"{agg[f'{key}_mean']:.{decimals}f} ± {se:.{decimals}f}"
-
-
 def format_recipe_table(aggs: Sequence[dict], recipes: Sequence[str]) -> str:
     """Markdown: one row per recipe (in `recipes` order): per-sample transformer forwards per step, their ratio to
     the paper's recipe (when it ran), seeds, and the learning columns as mean ± standard error over seeds."""
-    cells = {a["recipe"]: a for a in aggs}
-    paper = cells.get("paper")
-    head = ["Recipe", "Forwards / sample / step", "vs paper", "Seeds"] + [t for t, _, _ in RECIPE_COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in recipes:
-        a = cells.get(name)
-        if a is None:
-            continue
-        fwd = a["forwards_per_step_mean"]
-        ratio = f"{fwd / paper['forwards_per_step_mean']:.2f}" if paper else "-"
-        vals = [_mean_se(a, k, d) for _, k, d in RECIPE_COLUMNS]
-        lines.append(f"| {name} | {fwd:.2f} | {ratio} | {a['n']} | " + " | ".join(vals) + " |")
-    return "\n".join(lines)
+    return report_recipe_table(aggs, recipes, RECIPE_COLUMNS, forwards_key="forwards_per_step",
+                               forwards_title="Forwards / sample / step", forwards_decimals=2)
 
 
 def plot_video_lab(out_dir: Path, rows: Sequence[dict], aggs: Sequence[dict], curves: Sequence[dict]) -> list[Path]:
