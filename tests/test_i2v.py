@@ -504,17 +504,20 @@ def test_two_rank_i2v_layouts_match_one_process(tiny_i2v_dir, tmp_path):
     """torchrun on 2 gloo ranks with the tiny I2V model, 2 prompts (2 images) per step: Ulysses sp 2 (the 4 image
     tokens go through the all-to-all with the text) and FSDP2 dp 2 (one group, one image per rank), 2 steps each,
     against one process with the same 4 videos per step: the same rollouts, rewards and gradients up to float
-    rounding."""
+    rounding. The images have two sizes (the steps draw from both buckets): each rank, computing the plan alone,
+    draws the step's bucket of the one process."""
     import subprocess
     import sys
     from pathlib import Path
 
     from post_train_helpers import pt
 
+    from sage_grpo.config import load_config
+    from sage_grpo.data import GroupSampler
     from sage_grpo.metrics import read_metrics
 
     root = Path(__file__).resolve().parents[1]
-    csv = _i2v_prompts(tmp_path / "data")
+    csv = _two_size_prompts(tmp_path / "data")
     common = ["--config", str(root / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_i2v_dir), "--train_video_csv",
               str(csv), "--num_generations", "2", "--grpo_sampling_steps", "3", "--sample_n_frames", "5",
               "--max_steps", "2", "--save_interval", "0", "--report_to", "none"]
@@ -525,7 +528,11 @@ def test_two_rank_i2v_layouts_match_one_process(tiny_i2v_dir, tmp_path):
                         str(root / "tests/dist_workers/post_train_runs_worker.py"), str(tmp_path / "runs.json")],
                        capture_output=True, text=True, cwd=root, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("image-to-video: 4 reference images, training videos 24x40") == len(I2V_LAYOUTS), r.stdout
+    sizes = "image-to-video: 4 reference images, training videos in 2 size buckets: 24x40 (2 prompts), 32x32 (2"
+    assert r.stdout.count(sizes) == len(I2V_LAYOUTS), r.stdout
+    plan = GroupSampler(4, batch_size=4, num_generations=2, dp_size=1, seed=load_config(common).optim.seed,
+                        buckets=["wide", "square"] * 2)  # the file's buckets, in its order
+    assert plan.bucket_of_step(0) != plan.bucket_of_step(1)  # the 2 steps train both sizes
     for name, (_, shared) in I2V_LAYOUTS.items():
         one = tmp_path / f"one_{name}"
         pt.main([*common, *shared, "--batch_size", "4", "--output_dir", str(one)])
