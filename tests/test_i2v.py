@@ -372,7 +372,8 @@ def test_i2v_lora_checkpoint_exports_and_generates_from_the_trained_weights(two_
                                                                             tmp_path):
     """The I2V LoRA run's checkpoint, exported by scripts/export_checkpoint.py as an adapter (peft) and as merged
     weights, samples with generate.py --image: both exports give the same video (up to float rounding), at the
-    image's bucket, unlike the base model's; the adapter's model card is the image-to-video one."""
+    image's bucket, unlike the base model's, and the merged export the checkpoint's own video; the adapter's model
+    card is the image-to-video one."""
     import sys
     from pathlib import Path
 
@@ -391,12 +392,14 @@ def test_i2v_lora_checkpoint_exports_and_generates_from_the_trained_weights(two_
     common = ["--model_path", str(tiny_i2v_dir), "--dtype", "fp32", "--video_length", "5", "--num_inference_steps",
               "2", "--prompt", "a scene number 1", "--image", image]
     videos = {}
-    for name, more in (("base", []), ("lora", ["--lora_path", str(adapter)]), ("merged", ["--checkpoint_path",
-                                                                                          str(merged)])):
+    runs = {"base": [], "lora": ["--lora_path", str(adapter)], "merged": ["--checkpoint_path", str(merged)],
+            "checkpoint": ["--checkpoint_path", str(ckpt)]}  # the last: the training checkpoint itself (DCP)
+    for name, more in runs.items():
         [path] = generate.main([*common, *more, "--output_path", str(tmp_path / f"{name}.mp4")])
         videos[name] = read_video(path)[0]  # [F, 3, H, W] in [0, 1], 8-bit levels
     assert videos["lora"].shape == (5, 3, 32, 32)
     assert (videos["lora"] - videos["merged"]).abs().max() <= 2 / 255  # the same weights, merged or not
+    assert torch.equal(videos["checkpoint"], videos["merged"])  # the export holds the checkpoint's weights
     assert (videos["lora"] - videos["base"]).abs().max() > 8 / 255  # the trained adapter changes the video
 
 
