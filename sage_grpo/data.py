@@ -131,9 +131,9 @@ class GroupSampler:
 
     buckets: a key per prompt (image-to-video: its latent size), or None. A rollout batch stacks latents of one
     shape, so each step draws all its prompts from one bucket: bucket b with probability n_b / N (its share of the
-    prompts, so every prompt is drawn as often as without buckets), chosen from (seed, step) alone, the same on
-    every rank without a collective. Each bucket walks its own epoch-wise permutation (bucket 0 the one above, the
-    others seeded with their index too). With one bucket the draw is the unbucketed one.
+    prompts, so every prompt is drawn as often as without buckets, in expectation), chosen from (seed, step) alone,
+    the same on every rank without a collective. Each bucket walks its own epoch-wise permutation (bucket 0 the one
+    above, the others seeded with their index too). With one bucket the draw is the unbucketed one.
 
     `state_dict`: (epoch, position) with one bucket; with several, the step count and each bucket's (epoch,
     position).
@@ -153,7 +153,7 @@ class GroupSampler:
         members: dict = {}  # bucket key -> its prompt indices, buckets in order of first appearance
         for i, key in enumerate(buckets if buckets is not None else [None] * num_prompts):
             members.setdefault(key, []).append(i)
-        self.bucket_keys, self.members = list(members), list(members.values())
+        self.members = list(members.values())  # [bucket][prompt indices]
         self.epochs, self.positions = [0] * len(self.members), [0] * len(self.members)
         self.steps = 0  # steps drawn: the bucket choice's counter
 
@@ -200,7 +200,8 @@ class GroupSampler:
         return videos[dp_rank * self.batch_size : (dp_rank + 1) * self.batch_size]
 
     def state_dict(self) -> dict:
-        if len(self.members) == 1:  # the unbucketed sampler's state, as checkpoints before buckets hold it
+        if len(self.members) == 1:  # the unbucketed sampler's state, as checkpoints before buckets hold it (the
+            # step count only chooses among buckets)
             return {"epoch": self.epochs[0], "position": self.positions[0]}
         return {"steps": self.steps, "buckets": [[e, p] for e, p in zip(self.epochs, self.positions)]}
 
@@ -208,7 +209,8 @@ class GroupSampler:
         saved = len(state["buckets"]) if "buckets" in state else 1
         if saved != len(self.members):
             raise SageGRPOError(f"the checkpoint's prompt sampler has {saved} size bucket(s), this run's prompts "
-                                f"{len(self.members)}: resume with the prompt file and images the run started with")
+                                f"have {len(self.members)}: resume with the prompt file and images the run started "
+                                "with")
         if "buckets" in state:
             self.steps = int(state["steps"])
             self.epochs = [int(e) for e, _ in state["buckets"]]
