@@ -84,7 +84,7 @@ class Components:
     val_records: list  # [PromptRecord] validation prompts
     settings: SamplerSettings  # the rollout's SDE sampler
     val_settings: SamplerSettings  # validation's ODE sampler
-    shape: tuple  # (C, F, H, W) rollout latent
+    shape: tuple  # (C, F, H, W) rollout latent (I2V: of the bucket with the most prompts; a step takes its own)
     val_shape: tuple  # (C, F, H, W) validation latent
     windows: torch.Tensor  # [P, T] bool: the SDE steps of each position of the SDE window (P = 1 unless sliding)
     step_weights: torch.Tensor  # [P, T] equalizer S_t normalised over each window's steps (ones without
@@ -192,17 +192,15 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     if r.cfg_scale != 1.0 or (validates and v.validation_guidance_scale != 1.0):
         needed.append(r.neg_prompt)
     cache.precompute(needed, info)  # collective: each distinct prompt is encoded by one rank
-    images, shape = None, latent_shape(pipe.vae.config, r.sample_n_frames, r.height, r.width)
+    images, buckets, shape = None, None, latent_shape(pipe.vae.config, r.sample_n_frames, r.height, r.width)
     if pipe.sage_grpo_task == "i2v":
         check_prompt_tasks(cfg, "i2v", prompts, val_records)  # also here: preflight may not have found the model yet
         # every reference image encoded once (VAE mode + SigLIP), kept on CPU beside the text embeddings
         images = ImageConditioningCache(pipe, info.device, dtype, cache_dir)  # files beside the text embeddings
         images.precompute([rec.ref_image_path for rec in prompts]
                           + ([rec.ref_image_path for rec in val_records] if validates else []), info)
-        shape = i2v_train_shape(cfg, pipe, images, prompts)
-        s = pipe.vae.config.spatial_compression_ratio
-        print0(info, f"image-to-video: {len(images)} reference images, training videos {shape[2] * s}x{shape[3] * s} "
-               "(their bucket; --height/--width apply to text-to-video)")
+        shape, buckets, sizes = i2v_size_buckets(cfg, pipe, images, prompts)
+        print0(info, f"image-to-video: {len(images)} reference images, {sizes}")
     else:
         check_prompt_tasks(cfg, "t2v", prompts, val_records)
     if m.offload_text_encoder:
@@ -239,7 +237,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     state = TrainState(
         controller=AdaptiveKLController.from_config(cfg.kl),
         sampler=GroupSampler(len(prompts), batch_size=cfg.data.batch_size, num_generations=cfg.data.num_generations,
-                             dp_size=info.dp_size, seed=cfg.optim.seed),
+                             dp_size=info.dp_size, seed=cfg.optim.seed, buckets=buckets),
         anchor_synced=anchor.equals_initial_policy,
     )
     if resume is not None:
@@ -339,22 +337,27 @@ def check_prompt_tasks(cfg: Config, task: str, prompts: list[PromptRecord], val_
                    else "--validation_prompts" if v.validation_prompts else "the validation prompts")
 
 
-def i2v_train_shape(cfg: Config, pipe, images: ImageConditioningCache, prompts: list[PromptRecord]) -> tuple:
-    """The rollout latent [C, F, h, w] of an I2V run: the training images' bucket. One size for the run: a rank's
-    rollout batch stacks its samples' latents, so its images must share a bucket (mixed sizes are not supported
-    yet: crop the images to one aspect ratio)."""
+def i2v_size_buckets(cfg: Config, pipe, images: ImageConditioningCache, prompts: list[PromptRecord]
+                     ) -> tuple[tuple, list, str]:
+    """The size buckets of an I2V run's training images -> (the rollout latent [C, F, h, w] of the bucket with the
+    most prompts, the latent (h, w) of each prompt for the sampler, a line naming the sizes). A rollout batch stacks
+    latents of one shape, so every step draws its prompts from one bucket (`GroupSampler`'s `buckets`) and the
+    rollout takes the step's size from its images."""
     from sage_grpo.rollout import latent_shape
 
-    by_size: dict = {}
-    for rec in prompts:
-        by_size.setdefault(images.latent_hw(rec.ref_image_path), []).append(rec.ref_image_path)
+    keys = [images.latent_hw(rec.ref_image_path) for rec in prompts]
+    counts: dict = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
     s = pipe.vae.config.spatial_compression_ratio
-    if len(by_size) > 1:
-        listing = "; ".join(f"{h * s}x{w * s}: {len(v)} (e.g. {v[0]})" for (h, w), v in by_size.items())
-        raise SageGRPOError(f"the reference images of --train_video_csv fall into {len(by_size)} size buckets "
-                            f"({listing}); one training run takes one size: crop the images to one aspect ratio")
-    (h, w), = by_size
-    return latent_shape(pipe.vae.config, cfg.rollout.sample_n_frames, h * s, w * s)
+    h, w = max(counts, key=counts.get)  # ties: the first bucket of the file
+    if len(counts) == 1:
+        sizes = f"training videos {h * s}x{w * s} (their bucket; --height/--width apply to text-to-video)"
+    else:
+        listing = ", ".join(f"{bh * s}x{bw * s} ({n} prompts)" for (bh, bw), n in counts.items())
+        sizes = (f"training videos in {len(counts)} size buckets: {listing}; each step draws its prompts from one "
+                 "bucket, chosen with probability proportional to its prompts")
+    return latent_shape(pipe.vae.config, cfg.rollout.sample_n_frames, h * s, w * s), keys, sizes
 
 
 def validation_metrics_spec(cfg: Config, val_records: list[PromptRecord]):
@@ -701,6 +704,10 @@ def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = 
     texts = [rec.prompt for rec in recs]
     cond = c.cache.get(texts)
     uncond = c.cache.get([cfg.rollout.neg_prompt] * len(texts)) if c.settings.use_cfg else None
+    # each sample its own prompt's image (the authors gave a whole rank the first group's image); the sampler drew
+    # the step from one size bucket, so the images stack and give the step's latent size
+    image = c.images.get([rec.ref_image_path for rec in recs]) if c.images is not None else None
+    shape = c.shape if image is None else (*c.shape[:2], *image.latent_hw)  # [C, F, h, w]
     if early is not None:
         early.start(texts)
     c.transformer.eval()  # no LoRA dropout while sampling: the stored log-probs are the deterministic policy's
@@ -710,12 +717,11 @@ def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = 
             c.transformer, cond, uncond, prompts=texts, prompt_ids=torch.tensor([g for g, _, _ in mine]),
             generation_ids=torch.tensor([gen for _, _, gen in mine]),
             prompt_seeds=torch.tensor([prompt_noise_seed(rec.prompt, rec.seed, rec.index) for rec in recs]),
-            latent_shape=c.shape, settings=c.settings, image_tokens=c.pipe.vision_num_semantic_tokens,
+            latent_shape=shape, settings=c.settings, image_tokens=c.pipe.vision_num_semantic_tokens,
             base_seed=derive_seed(cfg.optim.seed, state.step), same_noise=cfg.rollout.use_same_noise,
             storage_dtype=torch.float32, show_progress=info.is_main and cfg.logging.verbose,
             chunk_size=cfg.optim.mini_batch_size_per_update, device=info.device,
-            # each sample its own prompt's image (the authors gave a whole rank the first group's image)
-            image=c.images.get([rec.ref_image_path for rec in recs]) if c.images is not None else None,
+            image=image,
             on_chunk=None if early is None else early.submit,
             sde_steps=c.windows[window_of(c, state)], share_prefix=cfg.rollout.shared_prefix, agree_calls=agree_calls,
         )

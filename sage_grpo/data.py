@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,37 +127,71 @@ class GroupSampler:
     seed and epoch; an epoch boundary falls inside a step when the count does not divide). The step's videos are
     the prompts repeated G times in order, [p0 x G, p1 x G, ...], and data-parallel rank r takes positions
     r * batch_size ... (r + 1) * batch_size: a group may span consecutive ranks (reference_system.md). Every rank
-    computes the same plan from (seed, epoch, position), so nothing is broadcast; `state_dict` is (epoch, position).
+    computes the same plan from (seed, epoch, position), so nothing is broadcast.
+
+    buckets: a key per prompt (image-to-video: its latent size), or None. A rollout batch stacks latents of one
+    shape, so each step draws all its prompts from one bucket: bucket b with probability n_b / N (its share of the
+    prompts, so every prompt is drawn as often as without buckets, in expectation), chosen from (seed, step) alone,
+    the same on every rank without a collective. Each bucket walks its own epoch-wise permutation (bucket 0 the one
+    above, the others seeded with their index too). With one bucket the draw is the unbucketed one.
+
+    `state_dict`: (epoch, position) with one bucket; with several, the step count and each bucket's (epoch,
+    position).
     """
 
-    def __init__(self, num_prompts: int, *, batch_size: int, num_generations: int, dp_size: int, seed: int):
+    def __init__(self, num_prompts: int, *, batch_size: int, num_generations: int, dp_size: int, seed: int,
+                 buckets: Sequence[Hashable] | None = None):
         videos = batch_size * dp_size
         if videos % num_generations:
             raise ValueError(f"batch_size * dp_size = {videos} is not a multiple of num_generations {num_generations}")
         if num_prompts < 1:
             raise ValueError("no prompts")
+        if buckets is not None and len(buckets) != num_prompts:
+            raise ValueError(f"{len(buckets)} bucket keys for {num_prompts} prompts")
         self.num_prompts, self.batch_size, self.g, self.seed = num_prompts, batch_size, num_generations, seed
         self.prompts_per_step = videos // num_generations
-        self.epoch, self.position = 0, 0
+        members: dict = {}  # bucket key -> its prompt indices, buckets in order of first appearance
+        for i, key in enumerate(buckets if buckets is not None else [None] * num_prompts):
+            members.setdefault(key, []).append(i)
+        self.members = list(members.values())  # [bucket][prompt indices]
+        self.epochs, self.positions = [0] * len(self.members), [0] * len(self.members)
+        self.steps = 0  # steps drawn: the bucket choice's counter
 
-    def _permutation(self, epoch: int) -> list[int]:
+    def _permutation(self, bucket: int, epoch: int) -> list[int]:
         import torch
 
         from sage_grpo.seeding import derive_seed
 
-        gen = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 0x5A4D))
-        return torch.randperm(self.num_prompts, generator=gen).tolist()
+        n = len(self.members[bucket])
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 0x5A4D, *([bucket] if bucket else [])))
+        return [self.members[bucket][i] for i in torch.randperm(n, generator=gen).tolist()]
+
+    def bucket_of_step(self, step: int) -> int:
+        """The bucket step `step` draws from: b with probability n_b / N, from (seed, step) alone (integer
+        arithmetic on a 63-bit hash: the same on every rank and platform)."""
+        if len(self.members) == 1:
+            return 0
+        from sage_grpo.seeding import derive_seed
+
+        r = derive_seed(self.seed, step, 0xB0C7) % self.num_prompts  # uniform over the prompts (bias < 2^-40)
+        for b, m in enumerate(self.members):
+            if r < len(m):
+                return b
+            r -= len(m)
+        raise AssertionError("unreachable: the buckets hold every prompt")
 
     def next_step(self) -> list[int]:
         """Advance one step -> the step's prompt indices (prompts_per_step of them, the group ids' order)."""
-        out: list[int] = []
+        b = self.bucket_of_step(self.steps)
+        self.steps += 1
+        n, out = len(self.members[b]), []
         while len(out) < self.prompts_per_step:
-            perm = self._permutation(self.epoch)
-            take = min(self.prompts_per_step - len(out), self.num_prompts - self.position)
-            out += perm[self.position : self.position + take]
-            self.position += take
-            if self.position == self.num_prompts:
-                self.epoch, self.position = self.epoch + 1, 0
+            perm = self._permutation(b, self.epochs[b])
+            take = min(self.prompts_per_step - len(out), n - self.positions[b])
+            out += perm[self.positions[b] : self.positions[b] + take]
+            self.positions[b] += take
+            if self.positions[b] == n:
+                self.epochs[b], self.positions[b] = self.epochs[b] + 1, 0
         return out
 
     def rank_slice(self, step_prompts: list[int], dp_rank: int) -> list[tuple[int, int, int]]:
@@ -165,7 +200,20 @@ class GroupSampler:
         return videos[dp_rank * self.batch_size : (dp_rank + 1) * self.batch_size]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        if len(self.members) == 1:  # the unbucketed sampler's state, as checkpoints before buckets hold it (the
+            # step count only chooses among buckets)
+            return {"epoch": self.epochs[0], "position": self.positions[0]}
+        return {"steps": self.steps, "buckets": [[e, p] for e, p in zip(self.epochs, self.positions)]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        saved = len(state["buckets"]) if "buckets" in state else 1
+        if saved != len(self.members):
+            raise SageGRPOError(f"the checkpoint's prompt sampler has {saved} size bucket(s), this run's prompts "
+                                f"have {len(self.members)}: resume with the prompt file and images the run started "
+                                "with")
+        if "buckets" in state:
+            self.steps = int(state["steps"])
+            self.epochs = [int(e) for e, _ in state["buckets"]]
+            self.positions = [int(p) for _, p in state["buckets"]]
+        else:
+            self.epochs, self.positions = [int(state["epoch"])], [int(state["position"])]

@@ -5,6 +5,7 @@
     python scripts/gpu_check.py --stage lora         # one stage (e.g. one `run` call of the device tool each)
     python scripts/gpu_check.py --update_readme      # also write the tables into README.md ("Measured on a GPU")
     python scripts/gpu_check.py --tiny               # the same stages with a tiny random model on the CPU (a test)
+    python scripts/gpu_check.py --version 720p_i2v --stage lora --out outputs/gpu_check_720p_i2v   # another checkpoint
 
 Needs torch, diffusers, transformers, safetensors, peft, einops, imageio (pip install -e '.[lora]'); what is missing
 is named before anything runs. Random weights unless --model_path names a diffusers-layout HunyuanVideo-1.5 (then its
@@ -27,6 +28,15 @@ outputs/gpu_check/ without $OUT) and rewriting gpu_check.md, the markdown tables
   compile    the lora flags at --compile_blocks blocks, eager and --compile: seconds per phase of each.
   bench_step scripts/bench_step.py --real_width (a 2-block real-width model: overhead ratio, work at the minimum,
              our rollout vs diffusers' pipeline).
+
+--version picks the checkpoint measured (default 480p_t2v; every name of sage_grpo.models.tiny.VARIANTS): its
+transformer config (random weights, the same architecture), its flow shift and CFG scale, and its size. 480p_t2v
+trains at the paper's 81x352x624; every other version at the bucket of a 16:9 image at its target size (the size
+diffusers' pipelines give such an image: 720p 81x720x1280, about 76k video tokens; 480p I2V 81x480x848). An I2V
+version adds the SigLIP image encoder (so400m, random; the checkpoint's with --model_path) and trains on a prompt
+file of 16:9 reference images at that bucket, written beside the random checkpoints; the build, memory, lora, full
+and compile stages use the version, attention and bench_step measure the 480p T2V block as before. Give each version
+its own --out (the reports are named by stage).
 
 The planner's comparison uses the memory the CUDA allocator reports (max_memory_allocated per phase), so the plan is
 taken without its --overhead_gib (CUDA context, NCCL, fragmentation: not allocated tensors), and with the parts this
@@ -58,8 +68,11 @@ PHASE_MAP = {"rollout": "rollout", "reward": "decode+reward", "anchor": "anchor"
              "optimizer": "optimizer step"}
 README_BEGIN, README_END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
 NOT_MEASURED = "not yet measured on a GPU"
-# the real rollout size and the tiny one (tiny VAE: 4x spatial, 4x temporal)
+# the real rollout size and the tiny one (tiny VAE: 4x spatial, 4x temporal) of 480p_t2v; other versions train at
+# the bucket of an image of this shape (`geometry`): 16:9, or square on the tiny model (its 16:9 buckets, in 4 px
+# steps, are not the multiples of 16 that --height/--width must be)
 GEOMETRY = {"real": (81, 352, 624), "tiny": (9, 32, 32)}
+DEFAULT_VERSION, IMAGE_HW = "480p_t2v", {"real": (1080, 1920), "tiny": (1080, 1080)}
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -85,20 +98,35 @@ def compare_phases(measured: dict, planned: dict, tolerance: float) -> list[dict
 # ------------------------------------------------------------------------------------------------ models
 
 
-def transformer_config(tiny: bool, blocks: int) -> dict:
-    """480p_t2v (diffusers' converter) with `blocks` double-stream blocks, or the tiny config with `blocks`; the text
-    input widths follow the tiny text encoders of the random checkpoints (one projection each: negligible)."""
+def transformer_config(tiny: bool, blocks: int, version: str = DEFAULT_VERSION) -> dict:
+    """`version`'s config (diffusers' converter) with `blocks` double-stream blocks, or its tiny config with `blocks`;
+    the text input widths follow the tiny text encoders of the random checkpoints (one projection each: negligible),
+    and so does the image input's of a T2V version (zeros); an I2V version keeps SigLIP's 1152."""
     from plan_memory import TRANSFORMER_CONFIGS
 
-    from sage_grpo.models.tiny import TINY_BYT5_DIM, TINY_IMAGE_DIM, TINY_TEXT_DIM, tiny_transformer_config
+    from sage_grpo.models.tiny import TINY_BYT5_DIM, TINY_IMAGE_DIM, TINY_TEXT_DIM, tiny_variant_config
 
     if tiny:
-        return {**tiny_transformer_config(), "num_layers": blocks}
-    cfg = dict(TRANSFORMER_CONFIGS["480p_t2v"])
-    cfg.update(num_layers=blocks, text_embed_dim=TINY_TEXT_DIM, text_embed_2_dim=TINY_BYT5_DIM,
-               image_embed_dim=TINY_IMAGE_DIM)
+        return {**tiny_variant_config(version), "num_layers": blocks}
+    cfg = dict(TRANSFORMER_CONFIGS[version])
+    cfg.update(num_layers=blocks, text_embed_dim=TINY_TEXT_DIM, text_embed_2_dim=TINY_BYT5_DIM)
+    if cfg["task_type"] != "i2v":
+        cfg["image_embed_dim"] = TINY_IMAGE_DIM
     cfg["rope_axes_dim"] = tuple(cfg["rope_axes_dim"])
     return cfg
+
+
+def geometry(tiny: bool, version: str) -> tuple[int, int, int]:
+    """(frames, height, width) of the measured runs: GEOMETRY for 480p_t2v; for every other version the bucket of a
+    16:9 image (square on the tiny model) at its target size, in its VAE's 16 px steps (the tiny VAE's 4), as
+    diffusers' pipelines size such an image (an I2V video's size comes from its image)."""
+    from sage_grpo.models.image_cond import bucket_size
+
+    frames, height, width = GEOMETRY["tiny" if tiny else "real"]
+    if version == DEFAULT_VERSION:
+        return frames, height, width
+    key = "tiny" if tiny else "real"
+    return frames, *bucket_size(*IMAGE_HW[key], transformer_config(tiny, 1, version)["target_size"], 4 if tiny else 16)
 
 
 def random_fill_(module, seed: int = 0) -> None:
@@ -111,20 +139,37 @@ def random_fill_(module, seed: int = 0) -> None:
             p.normal_(0.0, 0.02, generator=g)
 
 
-def random_components(tiny: bool) -> tuple[dict, object]:
+def random_components(tiny: bool, version: str = DEFAULT_VERSION) -> tuple[dict, object]:
     """The parts of a random checkpoint besides the transformer: tiny text encoders and tokenizers (the real text
-    lengths unless tiny) and the real VAE (the tiny one when tiny) -> (components, text lengths)."""
-    from diffusers import AutoencoderKLHunyuanVideo15
+    lengths unless tiny), the real VAE (the tiny one when tiny), an I2V version's SigLIP (so400m's vision tower and
+    its 384 px processor; the tiny one when tiny), the version's scheduler shift and CFG scale -> (components, text
+    lengths)."""
+    from diffusers import AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
 
-    from sage_grpo.models.tiny import TextLengths, build_tiny_components, default_system_message, tiny_crop_start
+    from sage_grpo.models.tiny import (
+        TextLengths,
+        build_tiny_components,
+        default_system_message,
+        tiny_crop_start,
+        variant_of,
+    )
 
-    comps = build_tiny_components(0)
+    v = variant_of(version)
+    comps = build_tiny_components(0, task=v.task)
     lengths = comps.pop("text_lengths")
     comps.pop("transformer")
+    comps["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=v.flow_shift)
+    comps["guider"] = ClassifierFreeGuidance(guidance_scale=v.guidance_scale)
     if not tiny:
         comps["vae"] = AutoencoderKLHunyuanVideo15().eval()
         lengths = TextLengths(prompt_template_encode_start_idx=tiny_crop_start(comps["tokenizer"],
                                                                                 default_system_message()))
+        if v.task == "i2v":  # 729 tokens of width 1152, as the I2V checkpoints' SigLIP gives
+            from plan_memory import SIGLIP_SO400M
+            from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+            comps["image_encoder"] = SiglipVisionModel(SiglipVisionConfig(**SIGLIP_SO400M)).eval()
+            comps["feature_extractor"] = SiglipImageProcessor(size={"height": 384, "width": 384})
     return comps, lengths
 
 
@@ -132,27 +177,30 @@ def parts_of(comps: dict) -> dict:
     """The planner's `frozen` counts of `comps`: no reward model (the demo brightness reward has no weights)."""
     n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     return {"vae": n(comps["vae"]), "vae_config": dict(comps["vae"].config), "text_encoder": n(comps["text_encoder"]),
-            "byt5": n(comps["text_encoder_2"]), "reward": 0}
+            "byt5": n(comps["text_encoder_2"]), "reward": 0,
+            **({"image_encoder": n(comps["image_encoder"])} if "image_encoder" in comps else {})}
 
 
-def write_checkpoint(out: Path, tcfg: dict, tiny: bool, device) -> Path:
+def write_checkpoint(out: Path, tcfg: dict, tiny: bool, device, version: str = DEFAULT_VERSION) -> Path:
     """A diffusers-layout HunyuanVideo-1.5 with random weights: the transformer of `tcfg` (built on meta, materialised
-    on `device`, saved in bf16) and random_components. Written once: a complete folder is reused."""
+    on `device`, saved in bf16) and random_components of `version` (an I2V one saved as
+    HunyuanVideo15ImageToVideoPipeline, with its image encoder). Written once: a complete folder is reused."""
     import torch
-    from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
 
     from sage_grpo.models.tiny import TEXT_LENGTHS_FILE
 
     if (out / TEXT_LENGTHS_FILE).exists():  # written last
         return out
-    comps, lengths = random_components(tiny)
+    comps, lengths = random_components(tiny, version)
     with torch.device("meta"):
         transformer = HunyuanVideo15Transformer3DModel(**tcfg).to(torch.bfloat16)
     transformer = transformer.to_empty(device=device)  # bf16 from the start: no fp32 copy of 8.3B parameters
     random_fill_(transformer)
     comps["transformer"] = transformer.eval()
     out.mkdir(parents=True, exist_ok=True)
-    HunyuanVideo15Pipeline(**comps).save_pretrained(out, safe_serialization=True)
+    pipeline = HunyuanVideo15ImageToVideoPipeline if "image_encoder" in comps else HunyuanVideo15Pipeline
+    pipeline(**comps).save_pretrained(out, safe_serialization=True)
     (out / TEXT_LENGTHS_FILE).write_text(json.dumps(lengths.to_dict(), indent=1) + "\n")
     del comps, transformer
     if torch.cuda.is_available():
@@ -166,7 +214,7 @@ def frozen_parts(ck, blocks: int) -> dict:
     reward)."""
     if not ck.real_weights(blocks):
         if ck.parts is None:
-            ck.parts = parts_of(random_components(ck.tiny)[0])
+            ck.parts = parts_of(random_components(ck.tiny, ck.version)[0])
         return ck.parts
     from plan_memory import count_frozen_parts
 
@@ -182,13 +230,24 @@ class Check:
     def __init__(self, a):
         import torch
 
+        from sage_grpo.errors import SageGRPOError
+        from sage_grpo.models.tiny import variant_of
+
         self.a = a
         self.tiny = a.tiny
+        self.version, self.variant = a.version, variant_of(a.version)  # an unknown name: one line with the valid ones
+        if a.model_path:
+            from sage_grpo.models.loading import locate_model
+
+            task = locate_model("", a.model_path, "").task
+            if task != self.variant.task:
+                raise SageGRPOError(f"--model_path {a.model_path} is a {task.upper()} checkpoint but --version "
+                                    f"{a.version} is {self.variant.task.upper()}; pass its version")
         self.device = "cpu" if a.tiny or not torch.cuda.is_available() else "cuda"
         self.out = Path(a.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.ckpts = Path(a.ckpt_dir)
-        self.frames, self.height, self.width = GEOMETRY["tiny" if a.tiny else "real"]
+        self.frames, self.height, self.width = geometry(a.tiny, a.version)
         self.parts = None  # frozen_parts, computed once
         self.gpu_gib = (a.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / GIB
                                              if self.device == "cuda" else 16.0))
@@ -203,22 +262,50 @@ class Check:
 
     def tcfg(self, blocks: int) -> dict:
         """The transformer config of the model measured at `blocks` blocks."""
-        return self.tcfg_of_model_path() if self.real_weights(blocks) else transformer_config(self.tiny, blocks)
+        return (self.tcfg_of_model_path() if self.real_weights(blocks)
+                else transformer_config(self.tiny, blocks, self.version))
 
     def model_dir(self, kind: str, blocks: int) -> Path:
         """--model_path when given and as deep (real weights), else a random checkpoint with `blocks` blocks."""
         if self.real_weights(blocks):
             return Path(self.a.model_path)
-        return write_checkpoint(self.ckpts / f"{kind}_{blocks}", transformer_config(self.tiny, blocks), self.tiny,
-                                self.device)
+        name = f"{kind}_{blocks}" if self.version == DEFAULT_VERSION else f"{kind}_{self.version}_{blocks}"
+        return write_checkpoint(self.ckpts / name, transformer_config(self.tiny, blocks, self.version), self.tiny,
+                                self.device, self.version)
+
+    def prompt_file(self) -> Path:
+        """The training prompts: configs/tiny_prompts.txt, each with a 16:9 reference image at this check's size for
+        an I2V version (written once beside the random checkpoints: smooth random pictures)."""
+        if self.variant.task != "i2v":
+            return ROOT / "configs/tiny_prompts.txt"
+        import numpy as np
+        import PIL.Image
+        import torch
+
+        folder = self.ckpts / f"prompts_{self.height}x{self.width}"
+        csv = folder / "prompts.csv"
+        if csv.exists():  # written last
+            return csv
+        folder.mkdir(parents=True, exist_ok=True)
+        prompts = (ROOT / "configs/tiny_prompts.txt").read_text().split("\n")
+        rows = ["prompt,ref_image_path"]
+        for i, prompt in enumerate(x.strip() for x in prompts if x.strip()):
+            coarse = torch.rand(1, 3, 6, 10, generator=torch.Generator().manual_seed(i))
+            img = torch.nn.functional.interpolate(coarse, size=(self.height, self.width), mode="bilinear")[0]
+            PIL.Image.fromarray((img.permute(1, 2, 0).numpy() * 255).astype(np.uint8)).save(folder / f"{i}.png")
+            rows.append(f'"{prompt}",{i}.png')
+        csv.write_text("\n".join(rows) + "\n")
+        return csv
 
     def post_train_argv(self, model_dir: Path, run: str, flags: list[str]) -> list[str]:
-        """post_train.py's flags for a measured run: configs/tiny_cpu.yaml's demo reward and prompts, this check's
-        geometry, `flags` on top (see bench_step.config_argv)."""
+        """post_train.py's flags for a measured run: configs/tiny_cpu.yaml's demo reward and prompts (with images for
+        I2V), this check's geometry (the planner's --height/--width; an I2V run takes the same from its images), the
+        version's flow shift and CFG scale, `flags` on top (see bench_step.config_argv)."""
         return ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(model_dir),
                 "--pretrained_model_root", str(model_dir.parent), "--output_dir", str(self.ckpts / "runs" / run),
                 "--overwrite_output_dir", "True",
-                "--train_video_csv", str(ROOT / "configs/tiny_prompts.txt"),
+                "--train_video_csv", str(self.prompt_file()), "--pretrained_transformer_version", self.version,
+                "--flow_shift", f"{self.variant.flow_shift:g}", "--cfg_scale", f"{self.variant.guidance_scale:g}",
                 "--sample_n_frames", str(self.frames), "--height", str(self.height), "--width", str(self.width),
                 "--batch_size", "2", "--num_generations", "2", "--grpo_sampling_steps", str(self.a.sampling_steps),
                 "--enable_gradient_checkpointing", "True", "--vae_tiling", "True", "--offload_text_encoder", "True",
@@ -245,12 +332,12 @@ def stage_build(ck: Check) -> dict:
     """Materialise the transformer from the meta device on the device, then the VAE and the text encoders; resident
     GiB of each next to its parameter bytes (the planner's weight terms)."""
     import torch
-    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+    from diffusers import HunyuanVideo15Transformer3DModel
 
     from sage_grpo.models.attention import use_valid_token_attention
 
     blocks = 2 if ck.tiny else 54
-    tcfg = transformer_config(ck.tiny, blocks)
+    tcfg = transformer_config(ck.tiny, blocks, ck.version)
     cuda = ck.device == "cuda"
     allocated = (lambda: torch.cuda.memory_allocated() / GIB) if cuda else (lambda: math.nan)
     rows, t0 = [], time.perf_counter()
@@ -264,15 +351,16 @@ def stage_build(ck: Check) -> dict:
         pipe = load_pipeline(model_path=ck.a.model_path, dtype="bf16", device=ck.device)
         parts = {"transformer": pipe.transformer, "vae": pipe.vae, "text_encoder": pipe.text_encoder,
                  "text_encoder_2": pipe.text_encoder_2}
+        if getattr(pipe, "image_encoder", None) is not None:
+            parts["image_encoder"] = pipe.image_encoder
     else:
         transformer = transformer.to_empty(device=ck.device)
         random_fill_(transformer)
-        from sage_grpo.models.tiny import build_tiny_components, tiny_vae_config
-
-        vae = AutoencoderKLHunyuanVideo15(**(tiny_vae_config() if ck.tiny else {}))
-        comps = build_tiny_components(0)
-        parts = {"transformer": transformer, "vae": vae, "text_encoder": comps["text_encoder"],
+        comps = random_components(ck.tiny, ck.version)[0]  # the VAE of that size, an I2V version's SigLIP
+        parts = {"transformer": transformer, "vae": comps["vae"], "text_encoder": comps["text_encoder"],
                  "text_encoder_2": comps["text_encoder_2"]}
+        if "image_encoder" in comps:
+            parts["image_encoder"] = comps["image_encoder"]
     build_s = time.perf_counter() - t0
     for name, mod in parts.items():
         before = allocated()
@@ -289,8 +377,8 @@ def stage_build(ck: Check) -> dict:
 
     counted = count_transformer(build_transformer(tcfg))
     exact = counted["total"] == rows[0]["params"]
-    res = {"blocks": blocks, "build_s": build_s, "parts": rows, "planner_counts_transformer_exactly": exact,
-           "config": tcfg}
+    res = {"version": ck.version, "blocks": blocks, "build_s": build_s, "parts": rows,
+           "planner_counts_transformer_exactly": exact, "config": tcfg}
     notes = [] if cuda else [f"resident memory: {NOT_MEASURED} (CPU)"]
     ck.write("build", {"transformer_params": rows[0]["params"]}, res, notes)
     return res
@@ -317,6 +405,9 @@ def stage_memory(ck: Check) -> dict:
     import measure_memory
 
     argv = ["--device", ck.device, "--out", str(ck.out / "measure_memory.json")]
+    if not ck.tiny:  # this version's size; I2V's 729 SigLIP tokens are valid encoder tokens like the prompt's
+        argv += ["--frames", str(ck.frames), "--height", str(ck.height), "--width", str(ck.width),
+                 "--valid_text", str(200 + (729 if ck.variant.task == "i2v" else 0))]
     # --tiny skips the VAE decode here: the lora and full stages decode through post_train's tiled path anyway
     res = measure_memory.main(argv + (["--small", "--skip_vae"] if ck.tiny else []))
     ck.write("memory", {}, {"measure_memory": res}, [])
@@ -358,6 +449,7 @@ def measured_run(ck: Check, stage: str, kind: str, blocks: int, flags: list[str]
     videos = res["batch_size"]
     phase_s = res["median"]["phase_s"]
     out = {
+        "version": ck.version, "geometry": [ck.frames, ck.height, ck.width], "task": ck.variant.task,
         "blocks": blocks, "flags": flags, "argv": argv, "wall_s": wall, "videos_per_step": videos,
         "seconds_per_phase": phase_s, "seconds_per_phase_per_video": {k: v / videos for k, v in phase_s.items()},
         "forwards_per_step": [s["counts"] for s in res["per_step"]],
@@ -460,8 +552,9 @@ def render_markdown(out: Path) -> str:
         if not r:
             continue
         res = r["results"]
-        lines += [f"**{stage}** ({res['blocks']} blocks, {res['videos_per_step']} videos per step; "
-                  f"first update's ratio {res['first_update_ratio']['verdict']})", "",
+        size = "x".join(map(str, res["geometry"]))
+        lines += [f"**{stage}** ({res['version']} {size}, {res['blocks']} blocks, {res['videos_per_step']} videos "
+                  f"per step; first update's ratio {res['first_update_ratio']['verdict']})", "",
                   "| phase | s per step | s per video | per-sample forwards (step 2) | peak GiB | plan GiB | error | "
                   "plan check |", "|---|---|---|---|---|---|---|---|"]
         last = res["forwards_per_step"][-1]
@@ -527,6 +620,9 @@ def parse(argv=None):
     ap = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", default="all", help="comma list of stages or all: " + ", ".join(STAGES))
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU, same stages (the CPU test)")
+    ap.add_argument("--version", default=DEFAULT_VERSION, help="checkpoint version measured (e.g. 480p_i2v, 720p_t2v, "
+                    "720p_i2v): its transformer config, flow shift, CFG scale and size; I2V with SigLIP and 16:9 "
+                    f"reference images (default {DEFAULT_VERSION}; with --model_path, that checkpoint's version)")
     ap.add_argument("--model_path", default="", help="diffusers-layout HunyuanVideo-1.5 with real weights (default: "
                     "random weights)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "outputs/gpu_check",

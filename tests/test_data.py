@@ -69,6 +69,61 @@ def test_group_sampler_layout_epochs_and_resume():
     assert [c.next_step() for _ in range(3)] != steps[:3]
 
 
+def test_group_sampler_draws_each_step_from_one_size_bucket():
+    """Image-to-video prompts of several sizes: every step's prompts share one bucket, bucket b is drawn with
+    probability n_b / N from (seed, step) (the same on ranks that compute the plan alone), each bucket visits its
+    prompts once per epoch of its own, a restored state continues identically; one bucket draws what no buckets
+    draw."""
+    from collections import Counter
+
+    import torch
+
+    from sage_grpo.data import GroupSampler
+    from sage_grpo.seeding import derive_seed
+
+    keys = ["wide"] * 6 + ["square"] * 2 + ["wide", "tall"]  # 7 : 2 : 1, interleaved in the file
+    bucket = {i: k for i, k in enumerate(keys)}
+
+    def make(**kw):
+        return GroupSampler(10, **{"batch_size": 4, "num_generations": 2, "dp_size": 1, "seed": 5, **kw},
+                            buckets=keys)
+
+    s = make()
+    steps = [s.next_step() for _ in range(2000)]
+    for i, x in enumerate(steps):
+        assert len(x) == 2 and len({bucket[p] for p in x}) == 1, f"step {i} mixes sizes: {x}"
+    drawn = Counter(bucket[x[0]] for x in steps)
+    for key, share in (("wide", 0.7), ("square", 0.2), ("tall", 0.1)):  # 3 binomial standard deviations or less
+        assert abs(drawn[key] / 2000 - share) < 3 * (share * (1 - share) / 2000) ** 0.5, (key, drawn)
+    square = [p for x in steps if bucket[x[0]] == "square" for p in x]
+    assert all(sorted(square[i : i + 2]) == [6, 7] for i in range(0, 20, 2))  # an epoch of its own per bucket
+    wide = [p for x in steps if bucket[x[0]] == "wide" for p in x][:35]
+    epochs = [wide[i : i + 7] for i in range(0, 35, 7)]
+    assert all(sorted(e) == [0, 1, 2, 3, 4, 5, 8] for e in epochs) and epochs[0] != epochs[1]
+    # two data-parallel ranks, each alone, draw the one-process plan (and the same bucket) at every step
+    ranks, one = [make(batch_size=2, dp_size=2) for _ in range(2)], make()
+    for _ in range(20):
+        prompts = one.next_step()
+        assert [r.next_step() for r in ranks] == [prompts, prompts]
+    # resume: a fresh sampler restored from the state continues identically
+    a, b = make(), make()
+    for _ in range(7):
+        a.next_step()
+    b.load_state_dict(a.state_dict())
+    assert [a.next_step() for _ in range(30)] == [b.next_step() for _ in range(30)]
+    with pytest.raises(SageGRPOError, match="has 1 size bucket"):
+        b.load_state_dict({"epoch": 0, "position": 0})  # a checkpoint of a one-size run
+    # one bucket: the unbucketed draw, state and all
+    plain, one_key = (GroupSampler(5, batch_size=2, num_generations=4, dp_size=4, seed=1, buckets=bk)
+                      for bk in (None, ["k"] * 5))
+    drawn = [plain.next_step() for _ in range(7)]
+    assert drawn == [one_key.next_step() for _ in range(7)]
+    assert plain.state_dict() == one_key.state_dict() == {"epoch": 2, "position": 4}
+    perms = [torch.randperm(5, generator=torch.Generator().manual_seed(derive_seed(1, e, 0x5A4D))).tolist()
+             for e in range(3)]  # the unbucketed rule, written out: a permutation per epoch from (seed, epoch)
+    assert sum(drawn, []) == sum(perms, [])[:14]
+
+
 def test_an_unreadable_prompt_file_is_one_message(tmp_path, monkeypatch):
     """Permissions cannot be taken away from root (CI), so the read itself fails as it would without them."""
     import errno

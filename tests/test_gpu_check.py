@@ -86,3 +86,62 @@ def test_tiny_gpu_check_runs_every_stage(tmp_path):
     assert set(compiled["seconds_per_phase"]) == {"eager", "compiled"}
     md = (out / "gpu_check.md").read_text()
     assert "**lora**" in md and "**full**" in md and "**compile**" in md
+
+
+def test_each_version_is_measured_at_its_own_size_task_and_sampling_defaults(tmp_path):
+    """--version: 480p_t2v keeps the paper's 81x352x624; the others train at the 16:9 bucket of
+    hv15_variants.md's table (480p 480x848, 720p 720x1280), with the version's flow shift and CFG scale; an I2V
+    version trains on a prompt file of reference images of that size, and the planner plans the I2V run at 720p
+    with its 75,600 video tokens (81 frames), the 729 SigLIP tokens and the image encoder."""
+    from sage_grpo.data import read_prompts
+    from sage_grpo.models.image_cond import open_reference_image
+
+    sizes = {"480p_t2v": (352, 624), "480p_i2v": (480, 848), "720p_t2v": (720, 1280), "720p_i2v": (720, 1280),
+             "480p_i2v_step_distilled": (480, 848)}
+    argvs = {}
+    for version, (h, w) in sizes.items():
+        ck = gpu_check.Check(gpu_check.parse(["--version", version, "--out", str(tmp_path / "out"), "--ckpt_dir",
+                                              str(tmp_path / "ck")]))
+        assert (ck.frames, ck.height, ck.width) == (81, h, w), version
+        argv = argvs[version] = ck.post_train_argv(tmp_path / "model", version, gpu_check.FULL_FLAGS)
+        shift, cfg = (argv[argv.index(f) + 1] for f in ("--flow_shift", "--cfg_scale"))
+        assert (shift, cfg) == {"480p_t2v": ("5", "6"), "480p_i2v": ("5", "6"), "720p_t2v": ("9", "6"),
+                                "720p_i2v": ("7", "6"), "480p_i2v_step_distilled": ("7", "1")}[version]
+        records = read_prompts(argv[argv.index("--train_video_csv") + 1])
+        assert all(bool(r.ref_image_path) == ("i2v" in version) for r in records)
+        if "i2v" in version:
+            assert open_reference_image(records[0].ref_image_path).size == (w, h)
+    tcfg = gpu_check.transformer_config(False, 54, "720p_i2v")
+    assert tcfg["task_type"] == "i2v" and tcfg["image_embed_dim"] == 1152 and tcfg["target_size"] == 960
+    parts = {**plan_memory.count_frozen_parts(), "reward": 0}
+    pl = gpu_check.planned_phases(argvs["720p_i2v"], tcfg, parts, 80.0)
+    assert pl["setting"]["video_tokens"] == 75_600 and pl["setting"]["video"] == "81x720x1280"
+    assert pl["terms_gib"]["image encoder before offload"] > 0
+    t2v = gpu_check.planned_phases(argvs["720p_t2v"], gpu_check.transformer_config(False, 54, "720p_t2v"), parts,
+                                   80.0)
+    assert pl["setting"]["text_tokens"] == t2v["setting"]["text_tokens"] + 729
+
+
+def test_unknown_version_is_one_line(tmp_path):
+    with pytest.raises(SageGRPOError, match="unknown HunyuanVideo-1.5 version '540p_t2v'; valid: 480p_t2v"):
+        gpu_check.Check(gpu_check.parse(["--version", "540p_t2v", "--out", str(tmp_path)]))
+
+
+@pytest.mark.slow  # 9 s wall on an idle 2-core machine
+def test_tiny_gpu_check_of_a_720p_i2v_version(tmp_path):
+    """The same stages with --version 720p_i2v on the tiny model: an I2V random checkpoint (SigLIP included) at the
+    720p bucket base, trained on reference images by post_train (ratio 1 at the first update) and planned as I2V."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--tiny", "--version", "720p_i2v",
+                           "--stage", "build,lora", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "image-to-video: 8 reference images, training videos 48x48" in proc.stdout
+    build = json.loads((out / "gpu_check_build.json").read_text())["results"]
+    assert build["version"] == "720p_i2v" and build["config"]["task_type"] == "i2v"
+    assert [r["part"] for r in build["parts"]][-1] == "image_encoder" and build["planner_counts_transformer_exactly"]
+    lora = json.loads((out / "gpu_check_lora.json").read_text())["results"]
+    assert lora["version"] == "720p_i2v" and lora["geometry"] == [9, 48, 48] and lora["task"] == "i2v"
+    assert lora["first_update_ratio"]["verdict"] == "PASS"
+    assert all(v is not None for v in lora["plan_phases_gib"].values())
+    assert "**lora** (720p_i2v 9x48x48" in (out / "gpu_check.md").read_text()

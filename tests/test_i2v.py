@@ -207,14 +207,17 @@ def test_generate_takes_an_image_per_prompt_and_sizes_the_video_by_its_bucket(ti
     assert sizes == [(5, 3, 24, 40), (5, 3, 32, 32)]  # each video at its own image's bucket, not --fixed_size
     meta = json.loads((out[1].with_name(out[1].stem + "_config.json")).read_text())
     assert meta["task"] == "i2v" and meta["image"] == images[2]
-    # a prompt file's ref_image_path column (relative to the file) gives the same video as --image (index 1: the
-    # same noise seed as the second --prompt)
+    # a prompt file's ref_image_path column (relative to the file, or absolute) gives the same videos as --image
+    # (the indices: the same noise seeds as the --prompt order), its images of two sizes each at its own
     (tmp_path / "imgs").mkdir()
     shutil.copy(images[2], tmp_path / "imgs" / "sq.png")
-    (tmp_path / "p.csv").write_text("prompt,index,ref_image_path\na dog,1,imgs/sq.png\n")
-    [by_file] = generate.main([*common, "--valid_video_csv", str(tmp_path / "p.csv"), "--output_path",
-                               str(tmp_path / "by_file")])
-    assert torch.equal(read_video(by_file)[0], read_video(out[1])[0])
+    (tmp_path / "p.csv").write_text(f"prompt,index,ref_image_path\na dog,1,imgs/sq.png\n"
+                                    f"a red ball rolls,0,{images[0]}\n")
+    by_file = generate.main([*common, "--valid_video_csv", str(tmp_path / "p.csv"), "--output_path",
+                             str(tmp_path / "by_file")])
+    assert len(by_file) == 2
+    assert torch.equal(read_video(by_file[0])[0], read_video(out[1])[0])
+    assert torch.equal(read_video(by_file[1])[0], read_video(out[0])[0])
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -291,6 +294,113 @@ def test_i2v_training_rollout_gives_each_group_its_own_image_and_rescores_to_rat
             for step in range(2):
                 out = policy_step(c.transformer, traj, chunk, step, c.pipe.vision_num_semantic_tokens)
                 assert torch.equal(out.log_prob, traj.log_probs[chunk, step])
+
+
+def _two_size_prompts(folder):
+    """A prompt CSV whose images fall into two buckets of the tiny model, alternating in the file: 16:9-ish (24 x 40
+    px videos) and square (32 x 32)."""
+    (folder / "imgs").mkdir(parents=True, exist_ok=True)
+    rows = ["prompt,ref_image_path"]
+    for i in range(4):
+        h, w = (36 + i, 64 + 2 * i) if i % 2 == 0 else (50 + i, 50 + i)
+        _image(folder / "imgs" / f"{i}.png", h, w, 20 + i)
+        rows.append(f"a scene number {i},imgs/{i}.png")
+    (folder / "prompts.csv").write_text("\n".join(rows) + "\n")
+    return folder / "prompts.csv"
+
+
+@pytest.fixture(scope="module")
+def two_size_lora_run(tiny_i2v_dir, tmp_path_factory):
+    """A LoRA run of the tiny I2V model on images of two sizes: 2 steps of 2 prompts, a checkpoint after each,
+    validation at step 2 (the 4 prompts, both sizes); and the same run resumed from its checkpoint-1 in another
+    folder. -> {"full", "resumed": output dirs, "latents": {run: [the rollout latent shape of each step]}, "csv"}."""
+    from post_train_helpers import _args, pt
+
+    root = tmp_path_factory.mktemp("two_sizes")
+    csv = _two_size_prompts(root / "data")
+    extra = ["--train_video_csv", str(csv), "--num_generations", "2", "--use_lora", "True", "--lora_r", "4",
+             "--learning_rate", "3e-2", "--kl_warmup_updates", "1", "--kl_weight", "1e-2", "--save_interval", "1",
+             "--validation_interval", "2", "--validation_num_inference_steps", "2", "--validate_video_length", "5"]
+    latents: dict = {}
+
+    def run(name, *more):
+        def recording(c, state, *a, **k):  # the rollout latents of each step, as the update receives them
+            traj = rollout_phase(c, state, *a, **k)
+            latents.setdefault(name, []).append(tuple(traj.latents.shape))
+            return traj
+
+        rollout_phase = pt.rollout_phase
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pt, "rollout_phase", recording)
+            pt.main(_args(tiny_i2v_dir, root / name, *extra, *more))
+
+    run("full")
+    run("resumed", "--resume_from_checkpoint", str(root / "full" / "checkpoint-1"))
+    return {"full": root / "full", "resumed": root / "resumed", "latents": latents, "csv": csv}
+
+
+@pytest.mark.slow
+def test_i2v_images_of_two_sizes_train_one_size_per_step_and_resume_exactly(two_size_lora_run):
+    """Mixed image sizes in one run: each step's rollout batch holds one size (the sampler draws a step's prompts
+    from one bucket), both sizes are trained within the 2 steps, validation renders each prompt at its own size,
+    and a resume from checkpoint-1 gives step 2 bitwise (the LoRA adapter, the train state, the metrics)."""
+    from post_train_helpers import _stable
+    from safetensors.torch import load_file
+
+    from sage_grpo.metrics import read_metrics
+    from sage_grpo.video import read_video
+
+    run = two_size_lora_run
+    shapes = run["latents"]["full"]  # [B, T + 1, C, F, h, w] per step
+    assert len(shapes) == 2 and {s[-2:] for s in shapes} == {(6, 10), (8, 8)}, shapes  # 24x40 and 32x32 videos
+    assert run["latents"]["resumed"] == shapes[1:]
+    full, resumed = read_metrics(run["full"] / "metrics.jsonl"), read_metrics(run["resumed"] / "metrics.jsonl")
+    assert full[0]["train/ratio_min"] == full[0]["train/ratio_max"] == 1.0
+    sizes = sorted(read_video(p)[0].shape[-2:] for p in (run["full"] / "samples" / "step_000002").glob("*.mp4"))
+    assert sizes == [(24, 40), (24, 40), (32, 32), (32, 32)]
+    assert _stable(full)[-1] == _stable(resumed)[-1] and resumed[-1]["step"] == 2
+    a, b = (d / "checkpoint-2" for d in (run["full"], run["resumed"]))
+    sa, sb = (json.loads((p / "train_state.json").read_text()) for p in (a, b))
+    assert sa["sampler"] == sb["sampler"] and sa["sampler"]["steps"] == 2  # the bucketed sampler's state
+    assert {k: v for k, v in sa.items() if k != "config"} == {k: v for k, v in sb.items() if k != "config"}
+    la, lb = (load_file(p / "lora" / "adapter_model.safetensors") for p in (a, b))
+    assert la.keys() == lb.keys() and all(torch.equal(la[k], lb[k]) for k in la)
+
+
+@pytest.mark.slow
+def test_i2v_lora_checkpoint_exports_and_generates_from_the_trained_weights(two_size_lora_run, tiny_i2v_dir,
+                                                                            tmp_path):
+    """The I2V LoRA run's checkpoint, exported by scripts/export_checkpoint.py as an adapter (peft) and as merged
+    weights, samples with generate.py --image: both exports give the same video (up to float rounding), at the
+    image's bucket, unlike the base model's, and the merged export the checkpoint's own video; the adapter's model
+    card is the image-to-video one."""
+    import sys
+    from pathlib import Path
+
+    import generate
+    from sage_grpo.video import read_video
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import export_checkpoint
+
+    ckpt = two_size_lora_run["full"] / "checkpoint-2"
+    adapter = export_checkpoint.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "peft"), "--lora_format",
+                                      "peft"])
+    merged = export_checkpoint.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "merged")])
+    assert "pipeline_tag: image-to-video" in (adapter / "README.md").read_text()
+    image = str(two_size_lora_run["csv"].parent / "imgs" / "1.png")  # a square one: a 32 x 32 video
+    common = ["--model_path", str(tiny_i2v_dir), "--dtype", "fp32", "--video_length", "5", "--num_inference_steps",
+              "2", "--prompt", "a scene number 1", "--image", image]
+    videos = {}
+    runs = {"base": [], "lora": ["--lora_path", str(adapter)], "merged": ["--checkpoint_path", str(merged)],
+            "checkpoint": ["--checkpoint_path", str(ckpt)]}  # the last: the training checkpoint itself (DCP)
+    for name, more in runs.items():
+        [path] = generate.main([*common, *more, "--output_path", str(tmp_path / f"{name}.mp4")])
+        videos[name] = read_video(path)[0]  # [F, 3, H, W] in [0, 1], 8-bit levels
+    assert videos["lora"].shape == (5, 3, 32, 32)
+    assert (videos["lora"] - videos["merged"]).abs().max() <= 2 / 255  # the same weights, merged or not
+    assert torch.equal(videos["checkpoint"], videos["merged"])  # the export holds the checkpoint's weights
+    assert (videos["lora"] - videos["base"]).abs().max() > 8 / 255  # the trained adapter changes the video
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -397,17 +507,20 @@ def test_two_rank_i2v_layouts_match_one_process(tiny_i2v_dir, tmp_path):
     """torchrun on 2 gloo ranks with the tiny I2V model, 2 prompts (2 images) per step: Ulysses sp 2 (the 4 image
     tokens go through the all-to-all with the text) and FSDP2 dp 2 (one group, one image per rank), 2 steps each,
     against one process with the same 4 videos per step: the same rollouts, rewards and gradients up to float
-    rounding."""
+    rounding. The images have two sizes (the steps draw from both buckets): each rank, computing the plan alone,
+    draws the step's bucket of the one process."""
     import subprocess
     import sys
     from pathlib import Path
 
     from post_train_helpers import pt
 
+    from sage_grpo.config import load_config
+    from sage_grpo.data import GroupSampler
     from sage_grpo.metrics import read_metrics
 
     root = Path(__file__).resolve().parents[1]
-    csv = _i2v_prompts(tmp_path / "data")
+    csv = _two_size_prompts(tmp_path / "data")
     common = ["--config", str(root / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_i2v_dir), "--train_video_csv",
               str(csv), "--num_generations", "2", "--grpo_sampling_steps", "3", "--sample_n_frames", "5",
               "--max_steps", "2", "--save_interval", "0", "--report_to", "none"]
@@ -418,7 +531,11 @@ def test_two_rank_i2v_layouts_match_one_process(tiny_i2v_dir, tmp_path):
                         str(root / "tests/dist_workers/post_train_runs_worker.py"), str(tmp_path / "runs.json")],
                        capture_output=True, text=True, cwd=root, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("image-to-video: 4 reference images, training videos 24x40") == len(I2V_LAYOUTS), r.stdout
+    sizes = "image-to-video: 4 reference images, training videos in 2 size buckets: 24x40 (2 prompts), 32x32 (2"
+    assert r.stdout.count(sizes) == len(I2V_LAYOUTS), r.stdout
+    plan = GroupSampler(4, batch_size=4, num_generations=2, dp_size=1, seed=load_config(common).optim.seed,
+                        buckets=["wide", "square"] * 2)  # the file's buckets, in its order
+    assert plan.bucket_of_step(0) != plan.bucket_of_step(1)  # the 2 steps train both sizes
     for name, (_, shared) in I2V_LAYOUTS.items():
         one = tmp_path / f"one_{name}"
         pt.main([*common, *shared, "--batch_size", "4", "--output_dir", str(one)])
