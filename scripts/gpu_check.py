@@ -26,6 +26,9 @@ outputs/gpu_check/ without $OUT) and rewriting gpu_check.md, the markdown tables
   full       the same for full fine-tuning (fp32 master weights, AdamW + Muon, anchor copy), at the depth the planner
              says fits this GPU.
   compile    the lora flags at --compile_blocks blocks, eager and --compile: seconds per phase of each.
+  recipes    the lora flags at --compile_blocks blocks once per cheaper-steps recipe (sage_grpo.recipes: paper,
+             cfg_free, window, sliding, sliding_shared, cfg_free_sliding): median step seconds, per-sample
+             transformer forwards per step (at the minimum or not) and the first update's ratio, against paper.
   bench_step scripts/bench_step.py --real_width (a 2-block real-width model: overhead ratio, work at the minimum,
              our rollout vs diffusers' pipeline).
 
@@ -61,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 GIB = 2**30
-STAGES = ("build", "attention", "memory", "lora", "full", "compile", "bench_step")
+STAGES = ("build", "attention", "memory", "lora", "full", "compile", "recipes", "bench_step")
 NEEDED = ("torch", "diffusers", "transformers", "safetensors", "peft", "einops", "imageio", "yaml")
 # PhaseClock's phase (post_train.train) -> the planner's phase (scripts/plan_memory.plan)
 PHASE_MAP = {"rollout": "rollout", "reward": "decode+reward", "anchor": "anchor", "update": "update",
@@ -510,6 +513,32 @@ def stage_compile(ck: Check) -> dict:
     return res
 
 
+def stage_recipes(ck: Check) -> dict:
+    from sage_grpo.recipes import RECIPES, recipe_flags
+
+    blocks = 2 if ck.tiny else ck.a.compile_blocks
+    runs = {}
+    for name in RECIPES:
+        r = measured_run(ck, f"recipes_{name}", "compile", blocks,
+                         [*LORA_FLAGS, *recipe_flags(name, ck.a.sampling_steps)])
+        steps = r["bench_step"]["per_step"]
+        runs[name] = {
+            "step_s": r["bench_step"]["median"]["step_s"],
+            "forwards_per_sample_step": sum(s["counts"][k] for s in steps for k in ("rollout", "anchor", "update"))
+            / (len(steps) * r["videos_per_step"]),
+            "at_minimum": all(s["at_minimum"] for s in steps), "first_update_ratio": r["first_update_ratio"]["verdict"],
+            "seconds_per_phase": r["seconds_per_phase"], "peak_gib_by_phase": r["peak_gib_by_phase"],
+        }
+    paper = runs["paper"]
+    for r in runs.values():
+        r["step_s_over_paper"] = r["step_s"] / paper["step_s"]
+        r["forwards_over_paper"] = r["forwards_per_sample_step"] / paper["forwards_per_sample_step"]
+    ratios = {f"{n}/{k}": r[k] for n, r in runs.items() for k in ("step_s_over_paper", "forwards_over_paper")}
+    ck.write("recipes", ratios, {"blocks": blocks, "sampling_steps": ck.a.sampling_steps, "recipes": runs},
+             ["timed steps exclude the first when --steps > 1"])
+    return runs
+
+
 def stage_bench_step(ck: Check) -> dict:
     import bench_step
 
@@ -525,7 +554,7 @@ def stage_bench_step(ck: Check) -> dict:
 
 
 STAGE_FNS = {"build": stage_build, "attention": stage_attention, "memory": stage_memory, "lora": stage_lora,
-             "full": stage_full, "compile": stage_compile, "bench_step": stage_bench_step}
+             "full": stage_full, "compile": stage_compile, "recipes": stage_recipes, "bench_step": stage_bench_step}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -573,6 +602,17 @@ def render_markdown(out: Path) -> str:
         for ph, v in res["seconds_per_phase"]["eager"].items():
             c = res["seconds_per_phase"]["compiled"].get(ph)
             lines.append(f"| {ph} | {_f(v)} | {_f(c)} | {_f(res['compiled_over_eager'].get(ph))} |")
+        lines.append("")
+    r = reports.get("recipes")
+    if r:
+        res = r["results"]
+        lines += [f"**recipes** (LoRA, {res['blocks']} blocks, T = {res['sampling_steps']})", "",
+                  "| recipe | step s | vs paper | forwards / sample / step | vs paper | at minimum | first ratio |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, x in res["recipes"].items():
+            lines.append(f"| {name} | {_f(x['step_s'])} | {_f(x['step_s_over_paper'])} | "
+                         f"{_f(x['forwards_per_sample_step'])} | {_f(x['forwards_over_paper'])} | {x['at_minimum']} | "
+                         f"{x['first_update_ratio']} |")
         lines.append("")
     r = reports.get("build")
     if r:

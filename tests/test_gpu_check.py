@@ -84,8 +84,11 @@ def test_tiny_gpu_check_runs_every_stage(tmp_path):
         assert res["forwards_per_step"] == res["minimum_forwards_per_step"]
     compiled = json.loads((out / "gpu_check_compile.json").read_text())["results"]
     assert set(compiled["seconds_per_phase"]) == {"eager", "compiled"}
+    recipes = json.loads((out / "gpu_check_recipes.json").read_text())["results"]["recipes"]
+    assert all(r["at_minimum"] and r["first_update_ratio"] == "PASS" for r in recipes.values())
+    assert recipes["cfg_free"]["forwards_over_paper"] == pytest.approx(0.5)  # one forward instead of a CFG pair
     md = (out / "gpu_check.md").read_text()
-    assert "**lora**" in md and "**full**" in md and "**compile**" in md
+    assert "**lora**" in md and "**full**" in md and "**compile**" in md and "| cfg_free_sliding |" in md
 
 
 def test_each_version_is_measured_at_its_own_size_task_and_sampling_defaults(tmp_path):
