@@ -7,7 +7,9 @@ for the defaults; the demo and the video lab load it and never train it.
     python scripts/pretrain_tiny.py --out /tmp/world --seed 1        # another seed elsewhere
 
 Stages (sage_grpo/world/pretrain.py): render the training clips, train the VAE as an autoencoder, encode the clips,
-train the transformer by flow matching on the captions. Deterministic for a seed and --threads. The seconds and
+train the transformer by flow matching on the captions. Deterministic for a seed and --threads. Resumable: killed
+and run again with the same flags, it takes its finished VAE stage and continues the transformer from its last
+saved step (every --checkpoint_every steps, in <out>/pretrain_state/), to the same weights. The seconds and
 CPU seconds of each stage are printed and saved in pretrain_info.json beside the weights and, as a benchmark
 record, in --bench_out.
 """
@@ -32,6 +34,8 @@ def main() -> None:
     for f in fields(PretrainSettings):
         p.add_argument(f"--{f.name}", type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name),
                        help=f"(default: {getattr(defaults, f.name)})")
+    p.add_argument("--checkpoint_every", type=int, default=100, help="transformer steps between saves of the "
+                   "stage's state, from which a killed run continues (default: 100)")
     p.add_argument("--bench_out", default="", help="also write the timings as JSON here (default: none)")
     p.add_argument("--reuse_vae", default="", help="model directory of an earlier run with the same VAE settings: "
                                                    "take its VAE (the stage is deterministic) instead of training one")
@@ -40,13 +44,15 @@ def main() -> None:
     for name in ("num_clips", "vae_steps", "vae_batch", "transformer_steps", "transformer_batch", "threads"):
         if getattr(s, name) < 1:
             raise SageGRPOError(f"--{name} must be at least 1, got {getattr(s, name)}")
+    if a.checkpoint_every < 1:
+        raise SageGRPOError(f"--checkpoint_every must be at least 1, got {a.checkpoint_every}")
     if not 0.0 <= s.caption_dropout < 1.0 or not 0.0 <= s.ema_decay < 1.0:
         raise SageGRPOError("--caption_dropout and --ema_decay must be in [0, 1)")
     check_writable_dir(a.out, "--out")
     if a.reuse_vae:
         reusable_vae(s, a.reuse_vae)  # one line before anything is built
     quiet_libraries()
-    info = pretrain(s, a.out, reuse_vae=a.reuse_vae or None)
+    info = pretrain(s, a.out, reuse_vae=a.reuse_vae or None, checkpoint_every=a.checkpoint_every)
     print(f"wrote the tiny world model to {a.out}: {info['seconds']:.0f} s "
           f"({info['cpu_seconds']:.0f} CPU s on {s.threads} threads)")
     if a.bench_out:

@@ -105,6 +105,48 @@ def test_pretrain_is_deterministic_and_loads_through_the_real_loader(tmp_path):
     assert len(ids) == 3  # the saved tokenizer keeps the word merges
 
 
+@pytest.mark.slow
+def test_pretrain_killed_in_the_transformer_stage_continues_to_the_same_weights(tmp_path):
+    """scripts/pretrain_tiny.py killed (SIGKILL) once its transformer stage has saved step 4 of 8, then run again
+    with the same flags: it takes its own finished VAE stage, continues from step 4, and writes the weights of an
+    uninterrupted run, bitwise; the state folder is gone afterwards."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parents[1]
+    flags = ["--num_clips", "6", "--vae_steps", "2", "--vae_batch", "2", "--transformer_steps", "8",
+             "--transformer_batch", "2", "--warmup_steps", "1", "--threads", "1", "--checkpoint_every", "2"]
+
+    def run(out, **kw):
+        return subprocess.Popen([sys.executable, str(root / "scripts/pretrain_tiny.py"), "--out", str(out), *flags],
+                                cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert run(straight).wait(timeout=600) == 0
+    proc, state = run(killed), killed / "pretrain_state" / "transformer.pt"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if state.is_file() and torch.load(state, weights_only=True)["step"] >= 4:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before its transformer stage reached step 4"
+    again = run(killed)
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, out[-2000:]
+    assert "vae: reused from" in out and "transformer: continuing from step" in out
+    for part in ("transformer", "vae"):
+        a = load_file(straight / part / "diffusion_pytorch_model.safetensors")
+        b = load_file(killed / part / "diffusion_pytorch_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    assert not (killed / "pretrain_state").exists() and not (straight / "pretrain_state").exists()
+
+
 def test_world_text_encoder_is_unit_scale_and_the_rest_keeps_diffusers_init():
     from sage_grpo.world.pretrain import build_world_components
 

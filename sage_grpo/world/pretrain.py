@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -283,8 +285,13 @@ def _ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> N
 
 
 def train_transformer(pipe, latents: torch.Tensor, captions: list[str], s: PretrainSettings,
-                      log: Callable[[str], None] = print) -> tuple[torch.nn.Module, dict[str, float]]:
-    """Flow-matching training of pipe.transformer on (latents, captions). -> (EMA transformer, final stats)."""
+                      log: Callable[[str], None] = print, state_file: Path | None = None,
+                      checkpoint_every: int = 100) -> tuple[torch.nn.Module, dict[str, float]]:
+    """Flow-matching training of pipe.transformer on (latents, captions). -> (EMA transformer, final stats).
+
+    state_file: every `checkpoint_every` steps the stage's whole state (weights, EMA, optimizer, the generator, the
+    smoothed loss, the step) is written there atomically; a run that finds it (with the same settings) continues
+    from its step, to the weights an uninterrupted run reaches (tested bitwise)."""
     from sage_grpo.models.attention import use_valid_token_attention
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.rollout import SamplerSettings, predict_velocity
@@ -300,8 +307,19 @@ def train_transformer(pipe, latents: torch.Tensor, captions: list[str], s: Pretr
     opt = torch.optim.AdamW(transformer.parameters(), lr=s.transformer_lr, weight_decay=0.01)
     n = latents.shape[0]
     stats: dict[str, float] = {}
-    running = None
-    for step in range(s.transformer_steps):
+    running, first = None, 0
+    if state_file is not None and state_file.is_file():
+        saved = torch.load(state_file, map_location="cpu", weights_only=True)  # our own file, still no pickles
+        if saved["settings"] == json.dumps(s.to_dict(), sort_keys=True):
+            transformer.load_state_dict(saved["transformer"])
+            ema.load_state_dict(saved["ema"])
+            opt.load_state_dict(saved["optimizer"])
+            g.set_state(saved["generator"])
+            first, running = int(saved["step"]), float(saved["running"])
+            log(f"transformer: continuing from step {first} ({state_file})")
+        else:
+            log(f"transformer: {state_file} was written with other settings; starting over")
+    for step in range(first, s.transformer_steps):
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, s.transformer_steps, s.transformer_lr, s.warmup_steps)
         idx = torch.randint(n, (s.transformer_batch,), generator=g)
@@ -326,14 +344,24 @@ def train_transformer(pipe, latents: torch.Tensor, captions: list[str], s: Pretr
         stats = {"loss": loss_value, "loss_ema": running}
         if step % 50 == 0 or step == s.transformer_steps - 1:
             log(f"transformer step {step + 1}/{s.transformer_steps}: loss {loss_value:.4f} (smoothed {running:.4f})")
+        if state_file is not None and (step + 1) % checkpoint_every == 0 and step + 1 < s.transformer_steps:
+            _save_atomic({"settings": json.dumps(s.to_dict(), sort_keys=True), "step": step + 1, "running": running,
+                          "transformer": transformer.state_dict(), "ema": ema.state_dict(),
+                          "optimizer": opt.state_dict(), "generator": g.get_state()}, state_file)
     transformer.eval()
     return ema, stats
 
 
+def _save_atomic(obj: dict, path: Path) -> None:
+    """torch.save to a temporary file, then rename: a kill leaves the previous state or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
 def save_world_model(comps: dict, out: str | Path, extra: dict | None = None) -> Path:
     """Components -> `out` in the diffusers layout (transformer in bf16) + the text lengths and the settings."""
-    import json
-
     from diffusers import HunyuanVideo15Pipeline
 
     from sage_grpo.files import usual_permissions
@@ -372,17 +400,26 @@ def reusable_vae(s: PretrainSettings, model_dir: str | Path) -> dict:
     return info
 
 
+STATE_DIR = "pretrain_state"  # under the output directory while a pretraining runs; removed when it finishes
+
+
 def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = print,
-             reuse_vae: str | Path | None = None) -> dict:
+             reuse_vae: str | Path | None = None, checkpoint_every: int = 100) -> dict:
     """The three stages, timed; writes the model to `out`. -> info (settings, seconds and CPU seconds per stage,
     final losses), also saved as out/pretrain_info.json. reuse_vae: a model directory of an earlier pretraining
-    with the same VAE settings (`reusable_vae`): its VAE and VAE-stage timings are taken instead of training."""
+    with the same VAE settings (`reusable_vae`): its VAE and VAE-stage timings are taken instead of training.
+
+    Resumable: the finished VAE stage is kept in out/pretrain_state/ and the transformer stage writes its state
+    there every `checkpoint_every` steps; a run with the same settings that finds them takes the VAE and continues
+    the transformer from its last saved step, to the same weights as an uninterrupted run. The state folder is
+    removed once the model is written."""
     from diffusers import HunyuanVideo15Pipeline
 
     from sage_grpo.models.loading import apply_text_lengths
 
     torch.set_num_threads(s.threads)
     info: dict = {"settings": s.to_dict(), "torch": torch.__version__, "stages": {}}
+    state = Path(out) / STATE_DIR
 
     def timed(name: str, fn):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -397,18 +434,28 @@ def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = 
     pipe = HunyuanVideo15Pipeline(**comps)
     apply_text_lengths(pipe, lengths)
     videos, captions = timed("render", lambda: render_clips(s))
+    cached = state / "vae_stage.json"
+    if not reuse_vae and cached.is_file() and json.loads(cached.read_text())["settings"] == s.to_dict():
+        reuse_vae = state  # this run's own finished VAE stage, from before an interruption
     if reuse_vae:
         earlier = reusable_vae(s, reuse_vae)
         pipe.vae.load_state_dict(type(pipe.vae).from_pretrained(Path(reuse_vae) / "vae").state_dict())
-        info["vae"], info["stages"]["vae"] = earlier["vae"], {**earlier["stages"]["vae"], "reused_from": str(reuse_vae)}
+        info["vae"], info["stages"]["vae"] = earlier["vae"], earlier["stages"]["vae"]
+        if Path(reuse_vae) != state:
+            info["stages"]["vae"] = {**earlier["stages"]["vae"], "reused_from": str(reuse_vae)}
         log(f"== vae: reused from {reuse_vae} (trained in {earlier['stages']['vae']['seconds']} s)")
     else:
         info["vae"] = timed("vae", lambda: train_vae(pipe.vae, videos, s, log))
+        pipe.vae.save_pretrained(state / "vae")
+        (state / "pretrain_info.json").write_text(json.dumps(info, indent=1) + "\n")  # what reusable_vae reads
+        cached.write_text(json.dumps({"settings": s.to_dict()}) + "\n")  # written last: the stage is complete
     latents = timed("encode", lambda: encode_latents(pipe.vae, videos))
     pipe.vae.save_pretrained(Path(out) / "vae")  # the finished VAE can be inspected while the transformer trains
     info["scaling_factor"] = pipe.vae.config.scaling_factor
-    ema, info["transformer"] = timed("transformer", lambda: train_transformer(pipe, latents, captions, s, log))
+    ema, info["transformer"] = timed("transformer", lambda: train_transformer(
+        pipe, latents, captions, s, log, state_file=state / "transformer.pt", checkpoint_every=checkpoint_every))
     info["seconds"] = round(sum(v["seconds"] for v in info["stages"].values()), 1)
     info["cpu_seconds"] = round(sum(v["cpu_seconds"] for v in info["stages"].values()), 1)
     save_world_model({**comps, "transformer": ema, "text_lengths": lengths}, out, info)
+    shutil.rmtree(state, ignore_errors=True)
     return info
