@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.modules["post_train"] = pt  # dataclasses look their module up there
     spec.loader.exec_module(pt)
     cfg = load_config(rest, prog="post_train.py")
+    from sage_grpo.cli import quiet_libraries
+
+    quiet_libraries(cfg.logging.verbose)  # as post_train.py before its preflight: reading a checkpoint's guider
+    # config makes diffusers warn "Guiders are ... experimental"
     pt.preflight(cfg, known.nnodes * known.nproc_per_node, known.nproc_per_node)
     return 0
 

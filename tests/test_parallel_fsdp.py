@@ -230,6 +230,7 @@ def test_post_train_rollout_phase_runs_inside_keep_unsharded(monkeypatch, reshar
     c = SimpleNamespace(cfg=cfg, info=SimpleNamespace(dp_rank=0, is_main=True, device=torch.device("cpu")),
                         prompts=[rec], cache=SimpleNamespace(get=lambda texts: None),
                         settings=SimpleNamespace(use_cfg=False), transformer=transformer, shape=(4, 2, 4, 4),
-                        pipe=SimpleNamespace(vision_num_semantic_tokens=4), images=None)
-    post_train.rollout_phase(c, SimpleNamespace(sampler=sampler, step=0))
+                        pipe=SimpleNamespace(vision_num_semantic_tokens=4), images=None,
+                        windows=torch.ones(1, 4, dtype=torch.bool))
+    post_train.rollout_phase(c, SimpleNamespace(sampler=sampler, step=0, updates=0))
     assert events == [("enter", transformer, not reshard), ("rollout", transformer), ("exit",)]

@@ -451,14 +451,14 @@ def test_a_lora_checkpoint_exports_for_from_pretrained_and_generates_the_trained
 LAYOUTS = {
     "sp2": (["--sp_size", "2", "--batch_size", "4", "--enable_fsdp", "False"], []),
     "dp2": (["--batch_size", "2", "--enable_fsdp", "False"], []),
-    "fsdp_dp2": (["--batch_size", "2", "--enable_fsdp", "True"], ["--use_muon", "False"]),
-    "fsdp_sp2_lora": (["--sp_size", "2", "--batch_size", "4", "--enable_fsdp", "True"],
-                      ["--use_muon", "False", "--use_lora"]),
-    # a sliding SDE window with the shared ODE prefix, the group of 4 spread over both FSDP2 ranks
+    # FSDP2 with a sliding SDE window and the shared ODE prefix, the group of 4 spread over both ranks (FSDP2 without
+    # a window: fsdp_sp2_lora)
     "fsdp_dp2_window": (["--batch_size", "2", "--enable_fsdp", "True"],
                         ["--use_muon", "False", "--sde_window_start", "1", "--sde_window_size", "2",
                          "--sde_window_stride", "1", "--sde_window_every", "1", "--use_same_noise", "True",
                          "--shared_prefix", "True"]),
+    "fsdp_sp2_lora": (["--sp_size", "2", "--batch_size", "4", "--enable_fsdp", "True"],
+                      ["--use_muon", "False", "--use_lora"]),
 }
 
 
