@@ -67,7 +67,7 @@ def test_update_readme_fills_the_marked_block_only(tmp_path):
     assert gpu_check.README_BEGIN in text and gpu_check.README_END in text
 
 
-@pytest.mark.slow  # 25 s wall alone on the 2-core machine with one GRPO step per run (the inductor build of the compile stage the most of it)
+@pytest.mark.slow  # 25 s wall alone on the 2-core machine, one GRPO step per run (mostly the inductor build)
 def test_tiny_gpu_check_runs_every_stage(tmp_path):
     out = tmp_path / "out"
     # one GRPO step per measured run: the counts, the plan and the first update's ratio need no second step
