@@ -11,16 +11,14 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
 fi
 py="$venv/bin/python"
-# --no-compile: pip byte-compiles every file it installs (torch alone: 20 s of a 2-core machine, measured, against 6 s
-# without); Python compiles the modules a run imports on first use instead
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[setup] GPU found: installing the default torch build"
-    "$py" -m pip install -q --no-compile "torch>=2.6"
+    "$py" -m pip install -q "torch>=2.6"
   else
     # An unpinned torch resolves to a multi-GB CUDA build; 2.13.0 is the CPU wheel these machines carry.
     echo "[setup] no GPU: installing torch==2.13.0 (CPU)"
-    "$py" -m pip install -q --no-compile "torch==2.13.0"
+    "$py" -m pip install -q "torch==2.13.0"
   fi
 fi
 # The stamp records the pyproject digest and every extra installed so far, so demo.sh and test.sh (different
@@ -35,7 +33,7 @@ if [ "$have_digest" != "$digest" ] || [ "$all" != "$have_extras" ]; then
   echo "[setup] installing sage-grpo [${all}]"
   spec="$repo"
   [ -n "$all" ] && spec="$repo[$all]"
-  "$py" -m pip install -q --no-compile -e "$spec"
+  "$py" -m pip install -q -e "$spec"
   echo "$digest $all" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
