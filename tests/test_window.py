@@ -2,8 +2,6 @@
 inside and outside it, the equalizer over the window, the prefix computed once per prompt, and training through
 post_train.py (first ratio 1, only window steps trained, a sliding window resumed exactly)."""
 
-import json
-
 import pytest
 import torch
 from helpers import TINY_FRAMES, TINY_H, TINY_W
@@ -133,13 +131,12 @@ def test_shared_prefix_equals_g_separate_prefixes_with_fewer_forwards(tiny_pipe,
 
 
 @pytest.mark.slow
-def test_training_with_a_sliding_window_and_a_shared_prefix_resumes_exactly(tiny_model, tmp_path, monkeypatch):
+def test_training_with_a_sliding_window_and_a_shared_prefix(tiny_model, tmp_path, monkeypatch):
     """T = 4, window of 2 sliding by 1 every update from step 1: windows [1, 3), [2, 4), [1, 3), [2, 4); the prefix
-    is shared. The first update's ratio is exactly 1, every trained step lies in its round's window, and 2 steps +
-    resume + 2 steps equal 4 steps bitwise."""
-    from post_train_helpers import _args, _stable, _weights, pt
+    is shared. The first update's ratio is exactly 1 and every trained step lies in its round's window. (Resumed
+    bitwise, on 2 FSDP2 ranks against one process: tests/test_post_train.py's fsdp_dp2_window layout.)"""
+    from post_train_helpers import _args, pt
 
-    from sage_grpo.checkpoint import list_checkpoints
     from sage_grpo.metrics import read_metrics
 
     plans = []
@@ -154,22 +151,12 @@ def test_training_with_a_sliding_window_and_a_shared_prefix_resumes_exactly(tiny
     extra = ["--sde_window_start", "1", "--sde_window_size", "2", "--sde_window_stride", "1", "--sde_window_every",
              "1", "--use_same_noise", "True", "--shared_prefix", "True", "--update_ref_model_step", "1",
              "--kl_warmup_updates", "1", "--kl_weight", "1e-2", "--kl_coef", "1e-3", "--learning_rate", "1e-3"]
-    full, half = tmp_path / "full", tmp_path / "half"
-    pt.main(_args(tiny_model, full, "--max_steps", "4", *extra))
+    pt.main(_args(tiny_model, tmp_path, "--max_steps", "4", *extra))
     assert [w.nonzero().flatten().tolist() for w, _ in plans] == [[1, 2], [2, 3], [1, 2], [2, 3]]
     assert all(bool(w[p].all()) for w, p in plans) and all(p.shape[1] == 2 for _, p in plans)
-    pt.main(_args(tiny_model, half, "--max_steps", "2", "--save_interval", "2", *extra))
-    pt.main(_args(tiny_model, half, "--max_steps", "4", "--save_interval", "2", *extra,
-                  "--resume_from_checkpoint", "latest"))
-    rows = read_metrics(full / "metrics.jsonl")
+    rows = read_metrics(tmp_path / "metrics.jsonl")
     assert rows[0]["train/ratio_min"] == rows[0]["train/ratio_max"] == 1.0
     assert [r["rollout/window_start"] for r in rows] == [1, 2, 1, 2]
-    a, b = (list_checkpoints(d)[-1][1] for d in (full, half))
-    sa, sb = (json.loads((p / "train_state.json").read_text()) for p in (a, b))
-    assert {k: v for k, v in sa.items() if k != "config"} == {k: v for k, v in sb.items() if k != "config"}
-    wa, wb = _weights(full), _weights(half)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert _stable(read_metrics(full / "metrics.jsonl")) == _stable(read_metrics(half / "metrics.jsonl"))
 
 
 # the other recipes' first ratio: paper (tests/test_post_train.py), sliding_shared (above), cfg_free and

@@ -107,10 +107,12 @@ def test_pretrain_is_deterministic_and_loads_through_the_real_loader(tmp_path):
 
 @pytest.mark.slow
 def test_pretrain_killed_in_the_transformer_stage_continues_to_the_same_weights(tmp_path):
-    """scripts/pretrain_tiny.py killed (SIGKILL) once its transformer stage has saved a step of 10, then run again
-    with the same flags: it takes its own finished VAE stage, continues from that step, and writes the weights of an
-    uninterrupted run (here in this process, same settings and threads), bitwise; the state folder is gone after.
+    """A pretraining killed (SIGKILL) once its transformer stage has saved a step of 10, then scripts/pretrain_tiny.py
+    with the same settings: it takes the finished VAE stage, continues from that step, and writes the weights of an
+    uninterrupted run (same settings and threads), bitwise; the state folder is gone after.
     Seen failing when the stage's generator state is not restored."""
+    import multiprocessing
+    import os
     import signal
     import subprocess
     import sys
@@ -128,15 +130,20 @@ def test_pretrain_killed_in_the_transformer_stage_continues_to_the_same_weights(
                                 cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    proc, state = run(killed), killed / "pretrain_state" / "transformer.pt"
+    # the run to kill: a fork of this process (torch already imported) running what the script runs
+    proc = multiprocessing.get_context("fork").Process(
+        target=pretrain, args=(s, killed), kwargs={"log": lambda _: None, "checkpoint_every": 2})
+    proc.start()
+    state = killed / "pretrain_state" / "transformer.pt"
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
+    while time.monotonic() < deadline and proc.is_alive():
         if state.is_file():  # written atomically: a whole saved state
-            proc.send_signal(signal.SIGKILL)
+            os.kill(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.02)
-    assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before its transformer stage saved a step"
-    again = run(killed)
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL, "the run ended before its transformer stage saved a step"
+    again = run(killed)  # the script, with the same flags
     out, _ = again.communicate(timeout=600)
     assert again.returncode == 0, out[-2000:]
     assert "vae: reused from" in out and "transformer: continuing from step" in out

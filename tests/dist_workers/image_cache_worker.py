@@ -18,7 +18,7 @@ from sage_grpo.models.image_cond import (  # noqa: E402
     open_reference_image,
 )
 from sage_grpo.models.loading import load_pipeline  # noqa: E402
-from sage_grpo.parallel.dist import destroy, init_distributed  # noqa: E402
+from sage_grpo.parallel.dist import barrier, destroy, init_distributed  # noqa: E402
 
 torch.set_num_threads(1)
 out_dir, model_dir, cache_dir = (Path(a) for a in sys.argv[1:4])
@@ -42,4 +42,5 @@ try:  # the missing image is rank 1's share: both ranks raise, neither waits for
 except SageGRPOError as e:
     out["failure_error"] = str(e)
 (out_dir / f"rank{info.rank}.json").write_text(json.dumps(out))
+barrier()  # every rank done before any closes its connections (gloo aborts a peer still using them)
 destroy()
