@@ -4,11 +4,16 @@ pretraining) with fixed seeds, read back by the world's detectors.
 
     python scripts/eval_tiny.py                                  # the committed model, 42 held-out captions
     python scripts/eval_tiny.py --model_path /tmp/world --num_captions 84 --out outputs/eval_tiny
+    python scripts/eval_tiny.py --i2v                            # the image-to-video checkpoint, first frames given
 
 Reports the share of videos whose object colour, shape and motion direction (also size and background) match the
 caption, the frames' sharpness relative to rendered clips of the same captions, and temporal consistency, against
 the targets colour >= 0.8, shape >= 0.5, direction >= 0.6. Writes eval.json (benchmark format), eval.md and
 grid.png (the first --grid videos, 5 frames each) to --out.
+
+--i2v evaluates the image-to-video checkpoint (default assets/tiny_world/hunyuanvideo15_i2v): each caption's first
+frame is rendered (layout from the caption's index), written to --out/first_frames/ and given as the reference image;
+it adds first_frame_error, the mean absolute pixel difference between the video's first frame and that image.
 """
 
 import argparse
@@ -21,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sage_grpo.cli import CLIParser, check_writable_dir, quiet_libraries  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
-from sage_grpo.world.pretrain import WORLD_MODEL_DIR  # noqa: E402
+from sage_grpo.world.pretrain import WORLD_I2V_MODEL_DIR, WORLD_MODEL_DIR  # noqa: E402
 
 DEFAULT_STEPS, DEFAULT_CFG = 20, 4.0
 
@@ -51,7 +56,9 @@ def write_grid(videos, captions: list[str], path: Path, cols: int = 5) -> Path:
 
 def main(argv=None) -> dict:
     p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model_path", default=WORLD_MODEL_DIR, help=f"diffusers-layout model (default: {WORLD_MODEL_DIR})")
+    p.add_argument("--model_path", default="", help=f"diffusers-layout model (default: {WORLD_MODEL_DIR}, with --i2v "
+                                                    f"{WORLD_I2V_MODEL_DIR})")
+    p.add_argument("--i2v", action="store_true", help="image-to-video: the caption's rendered first frame is given")
     p.add_argument("--num_captions", type=int, default=42, help="held-out captions to sample (default: 42)")
     p.add_argument("--split", choices=("heldout", "train"), default="heldout", help="caption split (default: heldout)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"ODE steps (default: {DEFAULT_STEPS})")
@@ -63,14 +70,26 @@ def main(argv=None) -> dict:
     if a.steps < 1 or a.num_captions < 1 or a.grid < 0:
         raise SageGRPOError("--steps and --num_captions must be at least 1 and --grid at least 0")
     check_writable_dir(a.out, "--out")
-    from sage_grpo.models.loading import locate_model
-    from sage_grpo.world.evaluate import TARGETS, eval_captions, quality, sample_world_videos
+    a.model_path = a.model_path or (WORLD_I2V_MODEL_DIR if a.i2v else WORLD_MODEL_DIR)
+    from sage_grpo.models.loading import checkpoint_task, locate_model
+    from sage_grpo.world.evaluate import (
+        TARGETS,
+        eval_captions,
+        first_frame_error,
+        quality,
+        sample_world_videos,
+        write_first_frames,
+    )
     from sage_grpo.world.sampler import single_object_attributes
 
     total = len(single_object_attributes(a.split))
     if a.num_captions > total:
         raise SageGRPOError(f"--num_captions {a.num_captions}: the {a.split} split has {total} one-object captions")
-    locate_model("", a.model_path)  # a missing model is one line, before anything loads
+    task = checkpoint_task(locate_model("", a.model_path))  # a missing model is one line, before anything loads
+    if task != ("i2v" if a.i2v else "t2v"):
+        what = {"i2v": "an image-to-video", "t2v": "a text-to-video"}[task]
+        raise SageGRPOError(f"--model_path {a.model_path} is {what} checkpoint; "
+                            + ("drop --i2v" if a.i2v else "add --i2v") + " or give the other checkpoint")
     quiet_libraries()
     import torch
 
@@ -79,18 +98,25 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     pipe = load_pipeline("", a.model_path, dtype=torch.float32)
     captions = eval_captions(a.num_captions, a.split)
-    videos = sample_world_videos(pipe, captions, steps=a.steps, cfg_scale=a.cfg_scale, seed=a.seed)
-    q = quality(videos, captions, seeds=list(range(len(captions))))
+    seeds = list(range(len(captions)))
+    out = Path(a.out)
+    paths = None
+    if a.i2v:
+        paths, references = write_first_frames(captions, seeds, out / "first_frames")
+    videos = sample_world_videos(pipe, captions, steps=a.steps, cfg_scale=a.cfg_scale, seed=a.seed, image_paths=paths)
+    q = quality(videos, captions, seeds=seeds)
+    if a.i2v:
+        q["first_frame_error"] = float(first_frame_error(videos, references).mean())
     seconds = time.perf_counter() - t0
     passed = {k: q[k] >= v for k, v in TARGETS.items()}
-    result = {"benchmark": "eval_tiny", "model_path": a.model_path, "split": a.split, "steps": a.steps,
+    result = {"benchmark": "eval_tiny", "model_path": a.model_path, "task": task, "split": a.split, "steps": a.steps,
               "cfg_scale": a.cfg_scale, "seed": a.seed, "quality": q, "targets": TARGETS, "passed": passed,
               "seconds": round(seconds, 1), "torch": torch.__version__}
-    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     rows = ["| measure | value | target |", "|---|---|---|"]
-    for k in ("color", "shape", "motion", "size", "background", "sharpness_ratio", "temporal_consistency"):
+    for k in ("color", "shape", "motion", "size", "background", "sharpness_ratio", "temporal_consistency",
+              *(["first_frame_error"] if a.i2v else [])):
         target = f">= {TARGETS[k]}" if k in TARGETS else ""
         rows.append(f"| {k} | {q[k]:.3f} | {target} |")
     (out / "eval.md").write_text("\n".join(rows) + "\n")
@@ -98,7 +124,7 @@ def main(argv=None) -> dict:
         write_grid(videos[: a.grid], captions[: a.grid], out / "grid.png")
     print("\n".join(rows))
     missed = [k for k, ok in passed.items() if not ok]
-    print(f"{len(captions)} {a.split} captions, {a.steps} ODE steps, cfg {a.cfg_scale}: {seconds:.0f} s; "
+    print(f"{len(captions)} {a.split} captions ({task}), {a.steps} ODE steps, cfg {a.cfg_scale}: {seconds:.0f} s; "
           f"targets {'NOT met: ' + ', '.join(missed) if missed else 'met'}")
     return result
 

@@ -77,6 +77,8 @@ CONFIGS = [
     ("configs/tiny_cpu.yaml", "the tiny random model: unit tests, smoke runs", "one CPU process"),
     ("configs/tiny_world.yaml", "the pretrained tiny world model: the demo's training (`world_size`, calibrated trust "
      "region) and the video lab", "one CPU process"),
+    ("configs/tiny_world_i2v.yaml", "its image-to-video checkpoint: world captions with their first frames, reward "
+     "`world_motion`", "one CPU process"),
 ]
 
 

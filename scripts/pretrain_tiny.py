@@ -6,12 +6,14 @@ for the defaults; the demo and the video lab load it and never train it.
     python scripts/pretrain_tiny.py                                  # rewrites assets/tiny_world/hunyuanvideo15
     python scripts/pretrain_tiny.py --out /tmp/world --seed 1        # another seed elsewhere
 
-Stages (sage_grpo/world/pretrain.py): render the training clips, train the VAE as an autoencoder, encode the clips,
-train the transformer by flow matching on the captions. Deterministic for a seed and --threads. Resumable: killed
-and run again with the same flags, it takes its finished VAE stage and continues the transformer from its last
-saved step (every --checkpoint_every steps, in <out>/pretrain_state/), to the same weights. The seconds and
-CPU seconds of each stage are printed and saved in pretrain_info.json beside the weights and, as a benchmark
-record, in --bench_out.
+Stages (sage_grpo/world/pretrain.py): render the training clips, train the VAE as an autoencoder, encode the clips
+(and their first frames as image-to-video references), train the transformer by flow matching on the captions, a
+share --i2v_prob of the batches conditioned on their first frames. Writes the text-to-video checkpoint to --out and
+the image-to-video one (the same weights plus the tiny SigLIP) to <out>_i2v. Deterministic for a seed and
+--threads. Resumable: killed and run again with the same flags, it takes its finished VAE stage and continues the
+transformer from its last saved step (every --checkpoint_every steps, in <out>/pretrain_state/), to the same
+weights. The seconds and CPU seconds of each stage are printed and saved in pretrain_info.json beside the weights
+and, as a benchmark record, in --bench_out.
 """
 
 import argparse
@@ -48,6 +50,8 @@ def main() -> None:
         raise SageGRPOError(f"--checkpoint_every must be at least 1, got {a.checkpoint_every}")
     if not 0.0 <= s.caption_dropout < 1.0 or not 0.0 <= s.ema_decay < 1.0:
         raise SageGRPOError("--caption_dropout and --ema_decay must be in [0, 1)")
+    if not 0.0 <= s.i2v_prob <= 1.0 or s.object_weight < 0:
+        raise SageGRPOError("--i2v_prob must be in [0, 1] and --object_weight at least 0")
     check_writable_dir(a.out, "--out")
     if a.reuse_vae:
         reusable_vae(s, a.reuse_vae)  # one line before anything is built

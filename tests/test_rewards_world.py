@@ -15,6 +15,7 @@ from sage_grpo.rewards.world import (
     COLOR_TOL,
     WorldCaptionReward,
     WorldColorShareReward,
+    WorldMotionReward,
     WorldMotionRightReward,
     WorldSizeReward,
 )
@@ -37,7 +38,8 @@ def _videos(clips) -> torch.Tensor:
 
 def test_registered_and_usable_through_reward_weights(clips):
     """The four rewards are registered and selectable by --reward_weights like the demo rewards."""
-    assert {"world_caption", "world_size", "world_color_share", "world_motion_right"} <= set(reward_names())
+    assert {"world_caption", "world_size", "world_color_share", "world_motion_right", "world_motion"} <= set(
+        reward_names())
     reward = build_reward(reward_model="world_caption,world_size", reward_weights='{"world_caption": 1.0}')
     out = reward(_videos(clips), [c.caption for c in clips])
     assert torch.equal(out["total"], out["world_caption"]) and out["world_size"].shape == (N,)
@@ -89,6 +91,35 @@ def test_motion_right_reward_is_the_centre_displacement(clips):
         centres = c.scene.paths[0].centres(9)
         assert value == pytest.approx(float(centres[-1, 0] - centres[0, 0]) / 32, abs=0.01)
     assert len({c.attributes.motion for c in clips}) >= 3  # the clips cover several motions
+
+
+def test_motion_reward_is_the_centre_displacement_along_the_captions_direction():
+    """The layout's centre displacement projected on the caption's direction, over the side: for each clip scored
+    against the four directions' captions, its own is positive and the opposite one its negative; a still video
+    scores 0; a bounce caption is NaN with a warning."""
+    from dataclasses import replace
+
+    from sage_grpo.world.captions import make_caption
+
+    reward = WorldMotionReward()
+    clips = [sample_clip(31, i, two_object_prob=0.0) for i in range(24)]
+    straight = [c for c in clips if c.attributes.motion != "bounces"]
+    assert len({c.attributes.motion for c in straight}) == 4
+    for c in straight:
+        d = c.scene.paths[0].centres(9)
+        dx, dy = float(d[-1, 0] - d[0, 0]) / 32, float(d[-1, 1] - d[0, 1]) / 32
+        expected = {"left": -dx, "right": dx, "up": -dy, "down": dy}
+        prompts = [make_caption(replace(c.attributes, motion=m)) for m in expected]
+        got = reward(c.video[None].expand(4, -1, -1, -1, -1), prompts)["world_motion"]
+        assert got.tolist() == pytest.approx(list(expected.values()), abs=0.01)
+        assert expected[c.attributes.motion] >= 0.2  # the caption's own direction: 25-45% of the frame
+    still = straight[0].video[:1].expand(9, -1, -1, -1)[None]  # the first frame, 9 times
+    assert float(reward(still, [straight[0].caption])["world_motion"][0]) == 0.0
+    bounce = next(c for c in clips if c.attributes.motion == "bounces")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = score_safely(reward, bounce.video[None], [bounce.caption])
+    assert math.isnan(float(out["world_motion"][0])) and "left, right, up or down" in str(caught[0].message)
 
 
 def test_unparseable_prompt_scores_nan_not_zero(clips):

@@ -13,7 +13,7 @@ import torch
 from world_fixtures import blur
 
 from sage_grpo.world import parse_caption, render_caption
-from sage_grpo.world.evaluate import eval_captions, quality, sharpness
+from sage_grpo.world.evaluate import eval_captions, first_frame_error, quality, sharpness, write_first_frames
 from sage_grpo.world.sampler import is_heldout, single_object_attributes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +42,23 @@ def test_quality_of_rendered_clips_is_perfect_and_blur_lowers_sharpness():
     assert wrong["color"] < 1.0 and wrong["agreement"] < q["agreement"]
 
 
+def test_first_frames_are_the_rendered_clips_first_frames_and_score_zero_error(tmp_path):
+    import numpy as np
+    import PIL.Image
+
+    caps, seeds = eval_captions(3), [0, 1, 2]
+    paths, frames = write_first_frames(caps, seeds, tmp_path / "ff")
+    videos = torch.stack([render_caption(c, seed=s) for c, s in zip(caps, seeds)])  # [3, F, 3, H, W]
+    for path, frame, video in zip(paths, frames, videos):
+        png = torch.from_numpy(np.asarray(PIL.Image.open(path), dtype=np.float32) / 255).permute(2, 0, 1)
+        assert torch.equal(png, frame)  # what the PNG holds is what the error compares with
+        assert (frame - video[0]).abs().max() <= 0.5 / 255 + 1e-6  # the rendered first frame, to uint8 rounding
+    assert first_frame_error(videos, frames).max() <= 0.5 / 255 + 1e-6
+    moved = first_frame_error(videos[:, 1:], frames)  # the second frame: the object has moved
+    other = first_frame_error(videos.roll(1, 0), frames)  # another caption's video
+    assert (moved > 1e-3).all() and (other > moved).all()
+
+
 def _eval(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_tiny.py"), *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
@@ -56,6 +73,9 @@ def test_eval_tiny_missing_model_file_is_one_line(tiny_diffusers_dir, tmp_path):
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3  # the message and its list
     r = _eval("--model_path", str(tiny_diffusers_dir), "--num_captions", "100000", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "one-object captions" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = _eval("--model_path", str(tiny_diffusers_dir), "--i2v", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "is a text-to-video checkpoint; drop --i2v" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
@@ -66,3 +86,41 @@ def test_eval_tiny_writes_its_report(tiny_diffusers_dir, tmp_path):
     report = json.loads((tmp_path / "o" / "eval.json").read_text())
     assert report["quality"]["videos"] == 2 and set(report["passed"]) == {"color", "shape", "motion"}
     assert (tmp_path / "o" / "grid.png").stat().st_size > 0 and "| color |" in (tmp_path / "o" / "eval.md").read_text()
+
+
+@pytest.mark.slow
+def test_eval_tiny_i2v_conditions_on_the_rendered_first_frames(tiny_i2v_dir, tmp_path):
+    r = _eval("--i2v", "--model_path", str(tiny_i2v_dir), "--num_captions", "2", "--steps", "2", "--grid", "0",
+              "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "o" / "eval.json").read_text())
+    assert report["task"] == "i2v" and 0 < report["quality"]["first_frame_error"] <= 1
+    assert sorted(p.name for p in (tmp_path / "o" / "first_frames").iterdir()) == ["first_frame_000.png",
+                                                                                   "first_frame_001.png"]
+    assert "| first_frame_error |" in (tmp_path / "o" / "eval.md").read_text()
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_committed_i2v_prompt_folders_are_the_scripts_output(split, tmp_path):
+    """configs/world_i2v/<split> is what scripts/world_i2v_prompts.py writes for its caption file: the same rows
+    (straight motions only, every row's image the first frame of its caption's clip) and the same pixels."""
+    import importlib.util
+
+    import numpy as np
+    import PIL.Image
+
+    spec = importlib.util.spec_from_file_location("world_i2v_prompts", ROOT / "scripts" / "world_i2v_prompts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    captions = ROOT / "configs" / ("world_prompts.txt" if split == "train" else "world_heldout_prompts.txt")
+    fresh = script.main(["--captions", str(captions), "--out", str(tmp_path)])
+    committed = ROOT / "configs" / "world_i2v" / split / "prompts.csv"
+    assert fresh.read_text() == committed.read_text()
+    from sage_grpo.data import read_prompts
+
+    records = read_prompts(committed)
+    assert records and all(parse_caption(r.prompt).motion != "bounces" for r in records)
+    for r in records:
+        a = np.asarray(PIL.Image.open(r.ref_image_path))
+        b = np.asarray(PIL.Image.open(tmp_path / Path(r.ref_image_path).name))
+        assert a.shape == (32, 32, 3) and np.array_equal(a, b)

@@ -1,5 +1,6 @@
-"""The committed pretrained tiny world model (assets/tiny_world/hunyuanvideo15): it loads through the real loader and
-its fixed-seed ODE samples of held-out captions meet the quality it was committed with (scripts/eval_tiny.py)."""
+"""The committed pretrained tiny world model (assets/tiny_world/hunyuanvideo15 and its image-to-video checkpoint
+hunyuanvideo15_i2v): it loads through the real loader and its fixed-seed ODE samples of held-out captions meet the
+quality it was committed with (scripts/eval_tiny.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_grpo.world.pretrain import WORLD_MODEL_DIR, PretrainSettings
+from sage_grpo.world.pretrain import WORLD_I2V_MODEL_DIR, WORLD_MODEL_DIR, PretrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / WORLD_MODEL_DIR
+I2V_MODEL = ROOT / WORLD_I2V_MODEL_DIR
 
 # Floors under what 12 held-out captions (seed 0, 20 ODE steps, CFG 4) reach with the committed weights: measured
 # colour 0.42, shape 0.17, motion 0.08, background 1.00. The issue's targets (colour 0.8, shape 0.5, direction 0.6)
 # are NOT reached at this CPU budget (README "The tiny world model" says why); these floors guard what is reached
 # (chance: colour 1/6, shape 1/3 of the videos that show an object at all).
 FLOOR = {"color": 0.3, "shape": 0.08, "background": 0.9}
+
+
+# The settings of the text-to-video checkpoint (the previous defaults) and the I2V checkpoint's floors, under what
+# 12 held-out captions (seed 0, 20 ODE steps, CFG 4, each caption's rendered first frame given) reach: measured
+# colour 1.00, shape 0.17, motion 0.92, background 1.00, first-frame error 0.042.
+PREVIOUS = PretrainSettings(transformer_steps=1300, object_weight=0.0, i2v_prob=0.0)
+I2V_FLOOR = {"color": 0.9, "motion": 0.8, "background": 0.9}
+I2V_FIRST_FRAME_ERROR = 0.06
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +39,18 @@ def world_pipe():
 
 
 def test_committed_model_is_small_and_records_how_it_was_made():
-    size = sum(f.stat().st_size for f in MODEL.rglob("*") if f.is_file())
-    assert size < 25 * 2**20
-    info = json.loads((MODEL / "pretrain_info.json").read_text())
-    assert info["settings"] == PretrainSettings().to_dict()  # made by scripts/pretrain_tiny.py with its defaults
+    """The image-to-video checkpoint is scripts/pretrain_tiny.py's output for its defaults; the text-to-video one is
+    still the previous model (1,300 steps, plain MSE, no I2V batches: the demo's training is calibrated on it,
+    docs/world_model.md says why), whose VAE stage had the same settings: the two share the VAE file."""
+    for model, settings in ((I2V_MODEL, PretrainSettings()), (MODEL, PREVIOUS)):
+        size = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
+        assert size < 25 * 2**20
+        info = json.loads((model / "pretrain_info.json").read_text())
+        # the previous model predates object_weight and i2v_prob (its values: plain MSE, text-to-video only)
+        missing = {"object_weight", "i2v_prob"} if model == MODEL else set()
+        assert info["settings"] == {k: v for k, v in settings.to_dict().items() if k not in missing}
+    name = "vae/diffusion_pytorch_model.safetensors"  # git stores the identical file once
+    assert (MODEL / name).read_bytes() == (I2V_MODEL / name).read_bytes()
 
 
 def test_committed_model_loads_like_real_weights(world_pipe):
@@ -50,6 +68,31 @@ def test_committed_model_draws_heldout_captions(world_pipe):
     q = quality(videos, captions, seeds=list(range(len(captions))))
     for k, floor in FLOOR.items():
         assert q[k] >= floor, (k, q)
+
+
+def test_committed_i2v_model_animates_a_given_first_frame(tmp_path):
+    """The image-to-video checkpoint, each held-out caption's rendered first frame given: the video starts from it
+    and moves as the caption says (floors under the measured values, I2V_FLOOR)."""
+    from sage_grpo.models.loading import load_pipeline
+    from sage_grpo.world.evaluate import (
+        eval_captions,
+        first_frame_error,
+        quality,
+        sample_world_videos,
+        write_first_frames,
+    )
+
+    torch.set_num_threads(1)
+    pipe = load_pipeline(model_path=str(I2V_MODEL), dtype="fp32")
+    assert pipe.sage_grpo_task == "i2v"
+    captions = eval_captions(12)
+    seeds = list(range(len(captions)))
+    paths, frames = write_first_frames(captions, seeds, tmp_path)
+    videos = sample_world_videos(pipe, captions, steps=20, cfg_scale=4.0, seed=0, image_paths=paths)
+    q = quality(videos, captions, seeds=seeds)
+    for k, floor in I2V_FLOOR.items():
+        assert q[k] >= floor, (k, q)
+    assert float(first_frame_error(videos, frames).mean()) <= I2V_FIRST_FRAME_ERROR
 
 
 @pytest.mark.slow  # the demo's first 20 GRPO steps on the world model: 94 s on one thread of the 2-core machine

@@ -15,8 +15,13 @@ from sage_grpo.world.pretrain import (
     LOCAL_QK,
     PretrainSettings,
     batched_vae_attention,
+    build_world_components,
+    encode_first_frames,
+    i2v_model_dir,
+    object_cells,
     pretrain,
     reusable_vae,
+    train_transformer,
     world_tokenizer,
     world_words,
 )
@@ -98,8 +103,14 @@ def test_pretrain_is_deterministic_and_loads_through_the_real_loader(tmp_path):
     saved = json.loads((tmp_path / "a" / "pretrain_info.json").read_text())
     assert saved["settings"] == TINY.to_dict() and set(saved["stages"]) == {"render", "vae", "encode", "transformer"}
     assert info["scaling_factor"] > 0
+    i2v = load_pipeline(model_path=str(i2v_model_dir(tmp_path / "a")), dtype="fp32")  # TINY.i2v_prob > 0
+    assert i2v.sage_grpo_task == "i2v" and type(i2v.image_encoder).__name__ == "SiglipVisionModel"
+    for part in ("transformer", "vae"):  # the same files as the text-to-video checkpoint: git stores them once
+        name = f"{part}/diffusion_pytorch_model.safetensors"
+        assert (tmp_path / "a" / name).read_bytes() == (i2v_model_dir(tmp_path / "a") / name).read_bytes()
     pipe = load_pipeline(model_path=str(tmp_path / "a"), dtype="fp32")
-    assert pipe.transformer.config.num_layers == 4 and pipe.vae.config.latent_channels == TINY.latent_channels == 16
+    assert pipe.sage_grpo_task == "t2v" and pipe.transformer.config.num_layers == 4
+    assert pipe.vae.config.latent_channels == TINY.latent_channels == 16
     assert pipe.vae.config.scaling_factor == pytest.approx(info["scaling_factor"])
     ids = pipe.tokenizer("a red circle", add_special_tokens=False)["input_ids"]
     assert len(ids) == 3  # the saved tokenizer keeps the word merges
@@ -153,6 +164,96 @@ def test_pretrain_killed_in_the_transformer_stage_continues_to_the_same_weights(
         b = load_file(killed / part / "diffusion_pytorch_model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
     assert not (killed / "pretrain_state").exists() and not (straight / "pretrain_state").exists()
+
+
+def test_object_cells_mark_the_latent_cells_whose_frames_show_an_object():
+    """Against a loop over the causal VAE's cells: latent frame 0 = frame 0, latent frame k = frames 4k-3 .. 4k,
+    4 x 4 pixels a cell; a cell is marked iff one of its pixels differs from the background colour."""
+    from sage_grpo.world.pretrain import render_clips
+
+    videos, _ = render_clips(replace(TINY, num_clips=3))  # uint8 [3, 9, 3, 32, 32]
+    vae = build_world_components(0)["vae"]
+    got = object_cells(videos, vae.config)
+    assert got.shape == (3, 1, 3, 8, 8)
+    for n in range(3):
+        bg = videos[n, 0].flatten(1).median(dim=1).values  # the background covers most of the frame
+        off = (videos[n].int() - bg[None, :, None, None].int()).abs().amax(dim=1) > 0.2 * 127.5  # [9, 32, 32]
+        for f, frames in enumerate([[0], [1, 2, 3, 4], [5, 6, 7, 8]]):
+            for y in range(8):
+                for x in range(8):
+                    want = bool(off[frames, 4 * y : 4 * y + 4, 4 * x : 4 * x + 4].any())
+                    assert bool(got[n, 0, f, y, x]) == want, (n, f, y, x)
+    assert 0.02 < float(got.mean()) < 0.6  # objects, not the whole frame
+
+
+def test_object_weight_reaches_the_transformer_loss():
+    """No cells marked trains exactly like no weighting; cells marked change the weights (seen failing when the
+    weight is built but the loss stays the plain MSE)."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    from sage_grpo.models.loading import apply_text_lengths
+
+    s = replace(TINY, num_clips=4, transformer_steps=2)
+    latents = torch.randn(4, 16, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    captions = [make_caption(a) for a in single_object_attributes("train")[:4]]
+    marked = torch.zeros(4, 1, 3, 8, 8)
+    marked[..., :4, :] = 1.0
+
+    def train(objects):
+        comps = build_world_components(0)
+        lengths = comps.pop("text_lengths")
+        pipe = HunyuanVideo15Pipeline(**comps)
+        apply_text_lengths(pipe, lengths)
+        ema, _ = train_transformer(pipe, latents, captions, s, log=lambda _: None, objects=objects)
+        return torch.cat([p.flatten() for p in ema.parameters()])
+
+    plain = train(None)
+    assert torch.equal(train(torch.zeros(4, 1, 3, 8, 8)), plain)
+    assert not torch.allclose(train(marked), plain)
+
+
+def test_transformer_training_mixes_first_frame_conditioned_batches(monkeypatch):
+    """With first-frame images, a share i2v_prob of the batches reaches the forward with the image conditioning of
+    exactly the batch's clips (condition latents and SigLIP embeds, also for a caption dropped for CFG); the others
+    with none. Seen failing with the batch's images indexed by position instead of by the sampled clips."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+    import sage_grpo.rollout as rollout
+    from sage_grpo.models.loading import apply_text_lengths
+    from sage_grpo.world.pretrain import render_clips
+
+    s = replace(TINY, num_clips=8, transformer_steps=40, transformer_batch=3, caption_dropout=0.5, i2v_prob=0.3)
+    comps = build_world_components(0, i2v=True)
+    lengths = comps.pop("text_lengths")
+    pipe = HunyuanVideo15ImageToVideoPipeline(**comps)
+    apply_text_lengths(pipe, lengths)
+    videos, captions = render_clips(s)
+    images = encode_first_frames(pipe, videos)  # [8, ...]
+    assert images.latents.shape == (8, 16, 1, 8, 8) and images.embeds.shape == (8, 4, 16)
+    assert len({tuple(e.flatten().tolist()) for e in images.embeds}) == 8  # each clip's own first frame
+    latents = torch.randn(8, 16, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    batches, seen, real_randint, real = [], [], torch.randint, rollout.predict_velocity
+
+    def randint(high, size, generator=None):  # the clips each step samples, in order
+        idx = real_randint(high, size, generator=generator)
+        if tuple(size) == (s.transformer_batch,):
+            batches.append(idx.tolist())
+        return idx
+
+    def spy(transformer, xt, sigma, cond, uncond, settings, image_tokens, image=None):
+        clips = batches[len(seen)]
+        seen.append(image)
+        if image is not None:  # which clips' first frames came: each row matched against the encoded ones
+            rows = [int((images.latents == lat).flatten(1).all(1).nonzero()) for lat in image.latents]
+            assert rows == clips and torch.equal(image.embeds, images.embeds[clips]), (rows, clips)
+        return real(transformer, xt, sigma, cond, uncond, settings, image_tokens, image=image)
+
+    monkeypatch.setattr(rollout, "predict_velocity", spy)
+    monkeypatch.setattr(torch, "randint", randint)
+    train_transformer(pipe, latents, captions, s, log=lambda _: None, images=images)
+    i2v = sum(x is not None for x in seen)
+    assert len(seen) == 40 and 4 <= i2v <= 20, i2v  # Binomial(40, 0.3): mean 12
+    assert all(len(x) == 3 for x in seen if x is not None)  # every sample of an I2V batch has its image
 
 
 def test_world_text_encoder_is_unit_scale_and_the_rest_keeps_diffusers_init():

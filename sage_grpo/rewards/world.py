@@ -8,6 +8,9 @@ detectors, so on a rendered clip its value is known in closed form.
   red) and within `COLOR_TOL` of it.
 * ``world_motion_right``: horizontal displacement of the largest object's centroid from its first to its last
   frame, over the frame width, in [-1, 1].
+* ``world_motion``: displacement of the largest object's centroid from its first to its last frame along the
+  direction the caption says (left, right, up or down), over the frame side, in [-1, 1]: what the demo's
+  image-to-video run teaches.
 
 They are deliberately hackable one-number targets (a huge object, a red screen, a drift to the right); the held-out
 metrics in `sage_grpo.world.metrics` show what such a reward trades away. Detection runs on the CPU per video.
@@ -25,7 +28,8 @@ from sage_grpo.world.captions import COLORS
 from sage_grpo.world.detectors import detect, nearest_color, palette
 from sage_grpo.world.metrics import ATTRIBUTE_KINDS, caption_scores
 
-__all__ = ["COLOR_TOL", "WorldCaptionReward", "WorldSizeReward", "WorldColorShareReward", "WorldMotionRightReward"]
+__all__ = ["COLOR_TOL", "WorldCaptionReward", "WorldSizeReward", "WorldColorShareReward", "WorldMotionRightReward",
+           "WorldMotionReward"]
 
 COLOR_TOL = 0.25  # a pixel counts as a named colour within this RGB distance (half the closest two names' gap)
 
@@ -104,14 +108,51 @@ class WorldMotionRightReward:
         width = videos.shape[-1]
         out = []
         for v in videos:
-            objs = detect(v).objects
-            if not objs:
-                out.append(0.0)
-                continue
-            x = objs[0].track[:, 0]  # [F], NaN where absent
-            x = x[~torch.isnan(x)]
-            out.append(float(x[-1] - x[0]) / width if x.numel() >= 2 else 0.0)
+            d = _displacement(v)
+            out.append(0.0 if d is None else float(d[0]) / width)
         return {"world_motion_right": torch.tensor(out, dtype=torch.float32, device=videos.device)}
+
+
+def _displacement(video: torch.Tensor) -> torch.Tensor | None:
+    """(x, y) px from the first to the last frame the largest object is found in; None when found in fewer than 2."""
+    objs = detect(video).objects
+    if not objs:
+        return None
+    track = objs[0].track  # [F, 2], NaN where absent
+    track = track[~torch.isnan(track[:, 0])]
+    return track[-1] - track[0] if track.shape[0] >= 2 else None
+
+
+# the unit vector (x right, y down) of each straight motion of the world's captions
+DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0)}
+
+
+class WorldMotionReward:
+    """Displacement of the largest object's centroid (first to last frame it is found in) along the caption's
+    direction, over the frame side, in [-1, 1]; 0 when no object is found in two frames. A caption that says
+    "bounces" has no direction: it is an error (NaN for that video through `score_safely`)."""
+
+    components = ("world_motion",)
+    default_weights = {"world_motion": 1.0}
+    caption_kinds = ("motion",)
+
+    def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Score [B, F, 3, H, W] for world captions -> {"world_motion": [B]}."""
+        from sage_grpo.world.captions import parse_caption
+
+        _check_videos(videos)
+        if len(prompts) != videos.shape[0]:
+            raise ValueError(f"{videos.shape[0]} videos but {len(prompts)} prompts")
+        out = []
+        for v, prompt in zip(videos, prompts):
+            motion = parse_caption(prompt).motion
+            if motion not in DIRECTIONS:
+                raise SageGRPOError(f"world_motion scores captions that move left, right, up or down, not "
+                                    f"{prompt!r}")
+            d = _displacement(v)
+            dx, dy = DIRECTIONS[motion]
+            out.append(0.0 if d is None else float(d[0] / v.shape[-1] * dx + d[1] / v.shape[-2] * dy))
+        return {"world_motion": torch.tensor(out, dtype=torch.float32, device=videos.device)}
 
 
 @register_reward("world_caption")
@@ -136,3 +177,9 @@ def build_world_color_share(world_color: str = "red", **_: object) -> WorldColor
 def build_world_motion_right(**_: object) -> WorldMotionRightReward:
     """Builder for the motion-to-the-right reward."""
     return WorldMotionRightReward()
+
+
+@register_reward("world_motion")
+def build_world_motion(**_: object) -> WorldMotionReward:
+    """Builder for the motion-along-the-caption reward."""
+    return WorldMotionReward()

@@ -15,7 +15,8 @@ from sage_grpo.world.metrics import caption_scores, temporal_consistency
 from sage_grpo.world.render import render_caption
 from sage_grpo.world.sampler import single_object_attributes
 
-__all__ = ["TARGETS", "eval_captions", "sharpness", "quality", "sample_world_videos"]
+__all__ = ["TARGETS", "eval_captions", "sharpness", "quality", "first_frame_error", "write_first_frames",
+           "sample_world_videos"]
 
 # The issue's quality targets for the pretrained tiny model (chance: colour 1/6 of the non-background colours,
 # shape 1/3, motion 1/5).
@@ -55,13 +56,41 @@ def quality(videos: torch.Tensor, captions: Sequence[str], seeds: Sequence[int])
     return out
 
 
+def first_frame_error(videos: torch.Tensor, references: torch.Tensor) -> torch.Tensor:
+    """Mean absolute pixel difference between each video's first frame and its reference image: [B] (0 = the
+    reference itself). videos [B, F, 3, H, W], references [B, 3, H, W], both in [0, 1]."""
+    return (videos[:, 0].float().clamp(0, 1) - references.float()).abs().mean(dim=(1, 2, 3))
+
+
+def write_first_frames(captions: Sequence[str], seeds: Sequence[int], folder, size: int = 32):
+    """The first frame of each caption's rendered clip (layout from its seed) as a PNG in ``folder``: the I2V
+    reference images of an evaluation -> (paths, frames [B, 3, H, W] in [0, 1] as the PNGs hold them)."""
+    from pathlib import Path
+
+    import PIL.Image
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, frames = [], []
+    for i, (c, s) in enumerate(zip(captions, seeds)):
+        u8 = (render_caption(c, seed=s, size=size)[0] * 255).round().to(torch.uint8)  # [3, H, W]
+        path = folder / f"first_frame_{i:03d}.png"
+        PIL.Image.fromarray(u8.permute(1, 2, 0).numpy()).save(path)
+        paths.append(str(path))
+        frames.append(u8.float() / 255)
+    return paths, torch.stack(frames)
+
+
 @torch.no_grad()
 def sample_world_videos(pipe, captions: Sequence[str], *, steps: int, cfg_scale: float, shift: float = 5.0,
-                        seed: int = 0, num_frames: int = 9, size: int = 32) -> torch.Tensor:
+                        seed: int = 0, num_frames: int = 9, size: int = 32,
+                        image_paths: Sequence[str] | None = None) -> torch.Tensor:
     """ODE samples of ``captions`` through the project's sampling path (sage_grpo.generation.sample_videos, as
-    generate.py and validation): [B, F, 3, H, W] in [0, 1]. Caption i gets the noise of prompt index i."""
+    generate.py and validation): [B, F, 3, H, W] in [0, 1]. Caption i gets the noise of prompt index i.
+    image_paths: one reference image per caption for an image-to-video checkpoint (`write_first_frames`)."""
     from sage_grpo.data import PromptRecord
     from sage_grpo.generation import sample_videos
+    from sage_grpo.models.image_cond import ImageConditioningCache
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.rollout import SamplerSettings, latent_shape
 
@@ -70,6 +99,8 @@ def sample_world_videos(pipe, captions: Sequence[str], *, steps: int, cfg_scale:
     settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=steps, shift=shift, cfg_scale=cfg_scale,
                                compute_dtype=dtype)
     shape = latent_shape(pipe.vae.config, num_frames, size, size)
-    records = [PromptRecord(c, i) for i, c in enumerate(captions)]
+    paths = list(image_paths) if image_paths is not None else [None] * len(captions)
+    records = [PromptRecord(c, i, ref_image_path=p) for i, (c, p) in enumerate(zip(captions, paths))]
+    images = ImageConditioningCache(pipe, "cpu", dtype) if image_paths is not None else None
     return torch.stack([frames for _, frames in sample_videos(pipe, cache, records, settings=settings, shape=shape,
-                                                              base_seed=seed, negative_prompt="")])
+                                                              base_seed=seed, negative_prompt="", images=images)])

@@ -42,6 +42,10 @@ from sage_grpo.world.sampler import sample_clip, single_object_attributes
 
 __all__ = [
     "WORLD_MODEL_DIR",
+    "WORLD_I2V_MODEL_DIR",
+    "i2v_model_dir",
+    "encode_first_frames",
+    "object_cells",
     "PretrainSettings",
     "world_tokenizer",
     "world_transformer_config",
@@ -58,8 +62,13 @@ __all__ = [
 
 # Query and key bias of the world text encoder's attention (see build_world_components).
 LOCAL_QK = 2.0
-# The committed pretrained model (diffusers layout), relative to the repository root.
+# The committed pretrained models (diffusers layout), relative to the repository root. `pretrain` writes a
+# text-to-video checkpoint and, beside it, the image-to-video one (the same transformer and VAE files plus the tiny
+# SigLIP). Committed: the I2V checkpoint of this module's defaults, and as the text-to-video checkpoint still the
+# previous model (1,300 steps, plain MSE, no I2V batches), on which the demo's training is calibrated
+# (docs/world_model.md); both share the VAE file.
 WORLD_MODEL_DIR = "assets/tiny_world/hunyuanvideo15"
+WORLD_I2V_MODEL_DIR = "assets/tiny_world/hunyuanvideo15_i2v"
 
 
 
@@ -77,13 +86,15 @@ class PretrainSettings:
     vae_kl_weight: float = 1e-6
     vae_crop: int = 16  # > 0: the first 80% of VAE steps train on random crops of this many pixels (0 = whole frames)
     vae_object_weight: float = 10.0  # extra loss weight of pixels off the background (objects are ~3-10% of a frame)
-    transformer_steps: int = 1300
+    transformer_steps: int = 6000
     transformer_batch: int = 32
     transformer_lr: float = 2e-3
     warmup_steps: int = 50
     caption_dropout: float = 0.1
     shift: float = 5.0  # flow shift of the sampler schedule (configs sample with the same)
     ema_decay: float = 0.995
+    object_weight: float = 4.0  # extra flow-matching loss weight of latent cells an object touches (0: plain MSE)
+    i2v_prob: float = 0.3  # share of transformer batches conditioned on their first frame (0: text-to-video only)
     threads: int = 2
 
     def to_dict(self) -> dict:
@@ -127,11 +138,13 @@ def world_tokenizer():
 
 
 def world_transformer_config(latent_channels: int) -> dict:
+    """target_size 32: the bucket base of the world's 32 x 32 frames, so a world frame given as the reference image
+    of the I2V checkpoint keeps its size (the real checkpoints: 640 for 480p)."""
     from sage_grpo.models.tiny import TINY_BYT5_DIM, TINY_IMAGE_DIM, TINY_TEXT_DIM, tiny_transformer_config
 
     return {**tiny_transformer_config(), "in_channels": 2 * latent_channels + 1, "out_channels": latent_channels,
             "num_layers": 4, "mlp_ratio": 4.0, "text_embed_dim": TINY_TEXT_DIM, "text_embed_2_dim": TINY_BYT5_DIM,
-            "image_embed_dim": TINY_IMAGE_DIM}
+            "image_embed_dim": TINY_IMAGE_DIM, "target_size": DEFAULT_SIZE}
 
 
 def world_vae_config(latent_channels: int) -> dict:
@@ -141,13 +154,18 @@ def world_vae_config(latent_channels: int) -> dict:
             "scaling_factor": 1.0}  # set from the data by train_vae
 
 
-def build_world_components(seed: int, latent_channels: int = 16) -> dict:
-    """Untrained world-model components (diffusers' initialisation), keyed like HunyuanVideo15Pipeline's modules."""
+def build_world_components(seed: int, latent_channels: int = 16, i2v: bool = False) -> dict:
+    """Untrained world-model components (diffusers' initialisation), keyed like HunyuanVideo15Pipeline's modules;
+    i2v adds the tiny frozen SigLIP (`image_encoder`, `feature_extractor`) of HunyuanVideo15ImageToVideoPipeline.
+    The SigLIP is drawn after the transformer and VAE (their weights do not depend on i2v) but before the text
+    encoder's re-initialisation below, so the world text encoder does: each checkpoint saves the text encoder its
+    transformer learnt with."""
     from sage_grpo.models.tiny import build_tiny_components
 
     comps = build_tiny_components(seed, tokenizer=world_tokenizer(),
                                   transformer_config=world_transformer_config(latent_channels),
-                                  vae_config=world_vae_config(latent_channels), perturb=False)
+                                  vae_config=world_vae_config(latent_channels), perturb=False,
+                                  task="i2v" if i2v else "t2v")
     # The frozen text encoder. Text tokens get no position in HunyuanVideo-1.5: word order ("a red circle on a blue
     # background" vs "a blue circle on a red background") reaches the transformer only through the encoder's
     # context, which a pretrained Qwen provides and a random one does not (its attention spreads over the ~100
@@ -214,6 +232,17 @@ def _off_background(clips_u8: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return ((x - bg[:, :, None, None, None]).abs().amax(dim=1, keepdim=True) > 0.2).float()
 
 
+def object_cells(videos_u8: torch.Tensor, vae_config) -> torch.Tensor:
+    """[N, 1, F', H', W'] 1.0 at the latent cells whose pixels show an object in any of their frames (the causal
+    VAE's cells: latent frame 0 is frame 0, each later one a group of `temporal_compression_ratio` frames; a cell
+    covers `spatial_compression_ratio` pixels a side), 0.0 on plain background."""
+    t, sp = vae_config.temporal_compression_ratio, vae_config.spatial_compression_ratio
+    mask = _off_background(videos_u8, _to_vae(videos_u8))  # [N, 1, F, H, W]
+    first, rest = mask[:, :, :1], mask[:, :, 1:]
+    rest = rest.unflatten(2, (rest.shape[2] // t, t)).amax(dim=3)  # [N, 1, (F - 1) / t, H, W]
+    return F.max_pool3d(torch.cat([first, rest], dim=2), (1, sp, sp))  # [N, 1, F', H', W']
+
+
 def _lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak."""
     if step < warmup:
@@ -278,6 +307,20 @@ def encode_latents(vae, videos_u8: torch.Tensor, batch: int = 16) -> torch.Tenso
     return means * scale
 
 
+@torch.no_grad()
+def encode_first_frames(pipe, videos_u8: torch.Tensor):
+    """The first frame of every clip as an I2V reference image, encoded by the inference path
+    (`sage_grpo.models.image_cond.encode_reference`: bucket crop, VAE mode x scaling_factor, SigLIP) ->
+    ImageConditioning [N, ...] fp32. Needs the VAE's final scaling_factor (`encode_latents` sets it)."""
+    import PIL.Image
+
+    from sage_grpo.models.image_cond import ImageConditioning, encode_reference
+
+    frames = videos_u8[:, 0].permute(0, 2, 3, 1).numpy()  # [N, H, W, 3] uint8
+    return ImageConditioning.cat([encode_reference(pipe, PIL.Image.fromarray(f), "cpu", torch.float32)
+                                  for f in frames])
+
+
 def _ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
     with torch.no_grad():
         for pe, pm in zip(ema.parameters(), model.parameters()):
@@ -286,8 +329,21 @@ def _ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> N
 
 def train_transformer(pipe, latents: torch.Tensor, captions: list[str], s: PretrainSettings,
                       log: Callable[[str], None] = print, state_file: Path | None = None,
-                      checkpoint_every: int = 100) -> tuple[torch.nn.Module, dict[str, float]]:
+                      checkpoint_every: int = 100, images=None,
+                      objects: torch.Tensor | None = None) -> tuple[torch.nn.Module, dict[str, float]]:
     """Flow-matching training of pipe.transformer on (latents, captions). -> (EMA transformer, final stats).
+
+    objects: [N, 1, F', H', W'] the clips' `object_cells`; the squared error there weighs 1 + s.object_weight
+    instead of 1. The objects cover a few percent of a frame, so under the plain MSE the background dominates and
+    the model learns to leave it empty: at 1,000 steps the committed settings with object_weight 0 drew the
+    caption's colour in 0.29 of held-out videos, with 4 in 0.95 (docs/world_model.md). Weighting by the clean clip's
+    cells also tilts the learnt velocity toward drawing an object where one could be.
+
+    images: ImageConditioning [N, ...] of the clips' first frames (`encode_first_frames`), or None. With images, a
+    share `s.i2v_prob` of the batches is image-to-video: every clip of the batch conditioned on its own first frame,
+    as the I2V pipeline conditions (condition latent and mask in frame 0, SigLIP embeds; a caption dropped for CFG
+    keeps its image, since the negative branch changes only the text); the others text-to-video, so one
+    transformer serves both checkpoints (the authors' fine-tuning mixes the tasks the same way, --i2v_prob 0.3).
 
     state_file: every `checkpoint_every` steps the stage's whole state (weights, EMA, optimizer, the generator, the
     smoothed loss, the step) is written there atomically; a run that finds it (with the same settings) continues
@@ -323,6 +379,7 @@ def train_transformer(pipe, latents: torch.Tensor, captions: list[str], s: Pretr
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, s.transformer_steps, s.transformer_lr, s.warmup_steps)
         idx = torch.randint(n, (s.transformer_batch,), generator=g)
+        i2v = images is not None and float(torch.rand(1, generator=g)) < s.i2v_prob
         x0 = latents[idx]  # [B, C, F, H, W]
         drop = torch.rand(s.transformer_batch, generator=g) < s.caption_dropout
         prompts = ["" if d else captions[int(i)] for i, d in zip(idx, drop)]
@@ -332,8 +389,9 @@ def train_transformer(pipe, latents: torch.Tensor, captions: list[str], s: Pretr
         sig = sigma.view(-1, 1, 1, 1, 1)
         xt = (1.0 - sig) * x0 + sig * eps
         v = predict_velocity(transformer, xt, sigma, cache.get(prompts), None, settings,
-                             image_tokens=pipe.vision_num_semantic_tokens)
-        loss = F.mse_loss(v, eps - x0)
+                             image_tokens=pipe.vision_num_semantic_tokens, image=images.index(idx) if i2v else None)
+        weight = 1.0 if objects is None else 1.0 + s.object_weight * objects[idx]  # [B, 1, F', H', W']
+        loss = (weight * (v - (eps - x0)) ** 2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
@@ -361,8 +419,10 @@ def _save_atomic(obj: dict, path: Path) -> None:
 
 
 def save_world_model(comps: dict, out: str | Path, extra: dict | None = None) -> Path:
-    """Components -> `out` in the diffusers layout (transformer in bf16) + the text lengths and the settings."""
-    from diffusers import HunyuanVideo15Pipeline
+    """Components -> `out` in the diffusers layout (transformer in bf16) + the text lengths and the settings; an
+    image-to-video checkpoint (HunyuanVideo15ImageToVideoPipeline's model_index.json) when they hold an
+    image_encoder."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
     from sage_grpo.files import usual_permissions
     from sage_grpo.models.tiny import TEXT_LENGTHS_FILE
@@ -372,7 +432,8 @@ def save_world_model(comps: dict, out: str | Path, extra: dict | None = None) ->
     comps = dict(comps)
     lengths = comps.pop("text_lengths")
     comps["transformer"] = comps["transformer"].to(torch.bfloat16)
-    HunyuanVideo15Pipeline(**comps).save_pretrained(out, safe_serialization=True)
+    cls = HunyuanVideo15ImageToVideoPipeline if comps.get("image_encoder") is not None else HunyuanVideo15Pipeline
+    cls(**comps).save_pretrained(out, safe_serialization=True)
     (out / TEXT_LENGTHS_FILE).write_text(json.dumps(lengths.to_dict(), indent=1) + "\n")
     if extra is not None:
         (out / "pretrain_info.json").write_text(json.dumps(extra, indent=1) + "\n")
@@ -400,6 +461,13 @@ def reusable_vae(s: PretrainSettings, model_dir: str | Path) -> dict:
     return info
 
 
+def i2v_model_dir(out: str | Path) -> Path:
+    """Where `pretrain` writes the image-to-video checkpoint of the model it writes to `out`: beside it, `<out>_i2v`
+    (WORLD_I2V_MODEL_DIR for the committed one)."""
+    out = Path(out)
+    return out.with_name(out.name + "_i2v")
+
+
 STATE_DIR = "pretrain_state"  # under the output directory while a pretraining runs; removed when it finishes
 
 
@@ -412,8 +480,11 @@ def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = 
     Resumable: the finished VAE stage is kept in out/pretrain_state/ and the transformer stage writes its state
     there every `checkpoint_every` steps; a run with the same settings that finds them takes the VAE and continues
     the transformer from its last saved step, to the same weights as an uninterrupted run. The state folder is
-    removed once the model is written."""
-    from diffusers import HunyuanVideo15Pipeline
+    removed once the model is written.
+
+    With `s.i2v_prob` > 0 the transformer also learns image-to-video (`train_transformer`), and the same transformer
+    and VAE are written a second time with the tiny SigLIP as the image-to-video checkpoint `i2v_model_dir(out)`."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
     from sage_grpo.models.loading import apply_text_lengths
 
@@ -429,9 +500,10 @@ def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = 
         log(f"== {name}: {info['stages'][name]['seconds']} s")
         return result
 
-    comps = build_world_components(s.seed, s.latent_channels)
+    i2v = s.i2v_prob > 0
+    comps = build_world_components(s.seed, s.latent_channels, i2v=i2v)
     lengths = comps.pop("text_lengths")
-    pipe = HunyuanVideo15Pipeline(**comps)
+    pipe = (HunyuanVideo15ImageToVideoPipeline if i2v else HunyuanVideo15Pipeline)(**comps)
     apply_text_lengths(pipe, lengths)
     videos, captions = timed("render", lambda: render_clips(s))
     cached = state / "vae_stage.json"
@@ -449,13 +521,20 @@ def pretrain(s: PretrainSettings, out: str | Path, log: Callable[[str], None] = 
         pipe.vae.save_pretrained(state / "vae")
         (state / "pretrain_info.json").write_text(json.dumps(info, indent=1) + "\n")  # what reusable_vae reads
         cached.write_text(json.dumps({"settings": s.to_dict()}) + "\n")  # written last: the stage is complete
-    latents = timed("encode", lambda: encode_latents(pipe.vae, videos))
+    # the clips' latents (which set the VAE's scaling_factor), then their first frames as I2V reference images
+    latents, images = timed("encode", lambda: (encode_latents(pipe.vae, videos),
+                                               encode_first_frames(pipe, videos) if i2v else None))
+    objects = object_cells(videos, pipe.vae.config) if s.object_weight > 0 else None
     pipe.vae.save_pretrained(Path(out) / "vae")  # the finished VAE can be inspected while the transformer trains
     info["scaling_factor"] = pipe.vae.config.scaling_factor
     ema, info["transformer"] = timed("transformer", lambda: train_transformer(
-        pipe, latents, captions, s, log, state_file=state / "transformer.pt", checkpoint_every=checkpoint_every))
+        pipe, latents, captions, s, log, state_file=state / "transformer.pt", checkpoint_every=checkpoint_every,
+        images=images, objects=objects))
     info["seconds"] = round(sum(v["seconds"] for v in info["stages"].values()), 1)
     info["cpu_seconds"] = round(sum(v["cpu_seconds"] for v in info["stages"].values()), 1)
-    save_world_model({**comps, "transformer": ema, "text_lengths": lengths}, out, info)
+    t2v = {k: v for k, v in comps.items() if k not in ("image_encoder", "feature_extractor")}
+    save_world_model({**t2v, "transformer": ema, "text_lengths": lengths}, out, info)
+    if i2v:
+        save_world_model({**comps, "transformer": ema, "text_lengths": lengths}, i2v_model_dir(out), info)
     shutil.rmtree(state, ignore_errors=True)
     return info
