@@ -9,8 +9,8 @@ detectors, so on a rendered clip its value is known in closed form.
 * ``world_motion_right``: horizontal displacement of the largest object's centroid from its first to its last
   frame, over the frame width, in [-1, 1].
 * ``world_motion``: displacement of the largest object's centroid from its first to its last frame along the
-  direction the caption says (left, right, up or down), over the frame side, in [-1, 1]: what the demo's
-  image-to-video run teaches.
+  direction the caption says (left, right, up or down), over the frame side, in [-1, 1]: the reward of
+  configs/tiny_world_i2v.yaml.
 
 They are deliberately hackable one-number targets (a huge object, a red screen, a drift to the right); the held-out
 metrics in `sage_grpo.world.metrics` show what such a reward trades away. Detection runs on the CPU per video.

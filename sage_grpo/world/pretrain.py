@@ -335,7 +335,7 @@ def train_transformer(pipe, latents: torch.Tensor, captions: list[str], s: Pretr
 
     objects: [N, 1, F', H', W'] the clips' `object_cells`; the squared error there weighs 1 + s.object_weight
     instead of 1. The objects cover a few percent of a frame, so under the plain MSE the background dominates and
-    the model learns to leave it empty: at 1,000 steps the committed settings with object_weight 0 drew the
+    the model learns to leave it empty: at 1,000 steps the previous settings (object_weight 0) drew the
     caption's colour in 0.29 of held-out videos, with 4 in 0.95 (docs/world_model.md). Weighting by the clean clip's
     cells also tilts the learnt velocity toward drawing an object where one could be.
 
