@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
               "--resume_from_checkpoint latest continues from", file=sys.stderr)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = _first_own_failure(e.failures)
         message = failure.message if isinstance(failure.message, str) else ""
         if not message or "elastic/errors.html" in message:  # no user error recorded: a crash or a signal
             message = f"worker rank {rank} failed with exit code {failure.exitcode} (its output is above)"
@@ -50,6 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _first_own_failure(failures: dict) -> tuple[int, object]:
+    """The earliest worker that failed by itself (exit code > 0), before those torchrun terminated (exit code < 0).
+
+    torchrun's `get_first_failure` takes the smallest timestamp, but a worker it SIGTERMed after a peer's error has no
+    error file and gets the current second as its timestamp: on a tie (or a slow error-file write) the failure
+    reported was "Signal 15 (SIGTERM)" with exit 1 instead of the peer's user error and its exit code 2."""
+    return min(failures.items(), key=lambda kv: (kv[1].exitcode <= 0, kv[1].timestamp, kv[0]))
 
 
 if __name__ == "__main__":

@@ -209,3 +209,25 @@ def test_a_user_error_inside_a_worker_ends_with_its_line(tmp_path):
     last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
     assert last.startswith("error: ") and "no_model_here" in last, r.stderr[-3000:]
     assert "Traceback" not in r.stdout + r.stderr and "ChildFailedError" not in r.stdout + r.stderr
+
+
+def test_the_reported_failure_is_the_worker_that_failed_not_the_one_torchrun_stopped(tmp_path):
+    """Rank 0 ends with a user error (exit 2, its error file); torchrun then SIGTERMs rank 1, which has no error file
+    and is stamped with the current second. torchrun's own `get_first_failure` can name rank 1 on a tie (it did, under
+    load: the launcher exited 1 with "Signal 15"); the launcher reports rank 0's line and exit code 2."""
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from sage_grpo import launch
+
+    stamp = int(time.time())
+    err = tmp_path / "error.json"
+    err.write_text(json.dumps({"message": "error: the model folder no_model_here does not exist", "timestamp": stamp}))
+    killed = ProcessFailure(local_rank=1, pid=2, exitcode=-15, error_file=str(tmp_path / "none.json"))
+    killed.timestamp = stamp - 1  # as early as a tie can make it
+    failed = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(err))
+    failures = {1: killed, 0: failed}
+    assert ChildFailedError("post_train.py", failures).get_first_failure()[0] == 1  # torchrun's choice
+    rank, failure = launch._first_own_failure(failures)
+    assert rank == 0 and failure.exitcode == 2 and "no_model_here" in failure.message
