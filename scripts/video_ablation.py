@@ -21,7 +21,8 @@ each recipe's per-sample transformer forwards per step (sage_grpo.recipes.minimu
 checks against the loop's counted forwards) and gives mean ± standard error over seeds.
 
 Writes to --out: summary.csv (one row per run), curves.csv (rollout reward per step), table.csv (mean and std per
-cell), table.md (mean ± std over seeds), stability_plasticity.png and reward_curves.png (the "plot" extra), and
+cell), table.md (mean ± standard error over seeds, with the seed count), stability_plasticity.png (error bars:
+standard errors) and reward_curves.png (the "plot" extra), and
 runs/<cell>/ (each run's config.yaml and metrics.jsonl; its checkpoint is deleted once evaluated).
 
 Timing (--threads 1, the stand-in model /work/scratch/trial0 of the same architecture): one --quick cell (sage_grpo,
@@ -318,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(out / "table.csv", aggs)
     table = format_video_table(aggs, args.samplers, args.kls)
     (out / "table.md").write_text(table + "\n")
-    print(f"\nVideo lab, mean ± std over {args.seeds} seeds, {steps} GRPO steps per run, {len(records)} held-out "
-          f"captions (ODE); gains and drift against the base model on the same noise:")
+    print(f"\nVideo lab, mean ± standard error over {args.seeds} seeds, {steps} GRPO steps per run, {len(records)} "
+          "held-out captions (ODE); gains and drift against the base model on the same noise:")
     print(table)
     if not args.no_plots:
         draw_figures("video_lab", out, lambda: plot_video_lab(out, rows, aggs, curves))

@@ -132,7 +132,7 @@ def _row(sampler, eq, kl, seed, gain):
                    base_metrics=_metrics(0.0), curve=[(1, 0.1), (2, 0.1 + gain)])
 
 
-def test_table_is_mean_and_std_over_seeds_in_grid_order():
+def test_table_is_mean_and_standard_error_over_seeds_in_grid_order():
     rows = [_row("sage_grpo", True, "dual", s, g) for s, g in ((0, 0.1), (1, 0.3))]
     rows += [_row("flow_grpo", False, "none", 0, 0.2), _row("sage_grpo", False, "none", 0, -0.1)]
     aggs = aggregate_runs(rows)
@@ -142,11 +142,11 @@ def test_table_is_mean_and_std_over_seeds_in_grid_order():
     assert cell["reward_gain_std"] == pytest.approx(math.sqrt(0.02))  # sample std of 0.1, 0.3
     assert cell["drift_mean"] == pytest.approx(0.015)
     table = format_video_table(aggs, ["flow_grpo", "sage_grpo", "cps"], ["none", "dual"]).splitlines()
-    assert table[0].startswith("| Method | Equalizer | KL | Reward | Reward gain |")
-    assert table[2].startswith("| Base model | - | - | 0.500 ± 0.000 | - |")
-    assert [line.split(" | ")[:3] for line in table[3:]] == [
-        ["| flow_grpo", "off", "none"], ["| sage_grpo", "off", "none"], ["| sage_grpo", "on", "dual"]]
-    assert "0.200 ± 0.141" in table[5]
+    assert table[0].startswith("| Method | Equalizer | KL | Seeds | Reward | Reward gain |")
+    assert table[2].startswith("| Base model | - | - | 2 | 0.500 ± 0.000 | - |")
+    assert [line.split(" | ")[:4] for line in table[3:]] == [
+        ["| flow_grpo", "off", "none", "1"], ["| sage_grpo", "off", "none", "1"], ["| sage_grpo", "on", "dual", "2"]]
+    assert "| 0.200 ± 0.100 |" in table[5]  # sample std 0.141 over 2 seeds / sqrt(2)
     assert format_video_table([], ["sage_grpo"], ["none"]) == ""
 
 

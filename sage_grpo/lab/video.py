@@ -123,28 +123,36 @@ def aggregate_runs(rows: Sequence[dict]) -> list[dict]:
     return aggregate(rows, keys=("sampler", "equalizer", "kl"))
 
 
+def standard_error(agg: Mapping, key: str) -> float:
+    """The standard error of a cell's mean over its `n` seeds: the sample std over seeds / sqrt(n) (0 for one seed:
+    no spread measured, which the table's seed count says)."""
+    return float(agg[f"{key}_std"]) / float(agg["n"]) ** 0.5
+
+
 def _cell(agg: Mapping, key: str, decimals: int) -> str:
-    return f"{agg[f'{key}_mean']:.{decimals}f} ± {agg[f'{key}_std']:.{decimals}f}"
+    return f"{agg[f'{key}_mean']:.{decimals}f} ± {standard_error(agg, key):.{decimals}f}"
 
 
 def format_video_table(aggs: Sequence[dict], samplers: Sequence[str], kls: Sequence[str]) -> str:
     """Markdown: the base model first (its values are the same in every cell of a seed), then sampler x equalizer x
-    KL in that order; cells missing from `aggs` are skipped."""
+    KL in that order, each value mean ± standard error over the cell's seeds (column Seeds); cells missing from
+    `aggs` are skipped."""
     cells = {(a["sampler"], bool(a["equalizer"]), a["kl"]): a for a in aggs}
     if not cells:
         return ""
-    head = ["Method", "Equalizer", "KL"] + [t for t, _, _ in TABLE_COLUMNS]
+    head = ["Method", "Equalizer", "KL", "Seeds"] + [t for t, _, _ in TABLE_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    any_cell = next(iter(cells.values()))
+    any_cell = max(cells.values(), key=lambda a: a["n"])  # the base model over the most seeds
     base = [_cell(any_cell, f"base_{k}", d) if f"base_{k}_mean" in any_cell else "-" for _, k, d in TABLE_COLUMNS]
-    lines.append("| Base model | - | - | " + " | ".join(base) + " |")
+    lines.append(f"| Base model | - | - | {any_cell['n']} | " + " | ".join(base) + " |")
     for sampler in samplers:
         for eq in (False, True):
             for kl in kls:
                 a = cells.get((sampler, eq, kl))
                 if a is not None:
                     vals = [_cell(a, k, d) for _, k, d in TABLE_COLUMNS]
-                    lines.append(f"| {sampler} | {'on' if eq else 'off'} | {kl} | " + " | ".join(vals) + " |")
+                    lines.append(f"| {sampler} | {'on' if eq else 'off'} | {kl} | {a['n']} | " + " | ".join(vals)
+                                 + " |")
     return "\n".join(lines)
 
 
@@ -167,9 +175,9 @@ def format_recipe_table(aggs: Sequence[dict], recipes: Sequence[str]) -> str:
 
 def plot_video_lab(out_dir: Path, rows: Sequence[dict], aggs: Sequence[dict], curves: Sequence[dict]) -> list[Path]:
     """Figures -> paths: stability_plasticity.png (reward gain against drift and against the held-out change, one
-    marker per cell at its mean over seeds, error bars = std, small dots = single runs; colour = sampler, square =
-    dual KL, circle = no KL, filled = equalizer on) and reward_curves.png (rollout reward per step, mean over seeds,
-    one panel per sampler; solid = equalizer on, colour = KL)."""
+    marker per cell at its mean over seeds, error bars = standard errors over seeds, small dots = single runs;
+    colour = sampler, square = dual KL, circle = no KL, filled = equalizer on) and reward_curves.png (rollout reward
+    per step, mean over seeds, one panel per sampler; solid = equalizer on, colour = KL)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,7 +194,8 @@ def plot_video_lab(out_dir: Path, rows: Sequence[dict], aggs: Sequence[dict], cu
             ax.plot(r[xkey], r["reward_gain"], ".", color=colors[r["sampler"]], alpha=0.35, ms=4)
         for a in aggs:
             filled = bool(a["equalizer"])
-            ax.errorbar(a[f"{xkey}_mean"], a["reward_gain_mean"], xerr=a[f"{xkey}_std"], yerr=a["reward_gain_std"],
+            ax.errorbar(a[f"{xkey}_mean"], a["reward_gain_mean"], xerr=standard_error(a, xkey),
+                        yerr=standard_error(a, "reward_gain"),
                         fmt="s" if a["kl"] == "dual" else "o", color=colors[a["sampler"]], ms=7, capsize=2,
                         markerfacecolor=colors[a["sampler"]] if filled else "white")
         ax.axhline(0, color="grey", lw=0.6)
