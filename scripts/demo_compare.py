@@ -80,6 +80,7 @@ def main(argv=None) -> dict:
     from sage_grpo.config import load_config, parse_size, torch_dtype
     from sage_grpo.data import read_prompts
     from sage_grpo.generation import sample_stem, sample_videos, write_sample
+    from sage_grpo.models.image_cond import ImageConditioningCache
     from sage_grpo.models.loading import load_pipeline
     from sage_grpo.models.lora import load_dcp_transformer
     from sage_grpo.models.text_cache import TextEmbeddingCache
@@ -93,6 +94,8 @@ def main(argv=None) -> dict:
     pipe.transformer.requires_grad_(False).eval()
     cache = TextEmbeddingCache(pipe, "cpu", dtype)
     records = read_prompts(cfg.data.train_video_csv)[: args.prompts]
+    # an image-to-video run: each prompt's reference image conditions both samples (the same first frame and noise)
+    images = ImageConditioningCache(pipe, "cpu", dtype) if pipe.sage_grpo_task == "i2v" else None
     h, w = parse_size(v.validation_fixed_size, "--validation_fixed_size")
     shape = latent_shape(pipe.vae.config, v.validate_video_length, h, w)
     settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=v.validation_num_inference_steps,
@@ -106,7 +109,8 @@ def main(argv=None) -> dict:
             load_dcp_transformer(pipe.transformer, ckpts[-1][1] / "transformer")
         frames[tag], scores[tag] = [], []
         for rec, video in sample_videos(pipe, cache, records, settings=settings, shape=shape,
-                                        base_seed=v.validation_seed, negative_prompt=cfg.rollout.neg_prompt):
+                                        base_seed=v.validation_seed, negative_prompt=cfg.rollout.neg_prompt,
+                                        images=images):
             score = float(reward(video[None], [rec.prompt])["total"][0])
             write_sample(out / tag / f"{sample_stem(rec)}.mp4", video, prompt=rec.prompt, fps=cfg.rollout.video_fps,
                          meta={"weights": tag, "reward": score})
@@ -120,6 +124,8 @@ def main(argv=None) -> dict:
               "reward_after": sum(scores["after"]) / len(records), **paired_stats(scores["before"], scores["after"]),
               "checkpoint": str(ckpts[-1][1]), "strip": str(strip)}
     result.update(_world_metrics(frames, [r.prompt for r in records]))
+    if images is not None:
+        result.update(_first_frame_fidelity(frames, records))
     (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return result
@@ -145,6 +151,20 @@ def _world_metrics(frames: dict, prompts: list[str]) -> dict:
             for tag, x in (("before", before), ("after", after))}
     return {"heldout_before": mean["before"], "heldout_after": mean["after"],
             "drift_from_base": round(float(reference_distance(after, before).mean()), 4)}
+
+
+def _first_frame_fidelity(frames: dict, records: list) -> dict:
+    """Image-to-video runs: the mean first-frame fidelity (1 - RMSE from the reference image, as validation's
+    `first_frame_fidelity`) of the before and after samples: the trained reward never sees the image."""
+    from sage_grpo.heldout import first_frame_fidelity
+    from sage_grpo.models.image_cond import reference_pixels
+
+    out = {}
+    for tag, videos in frames.items():
+        values = [first_frame_fidelity(v, reference_pixels(r.ref_image_path, v.shape[-2], v.shape[-1]))
+                  for v, r in zip(videos, records)]
+        out[f"first_frame_fidelity_{tag}"] = round(sum(values) / len(values), 4)
+    return out
 
 
 def _write_strip(frames: dict, scores: dict, prompts: list[str], path: Path) -> None:
