@@ -59,6 +59,44 @@ def test_first_frames_are_the_rendered_clips_first_frames_and_score_zero_error(t
     assert (moved > 1e-3).all() and (other > moved).all()
 
 
+def test_centred_first_frames_put_the_rendered_object_at_the_centre(tmp_path):
+    """--centred: the same object (its pixels, moved) with its centroid at the frame centre; the rendered first frame
+    of a "moves right" caption has its object left of the centre (room to travel), so the position hints at the
+    direction there and not here. A two-object caption cannot be centred."""
+    from sage_grpo.errors import SageGRPOError
+    from sage_grpo.world.detectors import detect
+    from sage_grpo.world.evaluate import first_frame
+
+    caption = "a small red square moves right on a blue background"
+    rendered, centred = first_frame(caption, 3), first_frame(caption, 3, centred=True)
+    x_rendered = detect(rendered[None]).objects[0].track[0]
+    x_centred = detect(centred[None]).objects[0].track[0]
+    assert x_rendered[0] < 16 - 2 and torch.allclose(x_centred, torch.tensor([15.5, 15.5], dtype=x_centred.dtype),
+                                                      atol=0.6)
+    background = rendered[:, 0, 0].view(3, 1, 1)  # a corner: the object is never there
+    mass = [float((f - background).abs().sum()) for f in (rendered, centred)]  # the object's colour x coverage
+    assert mass[1] == pytest.approx(mass[0], rel=0.02)  # the same object, moved (edges anti-aliased anew)
+    paths, frames = write_first_frames([caption], [3], tmp_path / "c", centred=True)
+    assert (frames[0] - centred).abs().max() <= 0.5 / 255 + 1e-6
+    with pytest.raises(SageGRPOError, match="one-object caption"):
+        first_frame("a small red square and a large blue circle move right on a white background", 0, centred=True)
+
+
+def test_quality_splits_the_direction_share_by_object_size():
+    """motion_small / motion_large: the direction share over the captions with a small / a large object."""
+    from sage_grpo.world.metrics import caption_scores
+
+    caps = eval_captions(12)
+    videos = torch.stack([render_caption(c, seed=i) for i, c in enumerate(caps)])
+    videos[::3] = videos[::3].flip(1)  # every third clip runs backwards: the wrong direction
+    q = quality(videos, caps, seeds=list(range(12)))
+    right = caption_scores(videos, caps)["motion"]
+    for size in ("small", "large"):
+        idx = [i for i, c in enumerate(caps) if f"a {size} " in c]
+        assert idx and q[f"motion_{size}"] == pytest.approx(float(right[idx].float().mean()))
+    assert q["motion_small"] < 1 or q["motion_large"] < 1
+
+
 def _eval(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_tiny.py"), *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
@@ -76,6 +114,8 @@ def test_eval_tiny_missing_model_file_is_one_line(tiny_diffusers_dir, tmp_path):
     r = _eval("--model_path", str(tiny_diffusers_dir), "--i2v", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "is a text-to-video checkpoint; drop --i2v" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    r = _eval("--model_path", str(tiny_diffusers_dir), "--centred", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.strip() == "error: --centred places the first frame's object: it needs --i2v"
 
 
 @pytest.mark.slow
@@ -90,11 +130,11 @@ def test_eval_tiny_writes_its_report(tiny_diffusers_dir, tmp_path):
 
 @pytest.mark.slow
 def test_eval_tiny_i2v_conditions_on_the_rendered_first_frames(tiny_i2v_dir, tmp_path):
-    r = _eval("--i2v", "--model_path", str(tiny_i2v_dir), "--num_captions", "2", "--steps", "2", "--grid", "0",
-              "--out", str(tmp_path / "o"))
+    r = _eval("--i2v", "--centred", "--model_path", str(tiny_i2v_dir), "--num_captions", "2", "--steps", "2",
+              "--grid", "0", "--out", str(tmp_path / "o"))
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "o" / "eval.json").read_text())
-    assert report["task"] == "i2v" and 0 < report["quality"]["first_frame_error"] <= 1
+    assert report["task"] == "i2v" and report["centred"] and 0 < report["quality"]["first_frame_error"] <= 1
     assert sorted(p.name for p in (tmp_path / "o" / "first_frames").iterdir()) == ["first_frame_000.png",
                                                                                    "first_frame_001.png"]
     assert "| first_frame_error |" in (tmp_path / "o" / "eval.md").read_text()

@@ -6,17 +6,20 @@ Used by scripts/eval_tiny.py (the report), the committed model's test, and the v
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Sequence
 
 import torch
 
-from sage_grpo.world.captions import make_caption
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.world.captions import make_caption, parse_caption
 from sage_grpo.world.metrics import caption_scores, temporal_consistency
-from sage_grpo.world.render import render_caption
+from sage_grpo.world.render import layout, render, render_caption
 from sage_grpo.world.sampler import single_object_attributes
 
-__all__ = ["TARGETS", "eval_captions", "sharpness", "quality", "first_frame_error", "write_first_frames",
-           "sample_world_videos"]
+__all__ = ["TARGETS", "eval_captions", "sharpness", "quality", "first_frame_error", "first_frame",
+           "write_first_frames", "sample_world_videos"]
 
 # The issue's quality targets for the pretrained tiny model (chance: colour 1/6 of the non-background colours,
 # shape 1/3, motion 1/5).
@@ -50,6 +53,10 @@ def quality(videos: torch.Tensor, captions: Sequence[str], seeds: Sequence[int])
     rendered = torch.stack([render_caption(c, seed=s, size=videos.shape[-1], num_frames=videos.shape[1])
                             for c, s in zip(captions, seeds)])
     out = {k: float(scores[k].mean()) for k in ("color", "shape", "motion", "size", "background", "agreement")}
+    sizes = [parse_caption(c).objects[0].size for c in captions]
+    for size in ("small", "large"):  # small objects are the harder half for motion: fewer pixels to track
+        pick = torch.tensor([s == size for s in sizes])
+        out[f"motion_{size}"] = float(scores["motion"][pick].float().mean()) if pick.any() else float("nan")
     out["sharpness_ratio"] = float(sharpness(videos).mean() / sharpness(rendered).mean())
     out["temporal_consistency"] = float(temporal_consistency(videos).mean())
     out["videos"] = len(captions)
@@ -62,9 +69,23 @@ def first_frame_error(videos: torch.Tensor, references: torch.Tensor) -> torch.T
     return (videos[:, 0].float().clamp(0, 1) - references.float()).abs().mean(dim=(1, 2, 3))
 
 
-def write_first_frames(captions: Sequence[str], seeds: Sequence[int], folder, size: int = 32):
-    """The first frame of each caption's rendered clip (layout from its seed) as a PNG in ``folder``: the I2V
-    reference images of an evaluation -> (paths, frames [B, 3, H, W] in [0, 1] as the PNGs hold them)."""
+def first_frame(caption: str, seed: int, size: int = 32, centred: bool = False) -> torch.Tensor:
+    """Frame 0 of the caption's rendered clip (layout from ``seed``): [3, H, W] in [0, 1]. centred: a one-object
+    caption's object at the frame centre instead. Rendered clips start a "moves right" object in the left part of
+    the frame (it must have room to travel), so an image-to-video model can read the direction off the object's
+    position; from the centre every direction has room and only the caption tells which."""
+    if not centred:
+        return render_caption(caption, seed=seed, size=size)[0]
+    scene = layout(parse_caption(caption), random.Random(seed), size)
+    if len(scene.paths) != 1:
+        raise SageGRPOError(f"a centred first frame needs a one-object caption, not {caption!r}")
+    path = dataclasses.replace(scene.paths[0], start=(size / 2, size / 2))
+    return render(dataclasses.replace(scene, paths=(path,)))[0]
+
+
+def write_first_frames(captions: Sequence[str], seeds: Sequence[int], folder, size: int = 32, centred: bool = False):
+    """`first_frame` of each caption (layout from its seed) as a PNG in ``folder``: the I2V reference images of an
+    evaluation -> (paths, frames [B, 3, H, W] in [0, 1] as the PNGs hold them)."""
     from pathlib import Path
 
     import PIL.Image
@@ -73,7 +94,7 @@ def write_first_frames(captions: Sequence[str], seeds: Sequence[int], folder, si
     folder.mkdir(parents=True, exist_ok=True)
     paths, frames = [], []
     for i, (c, s) in enumerate(zip(captions, seeds)):
-        u8 = (render_caption(c, seed=s, size=size)[0] * 255).round().to(torch.uint8)  # [3, H, W]
+        u8 = (first_frame(c, s, size, centred) * 255).round().to(torch.uint8)  # [3, H, W]
         path = folder / f"first_frame_{i:03d}.png"
         PIL.Image.fromarray(u8.permute(1, 2, 0).numpy()).save(path)
         paths.append(str(path))
