@@ -140,21 +140,30 @@ def test_eval_tiny_i2v_conditions_on_the_rendered_first_frames(tiny_i2v_dir, tmp
     assert "| first_frame_error |" in (tmp_path / "o" / "eval.md").read_text()
 
 
-@pytest.mark.parametrize("split", ["train", "heldout"])
-def test_committed_i2v_prompt_folders_are_the_scripts_output(split, tmp_path):
-    """configs/world_i2v/<split> is what scripts/world_i2v_prompts.py writes for its caption file: the same rows
-    (straight motions only, every row's image the first frame of its caption's clip) and the same pixels."""
+MOTION_TASK = ["--size", "small", "--centred"]  # configs/world_i2v_motion: the demo's image-to-video motion task
+
+
+@pytest.mark.parametrize(("folder", "argv"), [
+    ("world_i2v/train", ["--captions", "configs/world_prompts.txt"]),
+    ("world_i2v/heldout", ["--captions", "configs/world_heldout_prompts.txt"]),
+    ("world_i2v_motion/train", ["--grid", "train", "--num", "96", *MOTION_TASK]),
+    ("world_i2v_motion/heldout", ["--grid", "heldout", "--num", "16", *MOTION_TASK]),
+])
+def test_committed_i2v_prompt_folders_are_the_scripts_output(folder, argv, tmp_path, monkeypatch):
+    """configs/<folder> is what scripts/world_i2v_prompts.py writes for its command (the script's docstring): the
+    same rows (straight motions only; the motion task: small objects, held-out colour-shape pairs in its held-out
+    folder, each first frame's object at the centre) and the same pixels."""
     import importlib.util
 
     import numpy as np
     import PIL.Image
 
+    monkeypatch.chdir(ROOT)
     spec = importlib.util.spec_from_file_location("world_i2v_prompts", ROOT / "scripts" / "world_i2v_prompts.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    captions = ROOT / "configs" / ("world_prompts.txt" if split == "train" else "world_heldout_prompts.txt")
-    fresh = script.main(["--captions", str(captions), "--out", str(tmp_path)])
-    committed = ROOT / "configs" / "world_i2v" / split / "prompts.csv"
+    fresh = script.main([*argv, "--out", str(tmp_path)])
+    committed = ROOT / "configs" / folder / "prompts.csv"
     assert fresh.read_text() == committed.read_text()
     from sage_grpo.data import read_prompts
 
@@ -164,3 +173,26 @@ def test_committed_i2v_prompt_folders_are_the_scripts_output(split, tmp_path):
         a = np.asarray(PIL.Image.open(r.ref_image_path))
         b = np.asarray(PIL.Image.open(tmp_path / Path(r.ref_image_path).name))
         assert a.shape == (32, 32, 3) and np.array_equal(a, b)
+    if "--centred" in argv:
+        attrs = [parse_caption(r.prompt) for r in records]
+        assert {o.size for a in attrs for o in a.objects} == {"small"}
+        assert {a.motion for a in attrs} == {"left", "right", "up", "down"}
+        assert all(is_heldout(a) for a in attrs) == folder.endswith("heldout")
+        for r in records:  # the object's bounding box (pixels off the corner's background colour) is centred
+            frame = np.asarray(PIL.Image.open(r.ref_image_path)).astype(int)
+            ys, xs = np.nonzero(np.abs(frame - frame[0, 0]).sum(-1) > 24)
+            assert abs((ys.min() + ys.max()) / 2 - 15.5) <= 1 and abs((xs.min() + xs.max()) / 2 - 15.5) <= 1, r
+
+
+def test_i2v_prompt_script_refuses_what_it_cannot_write(tmp_path):
+    import importlib.util
+
+    from sage_grpo.errors import SageGRPOError
+
+    spec = importlib.util.spec_from_file_location("world_i2v_prompts", ROOT / "scripts" / "world_i2v_prompts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SageGRPOError, match="--num needs --grid"):
+        script.main(["--captions", str(ROOT / "configs/world_prompts.txt"), "--num", "3", "--out", str(tmp_path)])
+    with pytest.raises(SageGRPOError, match="--num 100000: the heldout grid has"):
+        script.main(["--grid", "heldout", "--num", "100000", "--out", str(tmp_path)])

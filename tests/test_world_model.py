@@ -119,3 +119,25 @@ def test_the_demo_training_rises_with_the_hacking_check_silent(tmp_path, monkeyp
     assert [val[s]["val/hacking_warnings"] for s in (0, 10)] == [0, 0]
     assert val[10]["val/reward_total"] > val[0]["val/reward_total"] + 0.03, (val[0], val[10])
     assert val[10]["val/drift"] > 0.0
+
+
+def test_the_i2v_motion_config_passes_the_launch_checks(monkeypatch):
+    """configs/tiny_world_i2v_motion.yaml (scripts/demo.sh, part 5) passes post_train.py's preflight as the demo runs
+    it (its prompt files and reference images read, the committed checkpoint an I2V one, the reward built), with
+    the settings docs/world_model.md says made GRPO move on the new model: one initial noise per group, eta 1 on an
+    SDE window of the first 5 of 10 steps, 8 prompts a step, learning rate 5e-4, no CFG, the statistics left out of
+    the held-out metrics."""
+    from post_train_helpers import pt
+
+    from sage_grpo.config import load_config
+    from sage_grpo.data import read_prompts
+
+    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository
+    cfg = load_config(["--config", "configs/tiny_world_i2v_motion.yaml"])
+    pt.preflight(cfg, 1)
+    r, v = cfg.rollout, cfg.validation
+    assert (r.use_same_noise, r.eta, r.sde_window_start, r.sde_window_size, r.grpo_sampling_steps) == (True, 1.0, 0, 5,
+                                                                                                      10)
+    assert (cfg.data.batch_size, cfg.optim.learning_rate, r.cfg_scale, v.validation_guidance_scale) == (8, 5e-4, 1, 1)
+    assert cfg.model.model_path == WORLD_I2V_MODEL_DIR and "statistics" not in v.validation_metrics
+    assert len(read_prompts(cfg.data.train_video_csv)) == 96 and len(read_prompts(v.valid_video_csv)) == 16
