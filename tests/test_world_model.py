@@ -126,7 +126,7 @@ def test_the_i2v_motion_config_passes_the_launch_checks(monkeypatch):
     it (its prompt files and reference images read, the committed checkpoint an I2V one, the reward built), with
     the settings docs/world_model.md says made GRPO move on the new model: one initial noise per group, eta 1 on an
     SDE window of the first 5 of 10 steps, 8 prompts a step, learning rate 5e-4, no CFG, the statistics left out of
-    the held-out metrics."""
+    the held-out metrics, the hacking check's reward gate at 0.5 spreads."""
     from post_train_helpers import pt
 
     from sage_grpo.config import load_config
@@ -140,4 +140,5 @@ def test_the_i2v_motion_config_passes_the_launch_checks(monkeypatch):
                                                                                                       10)
     assert (cfg.data.batch_size, cfg.optim.learning_rate, r.cfg_scale, v.validation_guidance_scale) == (8, 5e-4, 1, 1)
     assert cfg.model.model_path == WORLD_I2V_MODEL_DIR and "statistics" not in v.validation_metrics
+    assert (v.hacking_reward_rise, v.hacking_metric_drop) == (0.5, 1.0)  # the gate docs/world_model.md measured
     assert len(read_prompts(cfg.data.train_video_csv)) == 96 and len(read_prompts(v.valid_video_csv)) == 16
