@@ -140,6 +140,16 @@ def test_eval_tiny_i2v_conditions_on_the_rendered_first_frames(tiny_i2v_dir, tmp
     assert "| first_frame_error |" in (tmp_path / "o" / "eval.md").read_text()
 
 
+def _prompt_script():
+    """scripts/world_i2v_prompts.py as a module (its main, as `__main__` calls it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("world_i2v_prompts", ROOT / "scripts" / "world_i2v_prompts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 MOTION_TASK = ["--size", "small", "--centred"]  # configs/world_i2v_motion: the demo's image-to-video motion task
 
 
@@ -153,15 +163,11 @@ def test_committed_i2v_prompt_folders_are_the_scripts_output(folder, argv, tmp_p
     """configs/<folder> is what scripts/world_i2v_prompts.py writes for its command (the script's docstring): the
     same rows (straight motions only; the motion task: small objects, held-out colour-shape pairs in its held-out
     folder, each first frame's object at the centre) and the same pixels."""
-    import importlib.util
-
     import numpy as np
     import PIL.Image
 
     monkeypatch.chdir(ROOT)
-    spec = importlib.util.spec_from_file_location("world_i2v_prompts", ROOT / "scripts" / "world_i2v_prompts.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _prompt_script()
     fresh = script.main([*argv, "--out", str(tmp_path)])
     committed = ROOT / "configs" / folder / "prompts.csv"
     assert fresh.read_text() == committed.read_text()
@@ -185,13 +191,9 @@ def test_committed_i2v_prompt_folders_are_the_scripts_output(folder, argv, tmp_p
 
 
 def test_i2v_prompt_script_refuses_what_it_cannot_write(tmp_path):
-    import importlib.util
-
     from sage_grpo.errors import SageGRPOError
 
-    spec = importlib.util.spec_from_file_location("world_i2v_prompts", ROOT / "scripts" / "world_i2v_prompts.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _prompt_script()
     with pytest.raises(SageGRPOError, match="--num needs --grid"):
         script.main(["--captions", str(ROOT / "configs/world_prompts.txt"), "--num", "3", "--out", str(tmp_path)])
     with pytest.raises(SageGRPOError, match="--num 100000: the heldout grid has"):
