@@ -25,17 +25,21 @@ SLIDE_EVERY = 2  # updates between two moves of the recipes' sliding window (sho
 
 
 def recipe_settings(name: str, num_steps: int) -> dict:
-    """The rollout settings recipe `name` changes for a schedule of `num_steps` steps (post_train.py's rollout keys;
-    the window is T/4 steps, at least 1). The toy lab reads the same dict."""
+    """The rollout settings of recipe `name` for a schedule of `num_steps` steps (post_train.py's rollout keys; the
+    window is T/4 steps, at least 1). Every recipe sets the window and the initial-noise keys, so a recipe means the
+    same on any config (configs/tiny_world.yaml, for one, trains an SDE window from one noise per group; "paper" on it
+    is still every step SDE from independent noise). The toy lab reads the same dict."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
     size = max(1, num_steps // 4)
-    sliding = {"sde_window_size": size, "sde_window_stride": 1, "sde_window_every": SLIDE_EVERY}
-    shared = {"sde_window_start": 1, **sliding, "use_same_noise": True, "shared_prefix": True}
+    paper = {"sde_window_start": 0, "sde_window_size": 0, "sde_window_stride": 0, "use_same_noise": False,
+             "shared_prefix": False}
+    sliding = {**paper, "sde_window_size": size, "sde_window_stride": 1, "sde_window_every": SLIDE_EVERY}
+    shared = {**sliding, "sde_window_start": 1, "use_same_noise": True, "shared_prefix": True}
     return {
-        "paper": {},
-        "cfg_free": {"cfg_scale": 1.0},
-        "window": {"sde_window_size": size},
+        "paper": paper,
+        "cfg_free": {**paper, "cfg_scale": 1.0},
+        "window": {**paper, "sde_window_size": size},
         "sliding": sliding,
         "sliding_shared": shared,
         "cfg_free_sliding": {"cfg_scale": 1.0, **shared},

@@ -75,10 +75,12 @@ CONFIGS = [
     ("configs/multinode_64gpu.yaml", "8 x 8 GPUs: dp 32, 64 videos and 16 groups per step",
      "`run_post_train_multinode.sh` on each node"),
     ("configs/tiny_cpu.yaml", "the tiny random model: unit tests, smoke runs", "one CPU process"),
-    ("configs/tiny_world.yaml", "the pretrained tiny world model: the demo's training (`world_size`, calibrated trust "
-     "region) and the video lab", "one CPU process"),
+    ("configs/tiny_world.yaml", "the pretrained tiny world model: the demo's T2V training (`world_size`, one noise "
+     "per group, calibrated trust region) and the video lab", "one CPU process"),
     ("configs/tiny_world_i2v.yaml", "its image-to-video checkpoint: world captions with their first frames, reward "
      "`world_motion`", "one CPU process"),
+    ("configs/tiny_world_i2v_motion.yaml", "the demo's I2V training: small objects from centred first frames, no CFG, "
+     "reward `world_motion`, the hacking check's gate at 0.5 spreads", "one CPU process"),
 ]
 
 

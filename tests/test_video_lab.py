@@ -62,6 +62,12 @@ def test_recipe_flags_are_real_post_train_flags_with_the_recipe_values(recipe):
     for key, value in recipe_settings(recipe, 10).items():
         assert getattr(cfg.rollout, key) == value, key
     assert (cfg.rollout.cfg_scale == 1.0) == recipe.startswith("cfg_free")
+    # the config trains an SDE window from one noise per group; a recipe replaces both, so "paper" is the paper's
+    # every-step SDE from independent noise on any config
+    base = load_config(["--config", str(CONFIG)]).rollout
+    assert (base.sde_window_size, base.use_same_noise) == (5, True)
+    if recipe in ("paper", "cfg_free"):
+        assert (cfg.rollout.sde_window_start, cfg.rollout.sde_window_size, cfg.rollout.use_same_noise) == (0, 0, False)
 
 
 def test_recipe_table_gives_forwards_against_the_paper_and_standard_errors():
@@ -182,13 +188,13 @@ def test_missing_model_or_config_is_one_error_before_anything_loads(tmp_path):
 
 
 def _small_config(tmp_path: Path, **changes) -> Path:
-    """configs/tiny_world.yaml at test size: 4 training captions, 2 SDE steps, 5 frames, 2 held-out captions, 2
-    videos per step."""
+    """configs/tiny_world.yaml at test size: 4 training captions, 2 SDE steps (the config's SDE window of 5 steps
+    cut to the first), 5 frames, 2 held-out captions, 2 videos per step."""
     cfg = yaml.safe_load(CONFIG.read_text())
     train = tmp_path / "train.txt"
     train.write_text("\n".join((ROOT / cfg["data"]["train_video_csv"]).read_text().splitlines()[:4]) + "\n")
     cfg["data"].update(train_video_csv=str(train), batch_size=2, num_generations=2)
-    cfg["rollout"].update(grpo_sampling_steps=2, sample_n_frames=5)
+    cfg["rollout"].update(grpo_sampling_steps=2, sample_n_frames=5, sde_window_start=0, sde_window_size=1)
     heldout = (ROOT / cfg["validation"]["valid_video_csv"]).read_text().splitlines()[:2]
     cfg["validation"].update(valid_video_csv="", validation_prompts=heldout, validate_video_length=5,
                              validation_num_inference_steps=2)

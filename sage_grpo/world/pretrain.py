@@ -64,9 +64,7 @@ __all__ = [
 LOCAL_QK = 2.0
 # The committed pretrained models (diffusers layout), relative to the repository root. `pretrain` writes a
 # text-to-video checkpoint and, beside it, the image-to-video one (the same transformer and VAE files plus the tiny
-# SigLIP). Committed: the I2V checkpoint of this module's defaults, and as the text-to-video checkpoint still the
-# previous model (1,300 steps, plain MSE, no I2V batches), on which the demo's training is calibrated
-# (docs/world_model.md); both share the VAE file.
+# SigLIP). Committed: both checkpoints of this module's defaults, from one run (git stores the shared files once).
 WORLD_MODEL_DIR = "assets/tiny_world/hunyuanvideo15"
 WORLD_I2V_MODEL_DIR = "assets/tiny_world/hunyuanvideo15_i2v"
 
