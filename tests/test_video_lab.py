@@ -153,6 +153,7 @@ def test_table_is_mean_and_standard_error_over_seeds_in_grid_order():
     assert [line.split(" | ")[:4] for line in table[3:]] == [
         ["| flow_grpo", "off", "none", "1"], ["| sage_grpo", "off", "none", "1"], ["| sage_grpo", "on", "dual", "2"]]
     assert "| 0.200 ± 0.100 |" in table[5]  # sample std 0.141 over 2 seeds / sqrt(2)
+    assert table[3].startswith("| flow_grpo | off | none | 1 | 0.700 | 0.200 |")  # one seed: no spread, no ±
     assert format_video_table([], ["sage_grpo"], ["none"]) == ""
 
 

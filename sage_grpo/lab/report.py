@@ -9,10 +9,11 @@ import csv
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["TABLE_METRICS", "aggregate", "format_table", "write_csv", "plot_all", "save_figure", "draw_figures"]
+__all__ = ["TABLE_METRICS", "aggregate", "format_table", "write_csv", "plot_all", "save_figure", "draw_figures",
+           "standard_error", "mean_se_cell"]
 
 # (column title, summary key, decimals). Off-manifold: lower is better; the others: see docs/labs.md.
 TABLE_METRICS = (
@@ -63,6 +64,21 @@ def _truthy(v) -> bool:
 
 def _cell(agg: dict, key: str, decimals: int) -> str:
     return f"{agg[f'{key}_mean']:.{decimals}f} ± {agg[f'{key}_std']:.{decimals}f}"
+
+
+def standard_error(agg: Mapping, key: str) -> float:
+    """The standard error of a cell's mean over its `n` seeds: the sample std over seeds / sqrt(n) (0 for one seed:
+    no spread measured, which the table's seed count says)."""
+    return float(agg[f"{key}_std"]) / float(agg["n"]) ** 0.5
+
+
+def mean_se_cell(agg: Mapping, key: str, decimals: int) -> str:
+    """`<mean> ± <standard error>` of a cell's `key` over its `n` seeds; the mean alone for one seed, where no spread
+    was measured (a "± 0.000" would read as a certain value)."""
+    mean = float(agg[f"{key}_mean"])
+    if int(agg["n"]) < 2:
+        return f"{mean:.{decimals}f}"
+    return f"{mean:.{decimals}f} ± {standard_error(agg, key):.{decimals}f}"
 
 
 def format_table(aggs: list[dict], samplers: Sequence[str], kls: Sequence[str], dim: int) -> str:
@@ -222,7 +238,7 @@ def format_recipe_table(aggs: Sequence[dict], recipes: Sequence[str], columns: S
             continue
         fwd = a[f"{forwards_key}_mean"]
         ratio = f"{fwd / paper[f'{forwards_key}_mean']:.2f}" if paper else "-"
-        vals = [f"{a[f'{k}_mean']:.{d}f} ± {a[f'{k}_std'] / a['n'] ** 0.5:.{d}f}" for _, k, d in columns]  # SE
+        vals = [mean_se_cell(a, k, d) for _, k, d in columns]
         lines.append(f"| {name} | {fwd:.{forwards_decimals}f} | {ratio} | {a['n']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 

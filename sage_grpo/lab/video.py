@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .grpo import LAB_SAMPLERS
-from .report import aggregate, save_figure
+from .report import aggregate, mean_se_cell, save_figure, standard_error
 from .report import format_recipe_table as report_recipe_table
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
 VIDEO_SAMPLERS = LAB_SAMPLERS  # the SDE samplers (ode has no exploration)
 VIDEO_KLS = ("none", "dual")
 
-# (column title, row key, decimals): the table's columns, each shown as mean ± std over seeds.
+# (column title, row key, decimals): the table's columns, each shown as mean ± standard error over seeds.
 TABLE_COLUMNS = (
     ("Reward", "reward", 3),
     ("Reward gain", "reward_gain", 3),
@@ -123,19 +123,10 @@ def aggregate_runs(rows: Sequence[dict]) -> list[dict]:
     return aggregate(rows, keys=("sampler", "equalizer", "kl"))
 
 
-def standard_error(agg: Mapping, key: str) -> float:
-    """The standard error of a cell's mean over its `n` seeds: the sample std over seeds / sqrt(n) (0 for one seed:
-    no spread measured, which the table's seed count says)."""
-    return float(agg[f"{key}_std"]) / float(agg["n"]) ** 0.5
-
-
-def _cell(agg: Mapping, key: str, decimals: int) -> str:
-    return f"{agg[f'{key}_mean']:.{decimals}f} ± {standard_error(agg, key):.{decimals}f}"
-
-
 def format_video_table(aggs: Sequence[dict], samplers: Sequence[str], kls: Sequence[str]) -> str:
     """Markdown: the base model first (its values are the same in every cell of a seed), then sampler x equalizer x
-    KL in that order, each value mean ± standard error over the cell's seeds (column Seeds); cells missing from
+    KL in that order, each value mean ± standard error over the cell's seeds (column Seeds; the mean alone for
+    one seed); cells missing from
     `aggs` are skipped."""
     cells = {(a["sampler"], bool(a["equalizer"]), a["kl"]): a for a in aggs}
     if not cells:
@@ -143,14 +134,15 @@ def format_video_table(aggs: Sequence[dict], samplers: Sequence[str], kls: Seque
     head = ["Method", "Equalizer", "KL", "Seeds"] + [t for t, _, _ in TABLE_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     any_cell = max(cells.values(), key=lambda a: a["n"])  # the base model over the most seeds
-    base = [_cell(any_cell, f"base_{k}", d) if f"base_{k}_mean" in any_cell else "-" for _, k, d in TABLE_COLUMNS]
+    base = [mean_se_cell(any_cell, f"base_{k}", d) if f"base_{k}_mean" in any_cell else "-"
+            for _, k, d in TABLE_COLUMNS]
     lines.append(f"| Base model | - | - | {any_cell['n']} | " + " | ".join(base) + " |")
     for sampler in samplers:
         for eq in (False, True):
             for kl in kls:
                 a = cells.get((sampler, eq, kl))
                 if a is not None:
-                    vals = [_cell(a, k, d) for _, k, d in TABLE_COLUMNS]
+                    vals = [mean_se_cell(a, k, d) for _, k, d in TABLE_COLUMNS]
                     lines.append(f"| {sampler} | {'on' if eq else 'off'} | {kl} | {a['n']} | " + " | ".join(vals)
                                  + " |")
     return "\n".join(lines)
