@@ -258,27 +258,53 @@ def test_a_killed_server_gives_nan_then_a_clean_stop_with_a_checkpoint_and_a_res
 
 
 @pytest.mark.slow
-def test_overlapped_scoring_hides_the_rollout_behind_a_slow_server(tiny_model, tmp_path, monkeypatch, capsys):
-    """The measurement of docs/rewards.md: a server that takes 0.12 s a video, 8 videos a step in chunks of 2; the
-    rollout + reward time of steps 2-3 in order and overlapped, in one test (same machine, same load)."""
+def test_overlapped_scoring_starts_while_the_rollout_still_samples(tiny_model, tmp_path, monkeypatch):
+    """A server that takes 0.12 s a video, 8 videos a step in chunks of 2. With --reward_overlap true the rollout
+    hands over 4 chunks a step and the first chunk's scoring starts before the last chunk is sampled; with false the
+    step's 8 videos go in one request after the whole rollout. The order of events, not the speed (that is
+    scripts/bench_reward_overlap.py's, docs/rewards.md)."""
     plugin = tmp_path / "slow.py"
     plugin.write_text(SLOW)
     monkeypatch.delenv("SAGE_REWARD_TOKEN", raising=False)
-    times = {}
+    sampled, scored = [], []  # chunk handed over: time; request: (start, end, videos)
+    submit, call = pt.EarlyScores.submit, RemoteReward.__call__
+
+    def timed_submit(self, *a):
+        sampled.append(time.monotonic())
+        return submit(self, *a)
+
+    def timed_call(self, videos, prompts):
+        start = time.monotonic()
+        out = call(self, videos, prompts)
+        scored.append((start, time.monotonic(), len(prompts)))
+        return out
+
+    monkeypatch.setattr(pt.EarlyScores, "submit", timed_submit)
+    monkeypatch.setattr(RemoteReward, "__call__", timed_call)
     with serve("--reward_model", f"{plugin}:build", env={"SLOW_REWARD_S_PER_VIDEO": "0.12"}) as (url, _):
-        for overlap in ("false", "true"):
-            out = tmp_path / overlap
-            pt.main(_args(tiny_model, out, "--reward_model", "remote", "--reward_url", url, "--batch_size", "8",
-                          "--mini_batch_size_per_update", "2", "--grpo_sampling_steps", "8", "--max_steps", "3",
-                          "--reward_overlap", overlap))
-            rows = read_metrics(out / "metrics.jsonl")[1:]
-            times[overlap] = [r["perf/rollout_s"] + r["perf/reward_s"] for r in rows]
-            assert all(r["reward/failed"] == 0 for r in rows)
-    serial, overlapped = sum(times["false"]) / 2, sum(times["true"]) / 2
-    with capsys.disabled():
-        print(f"\nrollout + reward per step: in order {serial:.2f} s, overlapped {overlapped:.2f} s "
-              f"(scoring alone 0.96 s)")
-    assert overlapped < serial - 0.25, times  # at least a quarter second of the rollout hidden
+        for overlap in ("true", "false"):
+            sampled.clear()
+            scored.clear()
+            pt.main(_args(tiny_model, tmp_path / overlap, "--reward_model", "remote", "--reward_url", url,
+                          "--batch_size", "8", "--mini_batch_size_per_update", "2", "--reward_overlap", overlap))
+            assert all(r["reward/failed"] == 0 for r in read_metrics(tmp_path / overlap / "metrics.jsonl"))
+            if overlap == "true":
+                assert len(sampled) == 8 and [n for _, _, n in scored] == [2] * 8  # 2 steps x 4 chunks
+                for step in (0, 1):
+                    first_request_start = scored[4 * step][0]
+                    assert first_request_start < sampled[4 * step + 3], (sampled, scored)
+            else:
+                assert sampled == [] and [n for _, _, n in scored] == [8, 8]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--batch_size", "2", "--chunk", "2"], "--batch_size 2 must be a multiple of --chunk 2 and larger"),
+    (["--steps", "1"], "--steps must be >= 2, got 1"),
+    (["--seconds_per_video", "-1"], "--seconds_per_video must be >= 0, got -1")])
+def test_the_overlap_benchmark_refuses_settings_it_cannot_measure_in_one_line(flags, message):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/bench_reward_overlap.py"), *flags], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {message}") and len(r.stderr.splitlines()) == 1
 
 
 @pytest.mark.dist
