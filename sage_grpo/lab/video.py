@@ -126,8 +126,7 @@ def aggregate_runs(rows: Sequence[dict]) -> list[dict]:
 def format_video_table(aggs: Sequence[dict], samplers: Sequence[str], kls: Sequence[str]) -> str:
     """Markdown: the base model first (its values are the same in every cell of a seed), then sampler x equalizer x
     KL in that order, each value mean ± standard error over the cell's seeds (column Seeds; the mean alone for
-    one seed); cells missing from
-    `aggs` are skipped."""
+    one seed); cells missing from `aggs` are skipped."""
     cells = {(a["sampler"], bool(a["equalizer"]), a["kl"]): a for a in aggs}
     if not cells:
         return ""
