@@ -166,6 +166,7 @@ def curves_figure(rows: list[dict]):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig = plt.figure(figsize=(15, 11))
     grid = fig.add_gridspec(3, 3)
@@ -233,13 +234,17 @@ def curves_figure(rows: list[dict]):
                    "over the validation videos)")
     for ax in fig.axes:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps, not 1.25
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, ncol=1 if ax is not ax_h else 4)
         if not ax.lines and not ax.collections:
             ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes,
                     color="0.5")
-    fig.tight_layout()
+    # Fixed margins, not tight_layout: it measures every tick label of the 7 panels (0.4 of the 0.9 CPU seconds a
+    # figure costs), paid at every validation and at the end of every run; these margins hold the widest labels the
+    # panels draw (a log axis' "1.325 x 10^-2")
+    fig.subplots_adjust(left=0.05, right=0.985, bottom=0.05, top=0.965, wspace=0.25, hspace=0.35)
     return fig
 
 
