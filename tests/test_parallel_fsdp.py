@@ -4,8 +4,8 @@ ShardedMuon equals torch.optim.Muon, the gradient divide factor under sp / HSDP,
 rows, the sharded anchor's local refresh, DCP round trips (2 ranks -> 2 ranks, 2 ranks -> 1 process), the
 forward inputs' dtypes and velocity against one process, and the rollout kept gathered (`keep_unsharded`).
 
-Each test is one torchrun launch of a worker under tests/dist_workers/ that checks several cases and writes the
-numbers; the tolerances are asserted here."""
+The module's three workers under tests/dist_workers/ (each checks several cases and writes the numbers) run in one
+torchrun launch; the tolerances are asserted here."""
 
 import json
 import subprocess
@@ -17,17 +17,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(worker: str, tmp_path, *args) -> list[dict]:
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> dict:
+    """The module's three workers in one torchrun launch on 2 gloo ranks (tests/dist_workers/run_workers.py) ->
+    {worker: (its folder, [rank 0's numbers, rank 1's])}."""
+    root = tmp_path_factory.mktemp("fsdp")
+    single, sharded = _write_transformers(root / "models")
+    folders = {w: root / w.removesuffix("_worker.py") for w in ("fsdp_step_worker.py", "fsdp_load_worker.py",
+                                                                  "fsdp_rollout_worker.py")}
+    for d in folders.values():
+        d.mkdir()
+    args = {"fsdp_load_worker.py": [single, sharded]}
+    spec = root / "workers.json"
+    spec.write_text(json.dumps([[w, str(d), *map(str, args.get(w, []))] for w, d in folders.items()]))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(ROOT / "tests/dist_workers" / worker), str(tmp_path), *map(str, args)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+                        str(ROOT / "tests/dist_workers/run_workers.py"), str(spec)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    return {w: (d, [json.loads((d / f"rank{i}.json").read_text()) for i in range(2)]) for w, d in folders.items()}
 
 
 @pytest.mark.dist
-def test_fsdp_step_equals_one_process(tmp_path):
-    ranks = _launch("fsdp_step_worker.py", tmp_path)
+def test_fsdp_step_equals_one_process(launch):
+    ranks = launch["fsdp_step_worker.py"][1]
     for r in ranks:
         # AdamW, 2 updates, gradient checkpointing, clipping at 0.05 (it clips: norms ~2.5): gradients and parameters
         # equal the one-process run on the same 4 samples to fp32 reduction-order noise
@@ -55,7 +67,7 @@ def test_fsdp_step_equals_one_process(tmp_path):
             assert untouched, layout
 
 
-def _write_transformers(tmp_path) -> tuple[Path, Path, dict]:
+def _write_transformers(tmp_path) -> tuple[Path, Path]:
     """A 2-block tiny transformer saved as one bf16 file (the real checkpoints' dtype; loaded into fp32 master
     weights) and as fp32 shards with an index json."""
     import torch
@@ -75,18 +87,19 @@ def _write_transformers(tmp_path) -> tuple[Path, Path, dict]:
     m.save_pretrained(sharded, max_shard_size="4MB")
     assert (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 1
-    return single, sharded, tiny_transformer_config() | {"num_layers": 2}
+    return single, sharded
 
 
 @pytest.mark.dist
-def test_fsdp_load_anchor_and_dcp(tmp_path):
+def test_fsdp_load_anchor_and_dcp(launch):
     import torch
     from diffusers import HunyuanVideo15Transformer3DModel
 
     from sage_grpo.models.lora import load_dcp_transformer
+    from sage_grpo.models.tiny import tiny_transformer_config
 
-    single, sharded, config = _write_transformers(tmp_path)
-    ranks = _launch("fsdp_load_worker.py", tmp_path, single, sharded)
+    tmp_path, ranks = launch["fsdp_load_worker.py"]
+    config = tiny_transformer_config() | {"num_layers": 2}
     for r in ranks:
         for layout in ("single", "sharded"):
             c = r[layout]
@@ -128,10 +141,10 @@ def test_fsdp_load_anchor_and_dcp(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def rollout_ranks(tmp_path_factory):
-    """One launch of fsdp_rollout_worker.py (tiny HunyuanVideo-1.5, fp32 master weights, bf16 compute) for the
-    precision and keep_unsharded tests below."""
-    return _launch("fsdp_rollout_worker.py", tmp_path_factory.mktemp("fsdp_rollout"))
+def rollout_ranks(launch):
+    """fsdp_rollout_worker.py's numbers (tiny HunyuanVideo-1.5, fp32 master weights, bf16 compute) for the precision
+    and keep_unsharded tests below."""
+    return launch["fsdp_rollout_worker.py"][1]
 
 
 @pytest.mark.dist
