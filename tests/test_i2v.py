@@ -472,28 +472,6 @@ def test_generate_refuses_bad_images_before_any_model_loads(tiny_i2v_dir, tiny_m
             generate.main([*argv, *out])
 
 
-@pytest.mark.dist
-def test_image_cache_precompute_is_shared_by_two_ranks(tiny_i2v_dir, images, tmp_path):
-    """Under torchrun each distinct image is encoded by one rank and read by the others from the cache directory;
-    a bad image on one rank's share ends with one error on every rank instead of a hang."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(root / "tests/dist_workers/image_cache_worker.py"), str(tmp_path), str(tiny_i2v_dir),
-                        str(tmp_path / "cache"), images[0], str(tmp_path / "gone.png"), images[1], images[2]],
-                       capture_output=True, text=True, cwd=root, timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
-    assert [x["encoded"] for x in ranks] == [2, 1]
-    for x in ranks:
-        assert x["equal"] and x["encoded_after_get"] == x["encoded"] and x["files"] == 3
-        assert re.search(r"failed on 1 rank\(s\); rank 1: reference image .*gone.png does not exist",
-                         x["failure_error"])
-
-
 # 2-rank layouts with I2V (as tests/test_post_train.py LAYOUTS for T2V): -> (flags of the 2-rank run, flags shared
 # with the one-process reference, which runs the same 4 videos per step). AdamW under FSDP2, as there.
 I2V_LAYOUTS = {
@@ -502,37 +480,66 @@ I2V_LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def two_rank_launch(tiny_i2v_dir, tmp_path_factory):
+    """The module's 2-rank work in one torchrun launch on 2 gloo ranks (tests/dist_workers/run_workers.py): the image
+    cache's shared precompute (image_cache_worker.py, into `cache/`), then the I2V_LAYOUTS training runs
+    (post_train_runs_worker.py, into `<layout>/`) -> (root folder, the launch's stdout, the runs' shared flags)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path_factory.mktemp("i2v_two_rank")
+    sizes = (("a.png", 36, 64, 1), ("b.png", 45, 80, 2), ("sq.png", 50, 50, 3))  # as the `images` fixture's
+    a, b, sq = (str(_image(root / name, h, w, seed)) for name, h, w, seed in sizes)
+    (root / "cache").mkdir()
+    csv = _two_size_prompts(root / "data")
+    common = ["--config", str(repo / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_i2v_dir), "--train_video_csv",
+              str(csv), "--num_generations", "2", "--grpo_sampling_steps", "3", "--sample_n_frames", "5",
+              "--max_steps", "2", "--save_interval", "0", "--report_to", "none"]
+    runs = [[*common, *shared, *two, "--output_dir", str(root / name)] for name, (two, shared) in I2V_LAYOUTS.items()]
+    (root / "runs.json").write_text(json.dumps(runs))
+    workers = [["image_cache_worker.py", str(root / "cache"), str(tiny_i2v_dir), str(root / "cache" / "files"), a,
+                str(root / "gone.png"), b, sq],
+               ["post_train_runs_worker.py", str(root / "runs.json")]]
+    (root / "workers.json").write_text(json.dumps(workers))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(repo / "tests/dist_workers/run_workers.py"), str(root / "workers.json")],
+                       capture_output=True, text=True, cwd=repo, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root, r.stdout, common
+
+
 @pytest.mark.dist
-def test_two_rank_i2v_layouts_match_one_process(tiny_i2v_dir, tmp_path):
+def test_image_cache_precompute_is_shared_by_two_ranks(two_rank_launch):
+    """Under torchrun each distinct image is encoded by one rank and read by the others from the cache directory;
+    a bad image on one rank's share ends with one error on every rank instead of a hang."""
+    root = two_rank_launch[0] / "cache"
+    ranks = [json.loads((root / f"rank{i}.json").read_text()) for i in range(2)]
+    assert [x["encoded"] for x in ranks] == [2, 1]
+    for x in ranks:
+        assert x["equal"] and x["encoded_after_get"] == x["encoded"] and x["files"] == 3
+        assert re.search(r"failed on 1 rank\(s\); rank 1: reference image .*gone.png does not exist",
+                         x["failure_error"])
+
+
+@pytest.mark.dist
+def test_two_rank_i2v_layouts_match_one_process(two_rank_launch):
     """torchrun on 2 gloo ranks with the tiny I2V model, 2 prompts (2 images) per step: Ulysses sp 2 (the 4 image
     tokens go through the all-to-all with the text) and FSDP2 dp 2 (one group, one image per rank), 2 steps each,
     against one process with the same 4 videos per step: the same rollouts, rewards and gradients up to float
     rounding. The images have two sizes (the steps draw from both buckets): each rank, computing the plan alone,
     draws the step's bucket of the one process."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from post_train_helpers import pt
 
     from sage_grpo.config import load_config
     from sage_grpo.data import GroupSampler
     from sage_grpo.metrics import read_metrics
 
-    root = Path(__file__).resolve().parents[1]
-    csv = _two_size_prompts(tmp_path / "data")
-    common = ["--config", str(root / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_i2v_dir), "--train_video_csv",
-              str(csv), "--num_generations", "2", "--grpo_sampling_steps", "3", "--sample_n_frames", "5",
-              "--max_steps", "2", "--save_interval", "0", "--report_to", "none"]
-    runs = [[*common, *shared, *two, "--output_dir", str(tmp_path / name)] for name, (two, shared) in
-            I2V_LAYOUTS.items()]
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(root / "tests/dist_workers/post_train_runs_worker.py"), str(tmp_path / "runs.json")],
-                       capture_output=True, text=True, cwd=root, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    tmp_path, stdout, common = two_rank_launch
     sizes = "image-to-video: 4 reference images, training videos in 2 size buckets: 24x40 (2 prompts), 32x32 (2"
-    assert r.stdout.count(sizes) == len(I2V_LAYOUTS), r.stdout
+    assert stdout.count(sizes) == len(I2V_LAYOUTS), stdout
     plan = GroupSampler(4, batch_size=4, num_generations=2, dp_size=1, seed=load_config(common).optim.seed,
                         buckets=["wide", "square"] * 2)  # the file's buckets, in its order
     assert plan.bucket_of_step(0) != plan.bucket_of_step(1)  # the 2 steps train both sizes
