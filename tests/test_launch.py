@@ -199,10 +199,13 @@ def test_a_clean_stop_through_the_launcher_exits_0_and_two_nodes_continue_it(tmp
 
 @pytest.mark.dist
 def test_a_user_error_inside_a_worker_ends_with_its_line(tmp_path):
-    """An error preflight cannot see (the model folder is missing) fails in the workers: the launcher ends with that
-    one line and the worker's exit code 2, without torchrun's ChildFailedError traceback."""
-    env, args = _launcher_env(tmp_path)
+    """An error preflight cannot see (the model folder is missing) fails in the worker: the launcher ends with that
+    one line and the worker's exit code 2, without torchrun's ChildFailedError traceback. One worker (NGPU 1): which
+    of several failed workers the launcher reports is test_the_reported_failure_is_the_worker_that_failed_not_the_
+    one_torchrun_stopped's."""
+    env, args = _launcher_env(tmp_path, NGPU="1")
     args[args.index("--model_path") + 1] = str(tmp_path / "no_model_here")
+    args[args.index("--batch_size") + 1] = "4"  # the group of 4 on the one worker
     r = subprocess.run(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", "1"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
