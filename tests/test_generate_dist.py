@@ -28,12 +28,23 @@ def setup(tiny_diffusers_dir, tmp_path_factory):
     return common, tmp / "one", tmp
 
 
-def _two_ranks(common, out, *extra):
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "generate.py"), *common, "--output_path", str(out), *extra]
-    proc = subprocess.run(run, capture_output=True, text=True, cwd=REPO, timeout=300)
+@pytest.fixture(scope="module")
+def launch(setup):
+    """generate.py twice in one torchrun launch on 2 gloo ranks (tests/dist_workers/run_workers.py): plain data
+    parallelism into `two/`, then one sp group of 2 ranks (--sp_size 2) into `sp/` -> {run: its stdout}."""
+    import json
+
+    common, _, tmp = setup
+    runs = {"two": [], "sp": ["--sp_size", "2"]}
+    spec = tmp / "workers.json"
+    spec.write_text(json.dumps([[str(REPO / "generate.py"), *common, "--output_path", str(tmp / name), *extra]
+                                for name, extra in runs.items()]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(REPO / "tests/dist_workers/run_workers.py"), str(spec)],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    outs = [part for part in proc.stdout.split("== worker ") if part.strip()]
+    return {name: "".join(p.split("\n", 1)[1] for p in outs if p.startswith(f"{i}\n")) for i, name in enumerate(runs)}
 
 
 def _videos(folder):
@@ -41,9 +52,9 @@ def _videos(folder):
 
 
 @pytest.mark.dist
-def test_two_ranks_split_prompts_and_match_one_process(setup):
+def test_two_ranks_split_prompts_and_match_one_process(setup, launch):
     common, one, tmp = setup
-    out = _two_ranks(common, tmp / "two")
+    out = launch["two"]
     assert "rank 0:" in out and "rank 1:" in out  # each rank wrote its share
     two, ref = _videos(tmp / "two"), _videos(one)
     assert sorted(two) == sorted(ref) and len(ref) == 3
@@ -52,12 +63,12 @@ def test_two_ranks_split_prompts_and_match_one_process(setup):
 
 
 @pytest.mark.dist
-def test_sequence_parallel_pair_writes_the_single_process_videos(setup):
+def test_sequence_parallel_pair_writes_the_single_process_videos(setup, launch):
     """--sp_size 2 on 2 ranks: one sp group samples all 3 prompts together; only its rank 0 writes. The transformer
     output equals one process to fp32 rounding (tests/test_ulysses.py); after the uint8/H.264 round trip the frames
     differ by at most 1 level in a few pixels."""
     common, one, tmp = setup
-    out = _two_ranks(common, tmp / "sp", "--sp_size", "2")
+    out = launch["sp"]
     assert out.count("rank 0:") == 3 and "rank 1:" not in out
     sp, ref = _videos(tmp / "sp"), _videos(one)
     assert sorted(sp) == sorted(ref) and len(ref) == 3

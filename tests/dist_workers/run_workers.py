@@ -1,6 +1,8 @@
 """torchrun entry that runs several of the worker scripts beside it one after the other in one launch, so a test
 module pays torchrun's and the imports' start-up once instead of once per worker (about 13 CPU seconds on the 2-core
-machine for each launch saved). argv[1]: a JSON file holding a list of [worker file name, its arguments...].
+machine for each launch saved). argv[1]: a JSON file holding a list of [worker, its arguments...], a worker being a
+file name beside this one or the path of a script (generate.py). Before each worker it prints `== worker <i>` so a
+test can split the launch's output.
 
 Each worker runs as `__main__` with its own sys.argv. They share the launch's default process group: the first
 worker's `init_distributed` creates it, the later ones find it (and build their own meshes on it), and the workers'
@@ -19,9 +21,11 @@ HERE = Path(__file__).resolve().parent
 destroy = dist.destroy_process_group
 dist.destroy_process_group = lambda *a, **k: None  # the workers call it through the module at their end
 try:
-    for name, *args in json.loads(Path(sys.argv[1]).read_text()):
-        sys.argv = [str(HERE / name), *map(str, args)]
-        runpy.run_path(str(HERE / name), run_name="__main__")
+    for i, (name, *args) in enumerate(json.loads(Path(sys.argv[1]).read_text())):
+        path = HERE / name  # an absolute path stays itself
+        print(f"== worker {i}", flush=True)
+        sys.argv = [str(path), *map(str, args)]
+        runpy.run_path(str(path), run_name="__main__")
         dist.barrier()  # every rank done with this worker before any starts the next
 finally:
     destroy()
