@@ -26,6 +26,7 @@ try:
         print(f"== worker {i}", flush=True)
         sys.argv = [str(path), *map(str, args)]
         runpy.run_path(str(path), run_name="__main__")
+        sys.stdout.flush()  # this worker's output reaches the pipe before any rank prints the next marker
         dist.barrier()  # every rank done with this worker before any starts the next
 finally:
     destroy()
