@@ -133,15 +133,16 @@ def test_unknown_version_is_one_line(tmp_path):
 
 
 @pytest.mark.slow  # 9 s wall on an idle 2-core machine
-def test_tiny_gpu_check_of_a_720p_i2v_version(tmp_path):
+def test_tiny_gpu_check_of_a_720p_i2v_version(tmp_path, capsys, monkeypatch):
     """The same stages with --version 720p_i2v on the tiny model: an I2V random checkpoint (SigLIP included) at the
-    720p bucket base, trained on reference images by post_train (ratio 1 at the first update) and planned as I2V."""
+    720p bucket base, trained on reference images by post_train (ratio 1 at the first update) and planned as I2V.
+    (In this process, through the script's main; the script as a process: test_tiny_gpu_check_runs_every_stage.)"""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main sets it for --tiny; restored after the test
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--tiny", "--version", "720p_i2v",
-                           "--stage", "build,lora", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "image-to-video: 8 reference images, training videos 48x48" in proc.stdout
+    code = gpu_check.main(["--tiny", "--version", "720p_i2v", "--stage", "build,lora", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout[-3000:]
+    assert "image-to-video: 8 reference images, training videos 48x48" in stdout
     build = json.loads((out / "gpu_check_build.json").read_text())["results"]
     assert build["version"] == "720p_i2v" and build["config"]["task_type"] == "i2v"
     assert [r["part"] for r in build["parts"]][-1] == "image_encoder" and build["planner_counts_transformer_exactly"]
