@@ -195,6 +195,27 @@ def test_ode_rollout_with_an_image_per_prompt_equals_one_pipeline_call_per_image
     assert (wrong - refs[1]).abs().max() > 1e-2
 
 
+def test_image_cache_notices_an_image_edited_only_in_the_middle(tiny_i2v_pipe, tmp_path):
+    import numpy as np
+    import PIL.Image
+
+    from sage_grpo.models.image_cond import ImageConditioningCache
+
+    # an uncompressed 3 MiB BMP: repainting its middle rows keeps the file's size and its first and last MiB
+    pixels = np.full((1024, 1024, 3), 90, dtype=np.uint8)
+    path = tmp_path / "big.bmp"
+    PIL.Image.fromarray(pixels).save(path)
+    before = path.read_bytes()
+    cache = ImageConditioningCache(tiny_i2v_pipe, "cpu", torch.float32, tmp_path / "cache")
+    old = cache.get([str(path)])
+    pixels[448:576] = 200
+    PIL.Image.fromarray(pixels).save(path)
+    after, mib = path.read_bytes(), 1 << 20
+    assert len(after) == len(before) > 2 * mib and after[:mib] == before[:mib] and after[-mib:] == before[-mib:]
+    new = cache.get([str(path)])
+    assert cache.num_encoded == 2 and not torch.equal(new.latents, old.latents)
+
+
 def test_generate_takes_an_image_per_prompt_and_sizes_the_video_by_its_bucket(tiny_i2v_dir, images, tmp_path):
     import generate
     from sage_grpo.video import read_video

@@ -209,14 +209,24 @@ def image_encoder_identity(pipe) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def image_digest(path: str | Path) -> str:
+    """sha256 of the whole image file. Not the weight files' digest (size + first and last MiB): an uncompressed
+    image (BMP, TIFF) over 2 MiB edited in the middle keeps its size and both ends."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
 class ImageConditioningCache:
     """image path -> its ImageConditioning, encoded once per distinct image, in `dtype`.
 
     Keys are the paths as given (prompt files resolve theirs to absolute paths). Without `cache_dir` the entries stay
     in CPU memory (~1.7 MB per image at the real size: 729 x 1152 bf16 + a 32 x 30 x 53 latent) and every rank
     encodes the images it is asked for. With `cache_dir` (the text-embedding cache's directory) each image is one
-    file `image-<sha256(identity, path, image digest)>.safetensors`, written atomically and never rewritten, read at
-    every `get` (nothing held in memory); an edited image has another digest and is encoded again; an unreadable
+    file `image-<sha256(identity, path, image_digest)>.safetensors`, written atomically and never rewritten, read
+    at every `get` (nothing held in memory); an edited image has another digest and is encoded again; an unreadable
     file is a miss. `precompute(paths, info)` under torchrun then splits the distinct images over the ranks."""
 
     def __init__(self, pipe, device: torch.device | str, dtype: torch.dtype, cache_dir: str | Path | None = None):
@@ -237,12 +247,10 @@ class ImageConditioningCache:
         return self._identity
 
     def _file(self, path: str) -> Path:
-        from sage_grpo.models.text_cache import _file_digest
-
         if not Path(path).is_file():
             open_reference_image(path)  # raises the one message for a missing image or a folder
         try:
-            digest = _file_digest(Path(path))
+            digest = image_digest(path)
         except OSError as e:
             raise SageGRPOError(f"reference image {path} cannot be read: {e.strerror or e}") from None
         key = hashlib.sha256(f"{self.identity}\n{path}\n{digest}".encode()).hexdigest()
