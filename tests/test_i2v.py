@@ -216,6 +216,26 @@ def test_image_cache_notices_an_image_edited_only_in_the_middle(tiny_i2v_pipe, t
     assert cache.num_encoded == 2 and not torch.equal(new.latents, old.latents)
 
 
+def test_a_reference_image_is_turned_upright_by_its_exif_orientation(tiny_i2v_pipe, tmp_path):
+    import numpy as np
+    import PIL.Image
+    from diffusers.utils import load_image
+
+    from sage_grpo.models.image_cond import ImageConditioningCache, open_reference_image
+
+    # a phone's portrait photo: landscape pixels (36 x 64) and EXIF Orientation 6 (rotate 90 degrees clockwise)
+    landscape = PIL.Image.open(_image(tmp_path / "l.png", 36, 64, 4))
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "portrait.jpg"
+    landscape.save(path, exif=exif, quality=95)
+    upright = open_reference_image(path)
+    assert upright.size == (36, 64)  # width x height: portrait
+    assert np.array_equal(np.asarray(upright), np.asarray(load_image(str(path))))  # diffusers' reading
+    cache = ImageConditioningCache(tiny_i2v_pipe, "cpu", torch.float32)
+    assert cache.latent_hw(str(path)) == (10, 6)  # the portrait bucket 40 x 24, not the landscape 24 x 40
+
+
 def test_generate_takes_an_image_per_prompt_and_sizes_the_video_by_its_bucket(tiny_i2v_dir, images, tmp_path):
     import generate
     from sage_grpo.video import read_video

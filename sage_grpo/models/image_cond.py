@@ -95,9 +95,12 @@ def condition_channels(image: ImageConditioning | None, x: Tensor) -> tuple[Tens
 
 
 def open_reference_image(path: str | Path, where: str = ""):
-    """The reference image at `path`, decoded whole and converted to RGB (PIL.Image). A missing, unreadable or
-    corrupt file is one SageGRPOError naming it (and `where` it was given: a prompt file row, a flag)."""
+    """The reference image at `path`, decoded whole, turned upright by its EXIF orientation and converted to RGB
+    (PIL.Image), as diffusers' `load_image` does: a phone's portrait JPEG stores landscape pixels and an Orientation
+    tag. A missing, unreadable or corrupt file is one SageGRPOError naming it (and `where` it was given: a prompt
+    file row, a flag)."""
     import PIL.Image
+    import PIL.ImageOps
 
     path = Path(path)
     at = f" ({where})" if where else ""
@@ -107,7 +110,7 @@ def open_reference_image(path: str | Path, where: str = ""):
     try:
         with PIL.Image.open(path) as im:
             im.load()  # decode every pixel now: a truncated file fails here, not in the middle of a run
-            return im.convert("RGB")
+            return PIL.ImageOps.exif_transpose(im).convert("RGB")
     except OSError as e:  # PIL's UnidentifiedImageError and truncation errors are OSErrors, as is a permission error
         reason = e.strerror or str(e) or type(e).__name__
         raise SageGRPOError(f"reference image {path}{at} cannot be read as an image: {reason}") from None
