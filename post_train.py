@@ -386,8 +386,13 @@ def load_policy(cfg: Config, info: DistInfo):
 
     m = cfg.model
     dtype = torch_dtype(m.dtype)
+    master = torch_dtype(m.master_weight_type)
+    # LoRA trains the adapters only: they hold the master dtype, the frozen base stays in the compute dtype (an fp32
+    # copy of the 8.3B base is 33 GB in host memory on the way to the device, more than many GPU hosts have)
+    base = dtype if m.use_lora else master
     lora = dict(use_lora=m.use_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
-                lora_target_modules=m.lora_target_modules, pretrained_lora_path=m.pretrained_lora_path)
+                lora_target_modules=m.lora_target_modules, pretrained_lora_path=m.pretrained_lora_path,
+                adapter_dtype=master if m.use_lora else None)
     if uses_fsdp(cfg, info):
         # the velocity the root returns is a view; predict_velocity never modifies it in place, which is what
         # this FSDP2 warning is about
@@ -399,13 +404,13 @@ def load_policy(cfg: Config, info: DistInfo):
                                 "scripts/convert_authors_checkpoint.py, or pass --enable_fsdp False")
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices: drawn exactly as the unsharded path draws them
         transformer, trainable = load_sharded_transformer(
-            loc.root / "transformer", info, master_dtype=torch_dtype(m.master_weight_type), param_dtype=dtype,
+            loc.root / "transformer", info, master_dtype=master, base_dtype=base, param_dtype=dtype,
             lora=lora, gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
         pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
                              device=info.device, transformer=transformer)
     else:
         pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
-                             transformer_dtype=torch_dtype(m.master_weight_type), device=info.device)
+                             transformer_dtype=base, device=info.device)
         transformer = pipe.transformer
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
         trainable = setup_trainable(transformer, **lora)

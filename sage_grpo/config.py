@@ -91,7 +91,9 @@ class ModelConfig:
     pretrained_transformer_version: str = opt("480p_t2v", "Sub-folder of <pretrained_model_root>/transformer to load "
                                                           "in the authors' layout.")
     dtype: str = opt("bf16", "Compute dtype of the transformer forward (autocast) and of the frozen parts.", DTYPES)
-    master_weight_type: str = opt("fp32", "Dtype of the trained (master) weights and optimizer state.", DTYPES)
+    master_weight_type: str = opt("fp32", "Dtype of the trained (master) weights and optimizer state; with "
+                                          "--use_lora the adapters', while the frozen base weights stay in --dtype.",
+                                  DTYPES)
     enable_gradient_checkpointing: bool = opt(True, "Recompute transformer block activations in backward (saves "
                                                     "memory, ~30% slower).")
     compile: bool = opt(False, "Compile each of the transformer's dual-stream blocks with torch.compile (fullgraph, "

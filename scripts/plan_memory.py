@@ -348,7 +348,8 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     # memory terms (bytes per GPU)
     total, trainable, muon = counts["total"], counts["trainable"], counts["muon"]
     t = {}
-    t["policy weights"] = (total - trainable) * mw / shard + trainable * mw / shard
+    # LoRA: the frozen base is loaded in the compute dtype (post_train.load_policy), the adapters in the master dtype
+    t["policy weights"] = (total - trainable) * (e if m.use_lora else mw) / shard + trainable * mw / shard
     t["gradients"] = trainable * mw / shard
     states = (muon * 1 + (trainable - muon) * 2) if o.use_muon else trainable * 2
     t["optimizer state"] = states * mw / shard

@@ -119,3 +119,19 @@ def test_without_adapters_the_merged_state_is_the_plain_state():
     merged = merged_state_dict(tr)
     assert set(merged) == set(sd) and all(merged[k] is sd[k] or torch.equal(merged[k], sd[k]) for k in sd)
     assert adapter_parameters(tr) == {}
+
+
+def test_lora_policy_keeps_the_frozen_base_in_the_compute_dtype(tiny_model):
+    """--use_lora with bf16 compute and fp32 master weights: the frozen base loads in bf16 (an fp32 copy of the real
+    8.3B base is 33 GB of host memory) and only the adapters are fp32 (what the optimizer updates)."""
+    from sage_grpo.config import load_config
+    from sage_grpo.parallel.dist import DistInfo
+    from tests.post_train_helpers import _args, pt
+
+    cfg = load_config(_args(tiny_model, "unused", "--use_lora", "True", "--dtype", "bf16",
+                            "--master_weight_type", "fp32"))
+    _, transformer, trainable = pt.load_policy(cfg, DistInfo())
+    dtypes = {n: p.dtype for n, p in transformer.named_parameters()}
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
+    assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}

@@ -44,13 +44,15 @@ def default_lora_targets(transformer) -> list[str]:
 def setup_trainable(
     transformer, *, use_lora: bool, lora_r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
     lora_target_modules: list[str] | None = None, pretrained_lora_path: str = "",
+    adapter_dtype: torch.dtype | None = None,
 ) -> list[torch.nn.Parameter]:
     """Make the policy trainable -> the parameters to optimise.
 
     LoRA: freeze the base weights and add peft adapters (r, alpha, dropout) on `lora_target_modules` (module
     names or suffixes as peft matches them; empty = every linear of the transformer blocks); optionally load
     `pretrained_lora_path`, whose saved adapter_config.json (when present) sets r, alpha and the targets.
-    Full fine-tuning: every transformer parameter is trainable.
+    adapter_dtype: the adapters' dtype (the master weights' when the frozen base sits in the compute dtype); None
+    keeps peft's choice. Full fine-tuning: every transformer parameter is trainable.
     """
     patterns: dict = {}  # per-module rank / alpha of an imported adapter (e.g. a fused q,k,v split back)
     if pretrained_lora_path and use_lora:
@@ -73,11 +75,13 @@ def setup_trainable(
         transformer.add_adapter(config, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # peft: "Target modules ... not found in the base model"
         raise SageGRPOError(f"--lora_target_modules {targets}: {e}") from e
-    if pretrained_lora_path:
-        load_lora(transformer, pretrained_lora_path)
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     for p in params:
+        if adapter_dtype is not None:
+            p.data = p.data.to(adapter_dtype)
         p.requires_grad_(True)
+    if pretrained_lora_path:
+        load_lora(transformer, pretrained_lora_path)
     return params
 
 

@@ -142,11 +142,14 @@ def build_meta_transformer(config: dict, *, dtype: torch.dtype = torch.float32, 
 
 
 def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch.dtype, param_dtype: torch.dtype,
-                             lora: dict | None = None, gradient_checkpointing: bool = False, compile: bool = False):
+                             base_dtype: torch.dtype | None = None, lora: dict | None = None,
+                             gradient_checkpointing: bool = False, compile: bool = False):
     """The policy transformer, parallelised (FSDP2-sharded), each rank reading only its rows -> (transformer,
     trainable params).
 
     model_dir: a diffusers `transformer/` directory (config.json + diffusion_pytorch_model*.safetensors).
+    base_dtype: the stored dtype of the non-adapter weights (default master_dtype; with LoRA the compute dtype, the
+    adapters then carry master_dtype through setup_trainable's adapter_dtype).
     lora: setup_trainable's keyword arguments ({"use_lora": ..., "lora_r": ..., ...}); call torch.manual_seed(seed)
     before, as for the unsharded path, and the adapters start identical. Returns the trainable parameters (DTensors)
     like setup_trainable.
@@ -154,7 +157,8 @@ def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch
     from sage_grpo.models.loading import read_transformer_config, transformer_row_reader
 
     model_dir = Path(model_dir)
-    model, lora_init = build_meta_transformer(read_transformer_config(model_dir), dtype=master_dtype, lora=lora)
+    model, lora_init = build_meta_transformer(read_transformer_config(model_dir), dtype=base_dtype or master_dtype,
+                                              lora=lora)
     parallelize(model, info, fsdp=True, param_dtype=param_dtype, master_dtype=master_dtype,
                 gradient_checkpointing=gradient_checkpointing, compile=compile)
     with transformer_row_reader(model_dir) as rows:
