@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
       f"model.text_embedding_cache_dir, {m.text_embedding_cache_dir!r}; empty = in memory)")
     a("--offload_text_encoder", default=None, metavar="BOOL", help="move the text encoders off the device once the "
       f"prompts are encoded (default: model.offload_text_encoder, {str(m.offload_text_encoder).lower()})")
+    a("--vae_tiling", default=None, metavar="BOOL", help="decode the videos with the VAE in tiles, as post_train.py "
+      f"decodes its validation videos (default: model.vae_tiling, {str(m.vae_tiling).lower()}; no effect below the "
+      "tile size; reference images are encoded whole either way)")
     a("--compile", default=None, metavar="BOOL", help="compile each transformer block with torch.compile (default: "
       f"model.compile, {str(m.compile).lower()}; the first video pays the compilation)")
     a("--sp_size", type=int, default=1, help="Ulysses sequence-parallel degree under torchrun: each group of sp_size "
@@ -175,6 +178,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         "sage_sigma_clamp": r.sage_sigma_clamp,
         "text_embedding_cache_dir": m.text_embedding_cache_dir,
         "offload_text_encoder": m.offload_text_encoder,
+        "vae_tiling": m.vae_tiling,
         "compile": m.compile,
     }
     explicit_clamp = args.sage_sigma_clamp is not None
@@ -189,6 +193,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, k, val)
     args.offload_text_encoder = parse_bool(args.offload_text_encoder, "--offload_text_encoder")
     args.compile = parse_bool(args.compile, "--compile")
+    args.vae_tiling = parse_bool(args.vae_tiling, "--vae_tiling")
     args.lora = dict(r=m.lora_r, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=list(m.lora_target_modules))
     args.height, args.width = parse_size(args.fixed_size, "--fixed_size")
     if args.compile and args.sp_size > 1:  # the config's rule (sage_grpo.config.validate)
@@ -338,7 +343,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     pipe.transformer.requires_grad_(False).eval()
     # an sp group samples each of its videos together: same prompts and seeds on every peer, so the same inputs
     parallelize(pipe.transformer, info, compile=args.compile)
-    if args.height * args.width > 256 * 256:
+    if args.vae_tiling:  # post_train.py's rule, not --fixed_size's: an I2V video takes its image's size
         pipe.vae.enable_tiling()
 
     try:

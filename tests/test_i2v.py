@@ -236,6 +236,59 @@ def test_a_reference_image_is_turned_upright_by_its_exif_orientation(tiny_i2v_pi
     assert cache.latent_hw(str(path)) == (10, 6)  # the portrait bucket 40 x 24, not the landscape 24 x 40
 
 
+def test_the_reference_latent_is_the_whole_encoding_whatever_the_decode_tiling(tiny_i2v_pipe, images, tmp_path,
+                                                                                 monkeypatch):
+    from types import SimpleNamespace
+
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+    from sage_grpo.models.image_cond import ImageConditioningCache, image_encoder_identity, open_reference_image
+
+    pipe, path = tiny_i2v_pipe, images[1]  # bucket 24 x 40
+    crop = pipe.video_processor.resize(open_reference_image(path), height=24, width=40, resize_mode="crop")
+
+    def diffusers_latent():  # diffusers' I2V pipeline's condition latent, with the VAE as it is now
+        return HunyuanVideo15ImageToVideoPipeline._get_image_latents(pipe.vae, pipe.video_processor, crop, 24, 40,
+                                                                     "cpu")
+
+    whole = diffusers_latent()  # the VAE as loaded: untiled
+    cache = ImageConditioningCache(pipe, "cpu", torch.float32, tmp_path / "cache")
+    untiled = cache.get([path])
+    # --vae_tiling on, with tiles smaller than the tiny crop (the real VAE's are 256 px: a 480 x 848 image is tiled)
+    for name, value in (("use_tiling", True), ("tile_sample_min_height", 16), ("tile_sample_min_width", 16),
+                        ("tile_latent_min_height", 4), ("tile_latent_min_width", 4)):
+        monkeypatch.setattr(pipe.vae, name, value)
+    assert not torch.allclose(diffusers_latent(), whole, atol=1e-4)  # tiling does change a latent
+    fresh = ImageConditioningCache(pipe, "cpu", torch.float32)  # encodes again, under the tiling
+    tiled = fresh.get([path])
+    assert fresh.num_encoded == 1 and torch.allclose(tiled.latents, whole, atol=1e-6, rtol=0)
+    assert torch.equal(tiled.latents, untiled.latents) and torch.equal(tiled.embeds, untiled.embeds)
+    assert pipe.vae.use_tiling  # the decode keeps its tiling
+    again = ImageConditioningCache(pipe, "cpu", torch.float32, tmp_path / "cache")  # the same files serve both
+    assert torch.equal(again.get([path]).latents, untiled.latents) and again.num_encoded == 0
+    # what does change the latent changes the key: the VAE's dtype
+    bf16 = SimpleNamespace(sage_grpo_location=pipe.sage_grpo_location, transformer=pipe.transformer,
+                           vae=SimpleNamespace(dtype=torch.bfloat16))
+    assert image_encoder_identity(bf16) != image_encoder_identity(pipe)
+
+
+def test_generate_tiles_the_decode_as_training_does_not_by_fixed_size(tiny_i2v_dir, images, tmp_path, monkeypatch):
+    import generate
+    from sage_grpo.config import Config
+    from sage_grpo.models import loading
+
+    loaded = []
+    load = loading.load_pipeline
+    monkeypatch.setattr(loading, "load_pipeline", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
+    common = ["--model_path", str(tiny_i2v_dir), "--dtype", "fp32", "--video_length", "1", "--num_inference_steps",
+              "1", "--fixed_size", "64x64", "--prompt", "a red ball rolls", "--image", images[0]]
+    generate.main([*common, "--output_path", str(tmp_path / "a")])
+    generate.main([*common, "--vae_tiling", "False", "--output_path", str(tmp_path / "b")])
+    # post_train.py tiles when model.vae_tiling (default on); a small --fixed_size is no reason not to (an I2V
+    # video takes its image's size)
+    assert [p.vae.use_tiling for p in loaded] == [Config().model.vae_tiling, False] == [True, False]
+
+
 def test_generate_takes_an_image_per_prompt_and_sizes_the_video_by_its_bucket(tiny_i2v_dir, images, tmp_path):
     import generate
     from sage_grpo.video import read_video

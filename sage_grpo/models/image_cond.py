@@ -183,7 +183,14 @@ def encode_reference(pipe, image, device: torch.device | str, dtype: torch.dtype
     crop = pipe.video_processor.resize(image, height=h, width=w, resize_mode="crop")  # cover, then centre crop
     pixels = pipe.video_processor.preprocess(crop, height=h, width=w)  # [1, 3, h, w] in [-1, 1]
     pixels = pixels.to(device, vae.dtype).unsqueeze(2)  # [1, 3, 1, h, w]: a one-frame video
-    latent = vae.encode(pixels).latent_dist.mode() * vae.config.scaling_factor  # [1, C, 1, h/s, w/s]
+    # the whole crop in one pass whatever --vae_tiling set for the decode: tiles blended at their overlaps give
+    # another latent. diffusers' pipeline encodes with its VAE as loaded (untiled) and the authors' inference tiles
+    # only the decode, so the condition is a function of the image and the weights alone, in every entry point.
+    tiling, vae.use_tiling = vae.use_tiling, False
+    try:
+        latent = vae.encode(pixels).latent_dist.mode() * vae.config.scaling_factor  # [1, C, 1, h/s, w/s]
+    finally:
+        vae.use_tiling = tiling
     # SigLIP resizes the crop to its own square input (the pipeline's do_resize=True)
     sig = pipe.feature_extractor.preprocess(images=crop, do_resize=True, return_tensors="pt", do_convert_rgb=True)
     embeds = enc(pixel_values=sig["pixel_values"].to(device, next(enc.parameters()).dtype)).last_hidden_state
@@ -196,15 +203,23 @@ _IMAGE_DIRS = {  # what an image's conditioning depends on besides the image, pe
 }
 
 
+# how encode_reference turns an image into its conditioning: change it when that changes, so that cache files
+# written the old way are not read as the new way's
+ENCODING = "upright by EXIF; bucket crop; VAE mode of the whole crop, untiled, x scaling_factor; SigLIP last state"
+
+
 def image_encoder_identity(pipe) -> str:
-    """The VAE and SigLIP files (weights by size + first and last MiB, as the text cache's identity) and the bucket
-    base target_size: different weights or buckets at the same path get another identity."""
+    """What an image's conditioning depends on besides the image: the VAE and SigLIP files (weights by size + first
+    and last MiB, as the text cache's identity), the bucket base target_size, the VAE's dtype and the ENCODING:
+    other weights, buckets, VAE dtype or encoding at the same path get another identity. SigLIP computes in the
+    pipeline's dtype, the cache's own (ImageConditioningCache.identity adds it). The VAE's tiling is not in it: the
+    reference is encoded whole whatever the decode's tiling."""
     from sage_grpo.models.text_cache import _file_digest
 
     loc = getattr(pipe, "sage_grpo_location", None)
     if loc is None:
         raise ValueError("the image cache needs a pipeline from sage_grpo.models.loading.load_pipeline")
-    parts = [loc.layout, f"target_size={pipe.transformer.config.target_size}"]
+    parts = [loc.layout, f"target_size={pipe.transformer.config.target_size}", ENCODING, f"vae={pipe.vae.dtype}"]
     for sub in _IMAGE_DIRS[loc.layout]:
         d = Path(loc.root) / sub
         files = sorted(f for f in d.rglob("*") if f.is_file()) if d.is_dir() else []
