@@ -261,6 +261,33 @@ def test_lr_warmup_and_kl_controller_count_optimizer_updates_under_accumulation(
     assert state.controller.value == pytest.approx(lam[2], rel=1e-9)
 
 
+def test_kl_controller_sees_each_updates_own_mean_kl(tiny_model, tmp_path, monkeypatch):
+    """With 2 rounds per update and a fixed anchor, 6 rounds make 3 updates; the controller is called once per
+    update with the mean L_KL over that update's pairs (both of its rounds): the first update 0 (the policy is
+    the anchor), the later ones > 0, each its own rounds' mean, computed here from what backward_phase returned.
+
+    Seen failing when optimizer_step does not reset the pending KL sum after an update (the controller sees a
+    cumulative, growing KL): "update 2: the controller saw 4.03, the update's mean L_KL is 3.1"."""
+    c, state = _setup(tiny_model, tmp_path, *SMALL, "--gradient_accumulation_steps", "2", "--max_steps", "6",
+                      "--learning_rate", "1e-2", "--kl_weight", "1e-5", "--use_moving_KL", "False")
+    rounds = _record(monkeypatch, "backward_phase")
+    seen, real_update = [], state.controller.update
+
+    def update(kl):
+        seen.append(kl)
+        real_update(kl)
+
+    monkeypatch.setattr(state.controller, "update", update)
+    pt.train(c, state, final_save=False)
+    assert (state.step, state.updates, len(rounds), len(seen)) == (6, 3, 6, 3)
+    own = [sum(r.sums["kl/loss"] for r in rounds[2 * k : 2 * k + 2]) / sum(r.pairs for r in rounds[2 * k : 2 * k + 2])
+           for k in range(3)]
+    assert own[0] == 0.0 and own[1] > 0 and own[2] > 0
+    for k in range(3):
+        assert seen[k] == pytest.approx(own[k], rel=1e-12, abs=0.0), (
+            f"update {k}: the controller saw {seen[k]:.3g}, the update's mean L_KL is {own[k]:.3g}")
+
+
 # ------------------------------------------------------------------------------------------------------ randomness
 
 

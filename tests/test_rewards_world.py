@@ -59,13 +59,29 @@ def test_caption_reward_is_one_on_its_clip_and_lower_for_another_colour(clips):
     assert WorldCaptionReward()(_videos(clips), recoloured)["world_caption"].tolist() == pytest.approx([0.8] * N)
 
 
+def _area(path, shape: str) -> float:
+    """The analytic area share of a drawn shape of radius r (pi r^2, 4 r^2, 2 r^2) in a 32 x 32 frame."""
+    r = path.radius
+    return {"circle": math.pi * r * r, "square": 4 * r * r, "triangle": 2 * r * r}[shape] / 32**2
+
+
 def test_size_reward_is_the_shape_area(clips):
-    """Mean object area share = the analytic area of the drawn shape (pi r^2, 4 r^2, 2 r^2) over the frame."""
+    """Mean object area share = the analytic area of the drawn shape over the frame."""
     got = WorldSizeReward()(_videos(clips), [""] * N)["world_size"]
     for c, value in zip(clips, got.tolist()):
-        r, shape = c.scene.paths[0].radius, c.attributes.objects[0].shape
-        area = {"circle": math.pi * r * r, "square": 4 * r * r, "triangle": 2 * r * r}[shape] / 32**2
-        assert value == pytest.approx(area, rel=0.03)
+        assert value == pytest.approx(_area(c.scene.paths[0], c.attributes.objects[0].shape), rel=0.03)
+
+
+def test_size_reward_scores_the_largest_of_several_objects():
+    """A clip of two objects scores the larger one's area, whether the caption names it first (clip 6) or second
+    (clips 3 and 11). Seen failing when WorldSizeReward takes the smallest detected object (objs[-1]):
+    "assert 0.0314 == 0.16 ± 0.0048"."""
+    two = [sample_clip(30, i, two_object_prob=1.0) for i in (3, 6, 11)]
+    got = WorldSizeReward()(_videos(two), [""] * len(two))["world_size"]
+    for c, value in zip(two, got.tolist()):
+        areas = [_area(p, o.shape) for p, o in zip(c.scene.paths, c.attributes.objects)]
+        assert len(areas) == 2 and min(areas) < 0.5 * max(areas)  # sizes far apart: the two answers differ
+        assert value == pytest.approx(max(areas), rel=0.03)
 
 
 def test_color_share_reward_counts_the_pixels_the_geometry_paints(clips):

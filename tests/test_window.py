@@ -132,6 +132,29 @@ def test_shared_prefix_equals_g_separate_prefixes_with_fewer_forwards(tiny_pipe,
         _rollout(tiny_pipe, text_cache, s, sde_steps=window, share_prefix=True)
 
 
+def test_shared_prefix_gives_each_prompt_its_own_prefix(tiny_pipe, text_cache):
+    """Two prompts of 2 samples each, with their own noise and group ids that are not 0, 1 (a rank's groups of a
+    bigger step): every sample takes its own prompt's prefix, as when each sample runs the prefix alone. Seen
+    failing when every sample takes the first prompt's prefix (x = x_r[owner] with owner all 0): "Mismatched
+    elements: 11520 / 27648"."""
+    s = SamplerSettings(sde_type="flow_grpo", eta=0.7, num_steps=5, cfg_scale=4.0)
+    prompts = [PROMPT, PROMPT, "a blue cube slides", "a blue cube slides"]
+
+    def run(**kw):
+        return rollout(
+            tiny_pipe.transformer, text_cache.get(prompts), text_cache.get([""]), prompts=prompts,
+            prompt_ids=torch.tensor([3, 3, 1, 1]), generation_ids=torch.tensor([0, 1, 0, 1]),
+            prompt_seeds=torch.tensor([5, 5, 9, 9]),
+            latent_shape=latent_shape(tiny_pipe.vae.config, TINY_FRAMES, TINY_H, TINY_W), settings=s,
+            image_tokens=tiny_pipe.vision_num_semantic_tokens, base_seed=3, sde_steps=window_mask(5, 3, 5),
+            same_noise=True, **kw)
+
+    separate, shared = run(), run(share_prefix=True)
+    assert not torch.allclose(separate.latents[0, 3], separate.latents[2, 3])  # the two prompts' prefixes differ
+    torch.testing.assert_close(shared.latents, separate.latents, rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared.log_probs, separate.log_probs, rtol=0, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.slow
 def test_training_with_a_sliding_window_and_a_shared_prefix(tiny_model, tmp_path, monkeypatch):
     """T = 4, window of 2 sliding by 1 every update from step 1: windows [1, 3), [2, 4), [1, 3), [2, 4); the prefix
