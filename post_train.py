@@ -155,6 +155,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     from sage_grpo.heldout import HeldOut
     from sage_grpo.kl import AdaptiveKLController
     from sage_grpo.models.image_cond import ImageConditioningCache
+    from sage_grpo.models.loading import load_pipeline, read_text_encoders
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.models.tiny_checkpoint import ensure_tiny_checkpoint
     from sage_grpo.optim import build_optimizer
@@ -175,12 +176,14 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     reward = build_reward_from_config(cfg, info.device)
     probe_user_rewards(cfg, reward, [rec.prompt for rec in prompts], info.device)
     dtype = torch_dtype(m.dtype)
-    pipe, transformer, trainable = load_policy(cfg, info)
+    # the conditioning parts first (text encoders, VAE, SigLIP; the transformer a meta-device stand-in): every prompt
+    # and image is encoded, the text encoders freed, and only then the policy loaded, so that the 7B text encoder
+    # and the 8.3B transformer never share memory
+    pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
+                         device=info.device, load_transformer=False)
     resolve_checkpoint_defaults(cfg, pipe.sage_grpo_location)  # done by preflight when it found the model already
     if m.vae_tiling:
         pipe.vae.enable_tiling()
-    optimizer = build_optimizer([(n, p) for n, p in transformer.named_parameters() if p.requires_grad], cfg.optim)
-    anchor = Anchor(transformer, cfg, info, sharded=uses_fsdp(cfg, info))
 
     # every prompt the run will use, encoded once (a prompt missed here is still encoded on first use)
     # under torchrun the embeddings live on disk beside the run (a rank holding every prompt needs ~0.9 MB each:
@@ -204,10 +207,13 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     else:
         check_prompt_tasks(cfg, "t2v", prompts, val_records)
     if m.offload_text_encoder:
-        cache.offload_encoders()
+        cache.release_encoders(lambda: read_text_encoders(pipe.sage_grpo_location, dtype))
         if images is not None:
             images.offload_encoder()
     warn_checkpoint_defaults(cfg, info, pipe)
+    transformer, trainable = load_policy(cfg, info, pipe)
+    optimizer = build_optimizer([(n, p) for n, p in transformer.named_parameters() if p.requires_grad], cfg.optim)
+    anchor = Anchor(transformer, cfg, info, sharded=uses_fsdp(cfg, info))
 
     settings = SamplerSettings.from_config(cfg)
     sigmas = sigma_schedule(r.grpo_sampling_steps, r.flow_shift)
@@ -305,7 +311,8 @@ def resolve_checkpoint_defaults(cfg: Config, loc) -> dict:
 
 def warn_checkpoint_defaults(cfg: Config, info: DistInfo, pipe) -> None:
     """Print the sampling settings taken from the checkpoint; warn where a flag the user set differs from the
-    checkpoint's own default (its scheduler and guider configs), and about GRPO on the step-distilled model."""
+    checkpoint's own default (its scheduler and guider configs; a CFG scale of 1, CFG off, gets a note), and about
+    GRPO on the step-distilled model."""
     taken = getattr(cfg, "from_checkpoint", {})
     if taken:
         print0(info, "from the checkpoint's scheduler/guider configs: "
@@ -315,7 +322,12 @@ def warn_checkpoint_defaults(cfg: Config, info: DistInfo, pipe) -> None:
     for flag, value, default in (("--flow_shift", r.flow_shift, shift), ("--cfg_scale", r.cfg_scale, scale),
                                  ("--validation_timestep_shift", v.validation_timestep_shift, shift),
                                  ("--validation_guidance_scale", v.validation_guidance_scale, scale)):
-        if not math.isclose(value, default):
+        if math.isclose(value, default):
+            continue
+        if "shift" not in flag and value == 1.0:
+            # CFG off is a recipe (one forward a step), not a scale carried over from another checkpoint
+            print0(info, f"{flag} 1: classifier-free guidance off (the checkpoint's guider config has {default:g})")
+        else:
             print0(info, f"warning: {flag} {value:g} differs from the checkpoint's own default {default:g} (its "
                    f"{'scheduler' if 'shift' in flag else 'guider'} config); pass {flag} {default:g} to use it")
     if pipe.transformer.config.use_meanflow:
@@ -375,16 +387,17 @@ def uses_fsdp(cfg: Config, info: DistInfo) -> bool:
     return cfg.parallel.enable_fsdp and info.distributed
 
 
-def load_policy(cfg: Config, info: DistInfo):
-    """-> (pipeline, transformer, trainable parameters), the transformer parallelised by
+def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    """-> (transformer, trainable parameters), put into `pipe` in place of its meta-device stand-in, parallelised by
     `sage_grpo.models.parallelize` (sequence parallelism, activation checkpointing, FSDP2). Under FSDP2 it is built
     on the meta device and each rank reads only its rows of the weights (no rank ever holds the whole model);
     otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
-    from sage_grpo.models.loading import load_pipeline, locate_model
+    from sage_grpo.models.loading import attach_transformer, load_transformer
     from sage_grpo.models.lora import setup_trainable
     from sage_grpo.models.parallelize import load_sharded_transformer, parallelize
 
     m = cfg.model
+    loc = pipe.sage_grpo_location
     dtype = torch_dtype(m.dtype)
     master = torch_dtype(m.master_weight_type)
     # LoRA trains the adapters only: they hold the master dtype, the frozen base stays in the compute dtype (an fp32
@@ -397,8 +410,6 @@ def load_policy(cfg: Config, info: DistInfo):
         # the velocity the root returns is a view; predict_velocity never modifies it in place, which is what
         # this FSDP2 warning is about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-        loc = locate_model(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version)
         if loc.layout != "diffusers":
             raise SageGRPOError(f"--enable_fsdp loads the diffusers layout only; convert {loc.root} first with "
                                 "scripts/convert_authors_checkpoint.py, or pass --enable_fsdp False")
@@ -406,16 +417,14 @@ def load_policy(cfg: Config, info: DistInfo):
         transformer, trainable = load_sharded_transformer(
             loc.root / "transformer", info, master_dtype=master, base_dtype=base, param_dtype=dtype,
             lora=lora, gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
-        pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
-                             device=info.device, transformer=transformer)
+        attach_transformer(pipe, transformer)  # a sharded transformer already sits where its shards belong
     else:
-        pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
-                             transformer_dtype=base, device=info.device)
-        transformer = pipe.transformer
+        transformer = load_transformer(loc, base).to(info.device)
+        attach_transformer(pipe, transformer)
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
         trainable = setup_trainable(transformer, **lora)
         parallelize(transformer, info, gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
-    return pipe, transformer, trainable
+    return transformer, trainable
 
 
 

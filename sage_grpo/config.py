@@ -114,8 +114,10 @@ class ModelConfig:
     vae_tiling: bool = opt(True, "Decode rollouts and validation videos with the VAE in tiles (diffusers' "
                                  "enable_tiling): 9 GiB instead of 30 GiB peak for one 81x352x624 video on an H100, "
                                  "1.5x the time; no effect below the tile size.")
-    offload_text_encoder: bool = opt(True, "Move the text encoders off the GPU once every prompt is encoded and cached "
-                                           "(the authors keep the 7B encoder resident).")
+    offload_text_encoder: bool = opt(True, "Free the text encoders (GPU and host memory) once every prompt is encoded "
+                                           "and cached, before the policy loads, and move SigLIP off the GPU; a "
+                                           "prompt not cached later loads them again (the authors keep the 7B "
+                                           "encoder resident).")
     text_embedding_cache_dir: str = opt("", "Directory of an on-disk text-embedding cache keyed by prompt and encoder. "
                                             "Empty: in memory for one process; under torchrun "
                                             "output_dir/text_embeddings, so each rank holds none of it (ranks read a "

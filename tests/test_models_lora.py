@@ -130,7 +130,11 @@ def test_lora_policy_keeps_the_frozen_base_in_the_compute_dtype(tiny_model):
 
     cfg = load_config(_args(tiny_model, "unused", "--use_lora", "True", "--dtype", "bf16",
                             "--master_weight_type", "fp32"))
-    _, transformer, trainable = pt.load_policy(cfg, DistInfo())
+    from sage_grpo.models.loading import load_pipeline
+
+    pipe = load_pipeline(model_path=str(tiny_model), dtype="bf16", load_text_encoders=False, load_transformer=False)
+    transformer, trainable = pt.load_policy(cfg, DistInfo(), pipe)
+    assert pipe.transformer is transformer
     dtypes = {n: p.dtype for n, p in transformer.named_parameters()}
     assert trainable and all(p.dtype == torch.float32 for p in trainable)
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}

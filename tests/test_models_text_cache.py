@@ -267,3 +267,34 @@ def test_shared_precompute_on_two_ranks(tiny_diffusers_dir, tmp_path):
         assert x["files"] == 7 and x["tmp_files"] == 0
         assert "different prompt lists" in x["mismatch_error"]
         assert "failed on 1 rank(s); rank 1: cannot encode" in x["failure_error"]
+
+
+def test_released_encoders_are_freed_and_come_back_for_a_prompt_not_cached(tiny_diffusers_dir, tiny_pipe):
+    """post_train's order: conditioning parts with a meta stand-in for the transformer, every prompt encoded, the
+    encoders freed (not moved: nothing holds them), a later uncached prompt encoded by reloaded encoders."""
+    import gc
+    import weakref
+
+    from sage_grpo.models.loading import load_pipeline, read_text_encoders
+
+    pipe = load_pipeline(model_path=str(tiny_diffusers_dir), dtype="fp32", load_transformer=False)
+    assert next(pipe.transformer.parameters()).is_meta  # config only, no memory
+    cache = TextEmbeddingCache(pipe, "cpu", torch.float32)
+    cache.precompute(["x"])
+    encoders = [weakref.ref(pipe.text_encoder), weakref.ref(pipe.text_encoder_2)]
+    reloads = []
+
+    def reload():
+        reloads.append(1)
+        return read_text_encoders(pipe.sage_grpo_location, torch.float32)
+
+    cache.release_encoders(reload)
+    gc.collect()
+    assert pipe.text_encoder is None and pipe.text_encoder_2 is None
+    assert all(ref() is None for ref in encoders)
+    cache.get(["x"])
+    assert not reloads  # cached: the encoders stay away
+    got = cache.get(["z"])
+    reference = TextEmbeddingCache(tiny_pipe, "cpu", torch.float32).get(["z"])
+    assert reloads == [1] and pipe.text_encoder is None  # released again after the prompt
+    assert all(torch.equal(a, b) for a, b in zip(_fields(got), _fields(reference)))

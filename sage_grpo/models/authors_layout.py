@@ -52,11 +52,25 @@ def _load_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_authors_transformer(d: Path, version: str, dtype: torch.dtype):
-    """transformer/<version>/ (authors' keys) -> HunyuanVideo15Transformer3DModel in `dtype`."""
-    from diffusers import HunyuanVideo15Transformer3DModel
+def _meta_state_of_dir(d: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors directory as meta tensors (shapes from the file headers, no data read)."""
+    from safetensors import safe_open
 
-    state = _load_safetensors_dir(d)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise SageGRPOError(f"no *.safetensors weights in {d}")
+    state = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                state[k] = torch.empty(h.get_slice(k).get_shape(), device="meta")
+    return state
+
+
+def authors_transformer_config(d: Path, version: str, state: dict[str, torch.Tensor] | None = None) -> dict:
+    """HunyuanVideo15Transformer3DModel kwargs of transformer/<version>/ (authors' keys): shapes from `state` or,
+    when None, from the file headers (nothing loaded), the rope split and bucket base from its config.json."""
+    state = state if state is not None else _meta_state_of_dir(d)
     overrides = {}
     cfg_file = d / "config.json"
     if cfg_file.is_file():
@@ -67,6 +81,15 @@ def load_authors_transformer(d: Path, version: str, dtype: torch.dtype):
             overrides["target_size"] = int(cfg["target_size"])
     config = infer_transformer_config(state, version, rope_axes_dim=overrides.pop("rope_axes_dim", None))
     config.update(overrides)
+    return config
+
+
+def load_authors_transformer(d: Path, version: str, dtype: torch.dtype):
+    """transformer/<version>/ (authors' keys) -> HunyuanVideo15Transformer3DModel in `dtype`."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    state = _load_safetensors_dir(d)
+    config = authors_transformer_config(d, version, state)
     converted = authors_to_diffusers_transformer(state)
     with torch.device("meta"):
         model = HunyuanVideo15Transformer3DModel(**config)
@@ -123,12 +146,14 @@ def _load_glyph_byt5(root: Path, dtype: torch.dtype):
     return encoder.to(dtype), tokenizer
 
 
-def load_authors_parts(root: Path, version: str, tdt, vdt, dt, load_text_encoders: bool) -> dict:
-    from transformers import AutoModel, AutoTokenizer
+def load_authors_parts(root: Path, version: str, tdt, vdt, dt, load_text_encoders: bool,
+                       load_transformer: bool = True) -> dict:
+    from transformers import AutoTokenizer
 
     llm = root / "text_encoder/llm"
     parts = dict(
-        transformer=load_authors_transformer(root / "transformer" / version, version, tdt),
+        transformer=load_authors_transformer(root / "transformer" / version, version, tdt) if load_transformer
+        else None,
         vae=load_authors_vae(root / "vae", vdt),
         tokenizer=AutoTokenizer.from_pretrained(os.fspath(llm), padding_side="right"),
         text_encoder=None,
@@ -137,10 +162,21 @@ def load_authors_parts(root: Path, version: str, tdt, vdt, dt, load_text_encoder
     text_encoder_2, tokenizer_2 = _load_glyph_byt5(root, dt)
     parts["tokenizer_2"] = tokenizer_2
     if load_text_encoders:
-        mllm = AutoModel.from_pretrained(os.fspath(llm), dtype=dt)  # Qwen2_5_VLModel: vision + text towers
-        parts["text_encoder"] = getattr(mllm, "language_model", mllm)  # keep the text tower only
+        parts["text_encoder"] = _load_mllm_text_tower(llm, dt)
         parts["text_encoder_2"] = text_encoder_2
     return parts
+
+
+def _load_mllm_text_tower(llm: Path, dt):
+    from transformers import AutoModel
+
+    mllm = AutoModel.from_pretrained(os.fspath(llm), dtype=dt)  # Qwen2_5_VLModel: vision + text towers
+    return getattr(mllm, "language_model", mllm)  # keep the text tower only
+
+
+def load_authors_text_encoders(root: Path, dt) -> tuple:
+    """(MLLM text tower, glyph ByT5 encoder) of the authors' layout, nothing else."""
+    return _load_mllm_text_tower(root / "text_encoder/llm", dt), _load_glyph_byt5(root, dt)[0]
 
 
 def save_authors_layout(components: dict, root: Path, version: str = "480p_t2v") -> None:

@@ -48,6 +48,11 @@ __all__ = [
     "checkpoint_task",
     "checkpoint_sampling_defaults",
     "read_transformer_config",
+    "transformer_config",
+    "meta_transformer",
+    "load_transformer",
+    "attach_transformer",
+    "read_text_encoders",
     "transformer_row_reader",
 ]
 
@@ -217,6 +222,7 @@ def load_pipeline(
     device: str | torch.device = "cpu",
     transformer: torch.nn.Module | None = None,
     load_image_encoder: bool = True,
+    load_transformer: bool = True,
 ):
     """-> diffusers.HunyuanVideo15Pipeline (T2V checkpoint) or HunyuanVideo15ImageToVideoPipeline (I2V) with every
     part frozen except the transformer (trainable, train mode off); `pipe.sage_grpo_task` is "t2v" or "i2v".
@@ -226,6 +232,10 @@ def load_pipeline(
     embeddings all cached on disk). transformer: an already built transformer (FSDP2: the sharded one from
     sage_grpo.models.parallelize.load_sharded_transformer) used instead of loading the whole one; it is not moved.
     load_image_encoder=False leaves an I2V checkpoint's SigLIP None (every reference image already encoded).
+    load_transformer=False puts a meta-device stand-in built from the checkpoint's config in its place (no memory:
+    its config answers the conditioning code; `attach_transformer` replaces it): post_train encodes every prompt
+    and image, frees the encoders and only then loads the policy, so the 7B text encoder and the 8.3B transformer
+    never sit in memory together.
     """
     from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
@@ -236,12 +246,15 @@ def load_pipeline(
     if transformer is not None and loc.layout != "diffusers":
         raise SageGRPOError("sharded (FSDP2) loading reads the diffusers layout; convert the authors' transformer "
                             "with sage_grpo.models.convert, or use --model_path of a diffusers-layout checkpoint")
+    loads = transformer is None and load_transformer
     if loc.layout == "diffusers":
-        parts = _load_diffusers_parts(loc.root, tdt, vdt, dt, load_text_encoders, load_transformer=transformer is None)
+        parts = _load_diffusers_parts(loc.root, tdt, vdt, dt, load_text_encoders, with_transformer=loads)
     else:
         from sage_grpo.models.authors_layout import load_authors_parts
 
-        parts = load_authors_parts(loc.root, loc.version, tdt, vdt, dt, load_text_encoders)
+        parts = load_authors_parts(loc.root, loc.version, tdt, vdt, dt, load_text_encoders, load_transformer=loads)
+    if transformer is None and not load_transformer:
+        transformer = meta_transformer(loc)
     from sage_grpo.models.attention import use_valid_token_attention
 
     task = loc.task
@@ -260,11 +273,63 @@ def load_pipeline(
     for part in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, image_encoder):
         if part is not None:
             part.to(device)
-    if transformer is None:
+    if loads:
         pipe.transformer.to(device)  # a sharded transformer already sits where its shards belong (device or offload)
     pipe.sage_grpo_location = loc  # for provenance (generate.py's config dump, the text cache identity)
     pipe.sage_grpo_task = task
     return pipe
+
+
+def transformer_config(loc: ModelLocation) -> dict:
+    """HunyuanVideo15Transformer3DModel kwargs of the checkpoint, read from its files without loading weights."""
+    if loc.layout == "diffusers":
+        return read_transformer_config(loc.root / "transformer")
+    from sage_grpo.models.authors_layout import authors_transformer_config
+
+    return authors_transformer_config(loc.root / "transformer" / loc.version, loc.version)
+
+
+def meta_transformer(loc: ModelLocation) -> torch.nn.Module:
+    """The checkpoint's transformer on the meta device: its config and shapes, no memory."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    with torch.device("meta"):
+        return HunyuanVideo15Transformer3DModel.from_config(transformer_config(loc))
+
+
+def load_transformer(loc: ModelLocation, dtype: torch.dtype) -> torch.nn.Module:
+    """The whole transformer of the checkpoint in `dtype` (either layout), on the CPU."""
+    if loc.layout == "diffusers":
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        return HunyuanVideo15Transformer3DModel.from_pretrained(loc.root / "transformer", torch_dtype=dtype)
+    from sage_grpo.models.authors_layout import load_authors_transformer
+
+    return load_authors_transformer(loc.root / "transformer" / loc.version, loc.version, dtype)
+
+
+def read_text_encoders(loc: ModelLocation, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(MLLM text encoder, ByT5 glyph encoder) of the checkpoint, frozen, on the CPU (either layout)."""
+    if loc.layout == "diffusers":
+        from transformers import Qwen2_5_VLTextModel, T5EncoderModel
+
+        encoders = (Qwen2_5_VLTextModel.from_pretrained(os.fspath(loc.root / "text_encoder"), dtype=dtype),
+                    T5EncoderModel.from_pretrained(os.fspath(loc.root / "text_encoder_2"), dtype=dtype))
+    else:
+        from sage_grpo.models.authors_layout import load_authors_text_encoders
+
+        encoders = load_authors_text_encoders(loc.root, dtype)
+    freeze(*encoders)
+    return encoders
+
+
+def attach_transformer(pipe, transformer: torch.nn.Module) -> None:
+    """Put the policy `transformer` into `pipe` (in place of load_pipeline's meta stand-in), with the valid-token
+    attention load_pipeline gives every transformer it holds."""
+    from sage_grpo.models.attention import use_valid_token_attention
+
+    use_valid_token_attention(transformer)
+    pipe.register_modules(transformer=transformer.eval())
 
 
 def _sampling_defaults(loc: ModelLocation):
@@ -311,13 +376,13 @@ def _load_image_encoder(loc: ModelLocation, dt: torch.dtype, load: bool) -> dict
     )
 
 
-def _load_diffusers_parts(root: Path, tdt, vdt, dt, load_text_encoders: bool, load_transformer: bool = True) -> dict:
-    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
-    from transformers import AutoTokenizer, ByT5Tokenizer, Qwen2_5_VLTextModel, T5EncoderModel
+def _load_diffusers_parts(root: Path, tdt, vdt, dt, load_text_encoders: bool, with_transformer: bool = True) -> dict:
+    from diffusers import AutoencoderKLHunyuanVideo15
+    from transformers import AutoTokenizer, ByT5Tokenizer
 
+    loc = ModelLocation(root, "diffusers", "")
     parts = dict(
-        transformer=HunyuanVideo15Transformer3DModel.from_pretrained(root / "transformer", torch_dtype=tdt)
-        if load_transformer else None,
+        transformer=load_transformer(loc, tdt) if with_transformer else None,
         vae=AutoencoderKLHunyuanVideo15.from_pretrained(root / "vae", torch_dtype=vdt),
         tokenizer=AutoTokenizer.from_pretrained(os.fspath(root / "tokenizer")),
         tokenizer_2=ByT5Tokenizer.from_pretrained(os.fspath(root / "tokenizer_2")),
@@ -325,8 +390,7 @@ def _load_diffusers_parts(root: Path, tdt, vdt, dt, load_text_encoders: bool, lo
         text_encoder_2=None,
     )
     if load_text_encoders:
-        parts["text_encoder"] = Qwen2_5_VLTextModel.from_pretrained(os.fspath(root / "text_encoder"), dtype=dt)
-        parts["text_encoder_2"] = T5EncoderModel.from_pretrained(os.fspath(root / "text_encoder_2"), dtype=dt)
+        parts["text_encoder"], parts["text_encoder_2"] = read_text_encoders(loc, dt)
     return parts
 
 
