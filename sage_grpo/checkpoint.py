@@ -63,10 +63,16 @@ def resolve_resume(spec: str, output_dir: str | Path) -> Path | None:
         return None
     if spec == "latest":
         found = list_checkpoints(output_dir)
-        if not found and not Path(output_dir).parent.is_dir():  # neither the run folder nor its parent: a typo
-            raise SageGRPOError(f"--resume_from_checkpoint latest: {output_dir} does not exist, nor does its parent "
-                                "folder; check --output_dir")
-        return found[-1][1] if found else None
+        if found:
+            return found[-1][1]
+        # none yet: a first run starts fresh, into a folder it creates with its parents (AUTO_RESUME=1 or a restart
+        # policy on a fresh clone: ./outputs/... does not exist yet). Refused: a path that can never be a folder
+        d = Path(output_dir)
+        blocker = next((p for p in (d, *d.parents) if p.exists()), None)  # the nearest existing ancestor
+        if blocker is not None and not blocker.is_dir():
+            raise SageGRPOError(f"--resume_from_checkpoint latest: --output_dir {output_dir} can never be a run "
+                                f"folder: {blocker} is a file; check --output_dir")
+        return None
     p = Path(spec)
     if not (p / TRAIN_STATE).is_file():
         raise SageGRPOError(f"--resume_from_checkpoint {spec!r} is not a complete checkpoint (no {TRAIN_STATE}); "

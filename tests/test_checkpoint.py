@@ -63,6 +63,17 @@ def test_a_failed_write_leaves_no_partial_folder_and_older_checkpoints_intact(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
 
 
+def test_latest_on_a_fresh_clone_starts_fresh_and_only_a_path_under_a_file_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a fresh clone: no outputs/ yet (AUTO_RESUME=1 bash run_post_train.sh, or restarts)
+    for out in ("./outputs/single_node", "outputs/multinode", str(tmp_path / "runs" / "a" / "b")):
+        assert resolve_resume("latest", out) is None  # a first run: starts at step 0, in a folder setup creates
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # resolving creates nothing
+    (tmp_path / "notes.txt").write_text("")
+    for out in ("notes.txt", "notes.txt/run", str(tmp_path / "notes.txt" / "a" / "run")):
+        with pytest.raises(SageGRPOError, match=r"can never be a run folder: .*notes\.txt is a file"):
+            resolve_resume("latest", out)
+
+
 def test_latest_and_explicit_resume(tmp_path):
     assert resolve_resume("", tmp_path) is None
     assert resolve_resume("latest", tmp_path / "nothing_yet") is None

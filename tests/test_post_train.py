@@ -601,7 +601,7 @@ def test_fsdp_keeps_bf16_master_weights(two_rank_runs):
 def test_a_run_folder_is_never_silently_overwritten(tiny_model, tmp_path, capsys):
     """Re-running a finished command refuses in one line (a subprocess, as a user runs it) before anything loads;
     --overwrite_output_dir starts over (old checkpoints gone); latest on an empty folder says it starts at 0; a
-    resume already at max_steps says so and trains nothing; latest under a missing parent is a typo."""
+    resume already at max_steps says so and trains nothing; latest under a file can never be a run folder."""
     out = tmp_path / "run"
     pt.main(_args(tiny_model, out, "--max_steps", "2"))
     again = subprocess.run([sys.executable, str(ROOT / "post_train.py"), *_args(tiny_model, out, "--max_steps", "2")],
@@ -617,9 +617,9 @@ def test_a_run_folder_is_never_silently_overwritten(tiny_model, tmp_path, capsys
     assert [s for s, _ in list_checkpoints(out)] == [1] and len(read_metrics(out / "metrics.jsonl")) == 1
     pt.main(_args(tiny_model, tmp_path / "fresh", "--max_steps", "1", "--resume_from_checkpoint", "latest"))
     assert f"no checkpoint in {tmp_path / 'fresh'}: starting from step 0" in capsys.readouterr().out
-    with pytest.raises(SageGRPOError, match="does not exist, nor does its parent folder"):
-        pt.main(_args(tiny_model, tmp_path / "typo" / "run", "--resume_from_checkpoint", "latest"))
-    assert not (tmp_path / "typo").exists()
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(SageGRPOError, match="can never be a run folder: .*notes.txt is a file"):
+        pt.main(_args(tiny_model, tmp_path / "notes.txt" / "run", "--resume_from_checkpoint", "latest"))
 
 
 def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_path, monkeypatch):
