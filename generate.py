@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
 def _checkpoint_defaults(args, pipe, rank: int) -> None:
     """--flow_shift / --cfg_scale that the user did not set take the checkpoint's own (its scheduler and guider
     configs: e.g. 7 and 1 for the step-distilled model), checked again like the flags; one the user set and that
-    differs from the checkpoint's is kept with a warning."""
+    differs from the checkpoint's is kept with a warning (--cfg_scale 1, CFG off, with a note)."""
     import math
 
     from sage_grpo.models.loading import checkpoint_sampling_defaults
@@ -403,7 +403,10 @@ def _checkpoint_defaults(args, pipe, rank: int) -> None:
         if math.isclose(value, default):
             continue
         if flag in args.explicit:
-            if rank == 0:
+            if rank == 0 and flag == "cfg_scale" and value == 1.0:  # CFG off: a recipe, not a carried-over scale
+                print(f"[generate] --cfg_scale 1: classifier-free guidance off (the checkpoint's guider config has "
+                      f"{default:g})", flush=True)
+            elif rank == 0:
                 print(f"[generate] warning: --{flag} {value:g} differs from the checkpoint's own default {default:g}; "
                       f"pass --{flag} {default:g} to use it", flush=True)
         else:

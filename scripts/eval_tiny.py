@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sage_grpo.cli import CLIParser, check_writable_dir, quiet_libraries  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
-from sage_grpo.world.pretrain import WORLD_I2V_MODEL_DIR, WORLD_MODEL_DIR  # noqa: E402
+from sage_grpo.world.pretrain import WORLD_GUIDANCE_SCALE, WORLD_I2V_MODEL_DIR, WORLD_MODEL_DIR  # noqa: E402
 
-DEFAULT_STEPS, DEFAULT_CFG = 20, 4.0
+DEFAULT_STEPS, DEFAULT_CFG = 20, WORLD_GUIDANCE_SCALE
 
 
 def write_grid(videos, captions: list[str], path: Path, cols: int = 5) -> Path:

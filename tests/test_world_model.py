@@ -143,3 +143,46 @@ def test_the_demo_configs_pass_the_launch_checks_with_the_recipe_that_moves_the_
     if model == WORLD_I2V_MODEL_DIR:
         assert "statistics" not in v.validation_metrics
         assert (v.hacking_reward_rise, v.hacking_metric_drop) == (0.5, 1.0)  # the gate docs/world_model.md measured
+
+
+@pytest.mark.parametrize("config", ["configs/tiny_world.yaml", "configs/tiny_world_i2v.yaml",
+                                    "configs/tiny_world_i2v_motion.yaml"])
+def test_the_shipped_world_configs_and_their_checkpoint_agree_on_sampling(config, monkeypatch, capsys):
+    """The configs shipped for the committed world model (scripts/demo.sh's generate and training parts, the docs'
+    I2V run) sample at their checkpoint's own flow shift and CFG scale, or with CFG off (scale 1, a recipe: the I2V
+    demo's task is motion without guidance), so neither post_train.py's setup nor generate.py --config prints a
+    warning the project caused. The checkpoints' guider holds WORLD_GUIDANCE_SCALE, the scale the configs and
+    scripts/eval_tiny.py sample with. Seen failing with the committed guider at diffusers' 6: "warning:
+    --validation_guidance_scale 4 differs from the checkpoint's own default 6" (and the same for --cfg_scale), and
+    with CFG off warned about as a scale that differs."""
+    from types import SimpleNamespace
+
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+    from post_train_helpers import pt
+
+    import generate
+    from sage_grpo.config import load_config
+    from sage_grpo.models.loading import locate_model
+    from sage_grpo.parallel.dist import init_distributed
+    from sage_grpo.world.pretrain import WORLD_GUIDANCE_SCALE
+
+    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository
+    cfg = load_config(["--config", config])
+    pt.preflight(cfg, 1)  # resolves the flags no config key sets from the checkpoint, before any model loads
+    model = ROOT / cfg.model.model_path
+    guider = ClassifierFreeGuidance.from_pretrained(model / "guider")
+    assert guider.guidance_scale == WORLD_GUIDANCE_SCALE
+    # the parts of the pipeline warn_checkpoint_defaults reads (their config files only: no weights load)
+    pipe = SimpleNamespace(scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model / "scheduler"),
+                           guider=guider, transformer=SimpleNamespace(config=SimpleNamespace(
+                               use_meanflow=json.loads((model / "transformer" / "config.json").read_text())
+                               .get("use_meanflow", False))))
+    capsys.readouterr()
+    pt.warn_checkpoint_defaults(cfg, init_distributed(), pipe)
+    args = generate.resolve_args(generate.build_parser().parse_args(["--config", config, "--prompt", "a red circle"]))
+    loc = locate_model(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version)
+    generate._checkpoint_defaults(args, SimpleNamespace(sage_grpo_location=loc), 0)
+    shown = capsys.readouterr().out
+    assert "warning" not in shown, shown
+    assert (args.cfg_scale, args.flow_shift) == (cfg.validation.validation_guidance_scale,
+                                                 cfg.validation.validation_timestep_shift)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from sage_grpo.errors import SageGRPOError
 from sage_grpo.world import COLORS, make_caption, world_captions
 from sage_grpo.world.pretrain import (
     LOCAL_QK,
+    WORLD_I2V_MODEL_DIR,
+    WORLD_MODEL_DIR,
     PretrainSettings,
     batched_vae_attention,
     build_world_components,
@@ -114,6 +117,11 @@ def test_pretrain_is_deterministic_and_loads_through_the_real_loader(tmp_path):
     assert pipe.vae.config.scaling_factor == pytest.approx(info["scaling_factor"])
     ids = pipe.tokenizer("a red circle", add_special_tokens=False)["input_ids"]
     assert len(ids) == 3  # the saved tokenizer keeps the word merges
+    # a rebuild writes the committed checkpoints' sampling defaults (the guider at WORLD_GUIDANCE_SCALE, shift 5)
+    root = Path(__file__).resolve().parents[1]
+    for out, committed in ((tmp_path / "a", WORLD_MODEL_DIR), (i2v_model_dir(tmp_path / "a"), WORLD_I2V_MODEL_DIR)):
+        for name in ("guider/guider_config.json", "scheduler/scheduler_config.json"):
+            assert json.loads((out / name).read_text()) == json.loads((root / committed / name).read_text()), name
 
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ from sage_grpo.world.sampler import sample_clip, single_object_attributes
 __all__ = [
     "WORLD_MODEL_DIR",
     "WORLD_I2V_MODEL_DIR",
+    "WORLD_GUIDANCE_SCALE",
     "i2v_model_dir",
     "encode_first_frames",
     "object_cells",
@@ -67,6 +68,9 @@ LOCAL_QK = 2.0
 # SigLIP). Committed: both checkpoints of this module's defaults, from one run (git stores the shared files once).
 WORLD_MODEL_DIR = "assets/tiny_world/hunyuanvideo15"
 WORLD_I2V_MODEL_DIR = "assets/tiny_world/hunyuanvideo15_i2v"
+# The CFG scale the world model is sampled with (scripts/eval_tiny.py, the configs/tiny_world*.yaml that use CFG),
+# saved as the checkpoints' guider config: their own default, so a run at the configs' scale warns about nothing.
+WORLD_GUIDANCE_SCALE = 4.0
 
 
 
@@ -158,12 +162,15 @@ def build_world_components(seed: int, latent_channels: int = 16, i2v: bool = Fal
     The SigLIP is drawn after the transformer and VAE (their weights do not depend on i2v) but before the text
     encoder's re-initialisation below, so the world text encoder does: each checkpoint saves the text encoder its
     transformer learnt with."""
+    from diffusers import ClassifierFreeGuidance
+
     from sage_grpo.models.tiny import build_tiny_components
 
     comps = build_tiny_components(seed, tokenizer=world_tokenizer(),
                                   transformer_config=world_transformer_config(latent_channels),
                                   vae_config=world_vae_config(latent_channels), perturb=False,
                                   task="i2v" if i2v else "t2v")
+    comps["guider"] = ClassifierFreeGuidance(guidance_scale=WORLD_GUIDANCE_SCALE)
     # The frozen text encoder. Text tokens get no position in HunyuanVideo-1.5: word order ("a red circle on a blue
     # background" vs "a blue circle on a red background") reaches the transformer only through the encoder's
     # context, which a pretrained Qwen provides and a random one does not (its attention spreads over the ~100
