@@ -101,9 +101,10 @@ class TrainState:
     `state_dict`. The per-rank RNG (dropout) is written beside it, one file per rank, by `checkpoint.save_checkpoint`.
 
     step: rollout rounds done. updates: optimizer updates done. accum_rounds, pending_kl_sum, pending_kl_pairs: the
-    rounds accumulated into the pending update and their L_KL sum and pair count (the controller moves with their
-    mean when the update is taken). anchor_synced: the anchor equals the current policy (initial, or just refreshed,
-    and no update since); anchor_refreshed_at: the update of the last refresh (0 = the initial model). val_first:
+    rounds accumulated into the pending update and their L_KL sum and valid pair count on this rank (the controller
+    moves with their mean when the update is taken; the accumulated gradient is the mean over the pairs so far).
+    anchor_synced: the anchor equals the current policy (initial, or just refreshed, and no update since);
+    anchor_refreshed_at: the update of the last refresh (0 = the initial model). val_first:
     {metric: [mean, std]} over the videos of the first validation (the hacking check's baseline; `reward_total` and
     the held-out metrics); hacking_warned: {held-out metric: step of its warning} (each warns once per run)."""
 
@@ -875,9 +876,18 @@ def backward_phase(c: Components, state: TrainState, traj: Trajectory, adv: torc
             return policy_step(model, traj, mb.samples, mb.steps, tokens).mean
 
     pairs = sum(int(valid[mb.samples].sum()) for mb in mbs)
-    n_global = float(all_reduce_sum(torch.tensor(float(pairs), device=info.device), group=info.dp_group))
-    # mean over the valid pairs of all ranks (gradients are averaged over ranks) and of the accumulated rounds
-    normalizer = max(n_global, 1.0) / info.dp_size * cfg.optim.gradient_accumulation_steps
+    # the valid pairs of the update's earlier rounds and of this one, over all data-parallel ranks
+    earlier, now = all_reduce_sum(torch.tensor([float(state.pending_kl_pairs), float(pairs)], dtype=torch.float64,
+                                               device=info.device), group=info.dp_group).tolist()
+    total = earlier + now
+    # the gradient so far is the mean over the earlier pairs: rescaled to their sum over all pairs so far, and this
+    # round adds its sum over them too, so after the last round it is the mean over every valid pair of the update
+    # (of all ranks: the sync averages over them), however the rounds' pair counts differ
+    if earlier > 0:
+        for p in c.trainable:
+            if p.grad is not None:
+                p.grad.mul_(earlier / total)
+    normalizer = max(total, 1.0) / info.dp_size
     stats = UpdateStats()
     for mb in mbs:
         stats.merge(grpo_backward(

@@ -11,8 +11,9 @@ stored transitions, an update
 3. per micro-batch: re-scores the stored x_{t+1} through the callback (with grad), forms the ratio and the clipped
    surrogate times the equalizer S_t at the step's original index, adds lambda_KL * (beta_pos KL_pos + beta_vel
    KL_vel), and backpropagates the *sum* over its valid pairs divided by `normalizer` (the number of trained pairs
-   of the whole optimizer update), so the accumulated gradient is the mean over pairs whatever the micro-batch
-   size.
+   the gradient averages over: the whole optimizer update's in the lab; post_train.py, which learns the pair count
+   of each accumulated round only when it runs, passes the pairs so far and rescales the gradient already there),
+   so the accumulated gradient is the mean over pairs whatever the micro-batch size.
 
 The optimizer step, the anchor refresh and the KL controller belong to the callers (their cadence differs: the
 video loop may accumulate several rollout rounds per update).
@@ -133,7 +134,7 @@ def grpo_backward(
     step_fn(samples [P], steps [P]) -> SDEStepOutput of the policy on the stored transitions (log_prob [P],
     mean [P, ...], std [P]). logp_old: [B, T] rollout log-probs; advantages: [B]; valid: [B] bool (False = failed
     reward: the sample's pairs still run, every rank does the same forwards, with weight 0); step_weights: [T]
-    S_t (ones without the equalizer). normalizer: trained pairs of the whole optimizer update (> 0).
+    S_t (ones without the equalizer). normalizer: the trained pairs the gradient averages over (> 0).
     KL_pos (beta_pos > 0) needs the anchor's means: `batch.ref_mean`, else `anchor_fn(batch)`; with
     `anchor_is_policy` (the anchor equals the policy that made the rollout and no optimizer step has happened
     since) the policy's own detached means stand in, giving KL_pos = 0 and zero gradient without a forward.

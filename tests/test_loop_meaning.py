@@ -125,6 +125,43 @@ def test_accumulated_update_equals_one_round_with_n_times_the_batch(tiny_model, 
     _assert_grads_close(updates[0]["grads"], big_round.grads, "accumulated over 2 rounds", rtol=1e-5)
 
 
+def _train_with_mask(model, out, mp, trajs: list, masks: list, *flags) -> list[torch.Tensor]:
+    """Train len(trajs) rounds, round k on trajs[k] with its rewards' validity replaced by masks[k] -> the gradient
+    of the one optimizer update."""
+    mp.setattr(pt, "rollout_phase", lambda c, state: trajs[state.step])
+    real, rounds = pt.reward_phase, []
+
+    def reward_phase(c, traj, early=None):
+        adv, _, metrics = real(c, traj, early)
+        rounds.append(None)
+        return adv, masks[len(rounds) - 1], metrics
+
+    mp.setattr(pt, "reward_phase", reward_phase)
+    updates = _record_updates(mp)
+    c, state = _setup(model, out, "--max_steps", str(len(trajs)), *flags)
+    pt.train(c, state, final_save=False)
+    assert [u["updates"] for u in updates] == [0]
+    return updates[0]["grads"]
+
+
+def test_accumulated_rounds_with_unequal_valid_pairs_average_over_the_update(tiny_model, tmp_path, monkeypatch,
+                                                                             big_round):
+    """Two accumulated rounds of 4 videos where the second has 2 videos masked (a failed reward), so it has half the
+    first's valid pairs: the update's gradient is the mean over all its valid pairs, the gradient of one round of
+    the 8 videos with the same 2 masked, not the mean of the two rounds' own means.
+
+    Seen failing when each round is divided by its own pair count x gradient_accumulation_steps: "unequal rounds:
+    max |difference| 0.000713 vs max |reference| 0.00233 (largest entries differ by a factor 0.9155)"."""
+    mask = torch.ones(8, dtype=torch.bool)
+    mask[6:] = False
+    with pytest.MonkeyPatch.context() as mp:
+        one = _train_with_mask(tiny_model, tmp_path / "one", mp, [big_round.traj], [mask], "--batch_size", "8")
+    halves = [_take(big_round.traj, range(0, 4)), _take(big_round.traj, range(4, 8))]
+    two = _train_with_mask(tiny_model, tmp_path / "two", monkeypatch, halves, [mask[:4], mask[4:]],
+                           "--batch_size", "4", "--gradient_accumulation_steps", "2")
+    _assert_grads_close(two, one, "unequal rounds", rtol=1e-5)
+
+
 def _simulate_two_ranks(mp, contributions: list) -> None:
     """Stand-in for all_reduce_sum on rank 0 of a 2-rank world: adds what the other rank contributes to each call,
     in call order (exactly what a 2-rank sum gives)."""
@@ -157,7 +194,8 @@ def test_data_parallel_ranks_average_to_the_one_process_gradient(tiny_model, tmp
         assert agree, f"rank {r} trains other steps than one process would"
         other = big_round.valid[slice(4, 8) if r == 0 else slice(0, 4)]
         with monkeypatch.context() as mp:
-            _simulate_two_ranks(mp, [torch.tensor(float(other.sum()) * plan.shape[1])])  # the other rank's pairs
+            # the other rank's pairs: none from earlier rounds, its valid videos x trained steps in this one
+            _simulate_two_ranks(mp, [torch.tensor([0.0, float(other.sum()) * plan.shape[1]])])
             pt.backward_phase(cr, state, half, big_round.adv[rows], big_round.valid[rows],
                               pt.micro_batches_of(cr, plan)[0])
         per_rank.append(_grads(c))
