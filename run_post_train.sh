@@ -11,10 +11,12 @@
 #   AUTO_RESUME=1 bash run_post_train.sh ...     # continue from the newest complete checkpoint in output_dir
 #   MAX_RESTARTS=3 bash run_post_train.sh ...    # torchrun restarts failed workers, each time from the newest checkpoint
 # NGPU defaults to the number of visible GPUs (1 process on a CPU-only machine); CONFIG to the 8-GPU config;
-# PYTHON to python3 (the environment with torch and this project).
-# SLURM: ask for the stop signal early enough for a step plus a checkpoint, e.g. `#SBATCH --signal=B:TERM@900`
-# (B: to this batch script's shell, which passes it to torchrun), and keep KillWait (the grace period before
-# SIGKILL) above that; repeated copies of the signal within 10 s count as one request.
+# PYTHON to python3 (the environment with torch and this project); MAX_RESTARTS to 0 (on one node a failure is
+# mostly one a restart repeats, a bug or out of memory: fix it and continue with AUTO_RESUME=1).
+# SIGTERM or Ctrl-C: the workers finish the step, write a checkpoint and the launch exits 0.
+# Under SLURM use run_post_train_slurm.sh (`CONFIG=configs/single_node_8gpu.yaml sbatch --nodes 1
+# run_post_train_slurm.sh ...`): it gets the stop signal to the training processes before the time limit and
+# requeues the job (docs/scaling.md, "SLURM").
 # The flags are checked once, in one process, before torchrun starts (scripts/check_launch.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"

@@ -5,18 +5,17 @@
 #   NNODES=8 NODE_RANK=<0..7> NPROC_PER_NODE=8 MASTER_ADDR=<node 0 host> MASTER_PORT=29500 \
 #     CONFIG=configs/multinode_64gpu.yaml bash run_post_train_multinode.sh --train_video_csv prompts.csv
 #   AUTO_RESUME=1 ... bash run_post_train_multinode.sh ...   # every node resumes from the newest complete checkpoint
-# MAX_RESTARTS (default 3): torchrun restarts the worker group after a failure (a lost node that comes back, a
-# crashed rank) without a person, each time from the newest complete checkpoint (--resume_from_checkpoint latest
-# is added whenever MAX_RESTARTS > 0). The checkpoint to load is resolved once on rank 0 and broadcast.
+# MAX_RESTARTS (default 3): torchrun restarts the worker group after a failure (a crashed rank, or outside SLURM a
+# lost node that comes back) without a person, each time from the newest complete checkpoint
+# (--resume_from_checkpoint latest is added whenever MAX_RESTARTS > 0; a first run starts fresh). The checkpoint
+# to load is resolved once on rank 0 and broadcast.
 #
-# SLURM: ask for the stop signal early enough for a step plus a checkpoint, e.g. `#SBATCH --signal=B:TERM@900`,
-# and keep KillWait above that; SLURM signals every process of the step and torchrun forwards its own copy, which
-# post_train.py reads as one request (repeats within 10 s).
+# SIGTERM to the processes of every node (SLURM's scancel --signal=TERM does that; torchrun forwards its own copy,
+# which post_train.py reads as the same request): the step finishes, a checkpoint is written, the launch exits 0.
+# A signal to a shell that started this script does not reach torchrun.
 #
-# SLURM (one task per node; the variables come from the allocation):
-#   #SBATCH --nodes 8 --ntasks-per-node 1 --gpus-per-node 8
-#   export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-#   srun bash -c 'NNODES=$SLURM_NNODES NODE_RANK=$SLURM_NODEID bash run_post_train_multinode.sh --train_video_csv prompts.csv'
+# SLURM: sbatch run_post_train_slurm.sh, which runs this script on every node with the variables of the allocation,
+# stops the run before the time limit with a checkpoint and requeues the job (docs/scaling.md, "SLURM").
 # Plain ssh (hosts in hosts.txt, the first one is the master; the repository at the same path on every node):
 #   i=0; for h in $(cat hosts.txt); do
 #     ssh "$h" "cd /path/to/sage-grpo && NNODES=8 NODE_RANK=$i MASTER_ADDR=$(head -n 1 hosts.txt) \

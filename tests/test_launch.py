@@ -234,3 +234,94 @@ def test_the_reported_failure_is_the_worker_that_failed_not_the_one_torchrun_sto
     assert ChildFailedError("post_train.py", failures).get_first_failure()[0] == 1  # torchrun's choice
     rank, failure = launch._first_own_failure(failures)
     assert rank == 0 and failure.exitcode == 2 and "no_model_here" in failure.message
+
+
+def _fake_slurm(tmp_path: Path) -> dict:
+    """srun, scancel and scontrol stand-ins (logging to $EVENTS) and a stub PYTHON for the launcher, as SLURM runs a
+    batch script: srun starts its command as the job step in a process group of its own, `scancel --signal=SIG`
+    signals every process of the steps (that group), `scontrol show hostnames` lists two nodes. The stub answers the
+    launcher's torch probe, records its arguments one by one and, as `-m sage_grpo.launch`, runs until SIGTERM (exit
+    0, a clean stop) or exits at once with $STUB_EXIT."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    scripts = {
+        "srun": f"#!{sys.executable}\n"
+                "import os, sys\n"
+                "open(os.environ['EVENTS'], 'a').write('srun ' + ' '.join(sys.argv[1:]) + '\\n')\n"
+                "args = sys.argv[1:]\n"
+                "while args[0].startswith('--'):\n"
+                "    args.pop(0)\n"
+                "os.setpgid(0, 0)\n"
+                "open(os.environ['STEP_PGID'], 'w').write(str(os.getpid()))\n"
+                "os.environ['SLURM_NODEID'] = '0'\n"
+                "os.execvp(args[0], args)\n",
+        "scancel": '#!/usr/bin/env bash\necho "scancel $*" >> "$EVENTS"\n'
+                   'for a in "$@"; do case "$a" in --signal=*) sig="${a#--signal=}";; esac; done\n'
+                   'kill -s "$sig" -- "-$(cat "$STEP_PGID")"\n',
+        "scontrol": '#!/usr/bin/env bash\necho "scontrol $*" >> "$EVENTS"\n'
+                    '[ "$1" = show ] && printf "node0\\nnode1\\n"\nexit 0\n',
+        "python": '#!/usr/bin/env bash\n'
+                  '[ "$1" = -c ] && { echo "8 1"; exit 0; }  # the launcher\'s torch probe: 8 GPUs\n'
+                  'printf "[%s]" "$@" >> "$EVENTS"; echo >> "$EVENTS"\n'
+                  '[ "$1 $2" = "-m sage_grpo.launch" ] || exit 0\n'
+                  'echo "launch NNODES=$NNODES NODE_RANK=$NODE_RANK MASTER_ADDR=$MASTER_ADDR AUTO_RESUME=$AUTO_RESUME" '
+                  '>> "$EVENTS"\n'
+                  '[ -n "${STUB_EXIT:-}" ] && exit "$STUB_EXIT"\n'
+                  'trap \'echo "launch got TERM" >> "$EVENTS"; exit 0\' TERM\n'
+                  'echo "launch running" >> "$EVENTS"\n'
+                  'while :; do sleep 0.05; done\n',
+    }
+    for name, text in scripts.items():
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(0o755)
+    keep = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in (
+        "AUTO_RESUME", "MAX_RESTARTS", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "CONFIG")}
+    return {**keep, "PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(bin_ / "python"),
+            "EVENTS": str(tmp_path / "events"), "STEP_PGID": str(tmp_path / "step_pgid"), "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2", "SLURM_CPUS_ON_NODE": "64"}
+
+
+def test_the_slurm_script_stops_the_step_before_the_time_limit_saves_and_requeues(tmp_path):
+    """run_post_train_slurm.sh under stand-ins of srun, scancel and scontrol: the early-warning signal its #SBATCH
+    line asks for, sent to the batch shell as SLURM does, reaches the training step as SIGTERM (the launcher and the
+    workers under it finish the step and save), the script waits for the step to end and only then requeues the job
+    (AUTO_RESUME=1 continues it); each node's launcher gets NNODES, its NODE_RANK, node 0 as MASTER_ADDR and the
+    flags intact. A run that ends by itself or fails is not requeued. Seen failing with the former recipe
+    (`--signal=B:TERM@900` and a plain srun): the signal ended the batch shell and never reached the step."""
+    import contextlib
+    import re
+    import signal
+    import time
+
+    script = ROOT / "run_post_train_slurm.sh"
+    [(sig, seconds)] = re.findall(r"^#SBATCH --signal=B:(\w+)@(\d+)$", script.read_text(), re.M)
+    assert int(seconds) >= 300 and "--requeue" in script.read_text()
+    env = _fake_slurm(tmp_path)
+    events, output = tmp_path / "events", tmp_path / "output"
+    with output.open("w") as out:
+        proc = subprocess.Popen(["bash", str(script), "--train_video_csv", "my prompts.csv"], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "launch running" not in (events.read_text() if events.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, output.read_text()
+            time.sleep(0.05)
+        proc.send_signal(getattr(signal, f"SIG{sig}"))
+        assert proc.wait(timeout=60) == 0, output.read_text()
+    finally:  # a step the signal never reached would run on
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.killpg(int((tmp_path / "step_pgid").read_text()), signal.SIGKILL)
+    log = events.read_text().splitlines()
+    assert log[0].startswith("scontrol show hostnames node[0-1]") and log[1].startswith("srun ")
+    [launch] = [ln for ln in log if ln.startswith("[-m][sage_grpo.launch]")]
+    assert "[--nnodes][2][--node_rank][0][--nproc_per_node][8]" in launch and "[node0:29500]" in launch
+    assert launch.endswith("[--resume_from_checkpoint][latest][--train_video_csv][my prompts.csv]")
+    assert "launch NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 AUTO_RESUME=1" in log
+    tail = log[log.index("launch running") + 1:]
+    assert tail == ["scancel --signal=TERM 4242", "launch got TERM", "scontrol requeue 4242"], log
+    for code in (0, 3):  # the run reached max_steps, or failed: the job ends with its status, no requeue
+        events.unlink()
+        r = subprocess.run(["bash", str(script)], cwd=ROOT, env={**env, "STUB_EXIT": str(code)}, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == code and not any(ln.startswith(("scancel", "scontrol requeue"))
+                                                for ln in events.read_text().splitlines()), r.stdout + r.stderr
