@@ -14,7 +14,7 @@ py="$venv/bin/python"
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[setup] GPU found: installing the default torch build"
-    "$py" -m pip install -q "torch>=2.6"
+    "$py" -m pip install -q "torch>=2.9"  # pyproject.toml's floor (torch.optim.Muon)
   else
     # An unpinned torch resolves to a multi-GB CUDA build; 2.13.0 is the CPU wheel these machines carry.
     echo "[setup] no GPU: installing torch==2.13.0 (CPU)"

@@ -68,12 +68,12 @@ reward flags in [rewards.md](rewards.md), the held-out metrics in
 # The shipped configs: (file, what it is for, its launch line).
 CONFIGS = [
     ("configs/paper_setting_b.yaml", "the authors' defaults, reward VQ 0.5 / MQ 0.5 / TA 1.0 (paper Setting B, best)",
-     "64 GPUs, sp 2"),
-    ("configs/paper_setting_a.yaml", "the same with reward weights 1 / 1 / 1 (paper Setting A)", "64 GPUs, sp 2"),
+     "64 GPUs, sp 2, one FSDP2 replica per node: `CONFIG=` it for the multi-node launcher or the SLURM script"),
+    ("configs/paper_setting_a.yaml", "the same with reward weights 1 / 1 / 1 (paper Setting A)", "as Setting B"),
     ("configs/single_node_8gpu.yaml", "one 8-GPU node, sp 2 (the authors' `run_post_train.sh`)",
-     "`torchrun --nproc_per_node 8`"),
-    ("configs/multinode_64gpu.yaml", "8 x 8 GPUs: dp 32, 64 videos and 16 groups per step",
-     "`run_post_train_multinode.sh` on each node"),
+     "`NGPU=8 bash run_post_train.sh` (its default)"),
+    ("configs/multinode_64gpu.yaml", "8 x 8 GPUs: dp 32, 64 videos and 16 groups per step, one FSDP2 replica per node",
+     "`run_post_train_multinode.sh` on each node, or `sbatch run_post_train_slurm.sh` (their default)"),
     ("configs/tiny_cpu.yaml", "the tiny random model: unit tests, smoke runs", "one CPU process"),
     ("configs/tiny_world.yaml", "the pretrained tiny world model: the demo's T2V training (`world_size`, one noise "
      "per group, calibrated trust region) and the video lab", "one CPU process"),

@@ -251,3 +251,22 @@ def test_whole_numbers_in_scientific_notation_and_yaml_types(tmp_path):
     p.write_text("rollout:\n  neg_prompt: no\n")
     with pytest.raises(SageGRPOError, match="--neg_prompt: got the YAML boolean False; quote the text"):
         load_config(["--config", str(p)])
+
+
+def test_the_shipped_configs_launch_through_the_launchers_and_shard_64_gpus_by_node():
+    """Each shipped config names its launch as a launcher (run_post_train*.sh run the pre-flight checks before
+    torchrun starts), never bare torchrun; the 64-GPU ones (the paper settings and configs/multinode_64gpu.yaml)
+    shard inside a node with one replica per node (HSDP), the layout docs/scaling.md plans; and the set-up script
+    installs on a GPU machine the torch pyproject.toml requires. Seen failing with the paper configs' torchrun
+    launch lines and full sharding over 64 ranks, and with scripts/_setup.sh's torch>=2.6 against the package's
+    torch>=2.9."""
+    import re
+
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        assert not re.search(r"torchrun\s+--", path.read_text()), path.name  # a torchrun command line
+    for name in ("paper_setting_a", "paper_setting_b", "multinode_64gpu"):
+        cfg = load_config(["--config", str(ROOT / "configs" / f"{name}.yaml")])
+        assert (cfg.parallel.dp_replicate, cfg.parallel.sp_size) == (8, 2), name  # 64 / 8 nodes: a shard group a node
+    [needed] = re.findall(r'"torch(>=[\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    [installed] = re.findall(r'pip install -q "torch(>=[\d.]+)"', (ROOT / "scripts/_setup.sh").read_text())
+    assert installed == needed
