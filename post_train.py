@@ -704,10 +704,11 @@ def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = 
     """Sample this rank's videos of the next step (the sampler advances) -> the trajectory (x_0..x_T, log-probs,
     the step's global group ids of my videos). `early`: each chunk of --mini_batch_size_per_update videos is
     sampled through all steps and handed to it at once (the same samples, another order)."""
+    from sage_grpo.generation import record_noise_seed
     from sage_grpo.parallel.dist import all_gather_cat
     from sage_grpo.parallel.fsdp import keep_unsharded
     from sage_grpo.rollout import rollout
-    from sage_grpo.seeding import derive_seed, prompt_noise_seed
+    from sage_grpo.seeding import derive_seed
 
     def agree_calls(n: int) -> int:  # the shared prefix's transformer calls: the most any rank makes
         return int(all_gather_cat(torch.tensor([n], device=info.device)).max())
@@ -722,6 +723,9 @@ def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = 
     # each sample its own prompt's image (the authors gave a whole rank the first group's image); the sampler drew
     # the step from one size bucket, so the images stack and give the step's latent size
     image = c.images.get([rec.ref_image_path for rec in recs]) if c.images is not None else None
+    # the noise of a group: its prompt and its position in the step (a prompt drawn twice in one step, from a small
+    # prompt set, an epoch boundary or a small size bucket, is two groups with their own noise)
+    seeds = [derive_seed(record_noise_seed(rec), g) for (g, _, _), rec in zip(mine, recs)]
     shape = c.shape if image is None else (*c.shape[:2], *image.latent_hw)  # [C, F, h, w]
     if early is not None:
         early.start(texts)
@@ -731,7 +735,7 @@ def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = 
         return rollout(
             c.transformer, cond, uncond, prompts=texts, prompt_ids=torch.tensor([g for g, _, _ in mine]),
             generation_ids=torch.tensor([gen for _, _, gen in mine]),
-            prompt_seeds=torch.tensor([prompt_noise_seed(rec.prompt, rec.seed, rec.index) for rec in recs]),
+            prompt_seeds=torch.tensor(seeds),
             latent_shape=shape, settings=c.settings, image_tokens=c.pipe.vision_num_semantic_tokens,
             base_seed=derive_seed(cfg.optim.seed, state.step), same_noise=cfg.rollout.use_same_noise,
             storage_dtype=torch.float32, show_progress=info.is_main and cfg.logging.verbose,

@@ -305,8 +305,9 @@ class OptimConfig:
     max_grad_norm: float = opt(1.0, "Gradient-norm clip; <= 0 disables it.")
     use_muon: bool = opt(True, "Muon for >= 2-D weight matrices and AdamW for the rest; False = AdamW everywhere.")
     seed: int = opt(42, "Base seed. Every draw is seeded by a hash of it with what names the draw: rollout noise with "
-                        "(step, prompt text and seed column, generation, diffusion step), timestep permutations with "
-                        "(step, video), the prompt shuffle with the epoch; results do not depend on the rank count.")
+                        "(step, prompt text, seed column and reference image, the group's position in the step, "
+                        "generation, diffusion step), timestep permutations with (step, video), the prompt shuffle "
+                        "with the epoch; results do not depend on the rank count.")
     clip_range: float = opt(1e-4, "PPO clip range of the ratio (tiny because log-probs are averaged over latent "
                                   "elements).")
     adv_clip_max: float = opt(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max].")

@@ -4,10 +4,11 @@
                                      negative_prompt=""):
         write_sample(out_dir / f"{sample_stem(rec)}.mp4", frames, prompt=rec.prompt, fps=24, meta={...})
 
-Each prompt gets its own noise from (base seed, `prompt_noise_seed(prompt, seed column, index)`) through the hash
-seeding of the rollout, so a video depends on its prompt and seeds only: not on the other prompts, the rank count or
-the order. A sample on disk is `<stem>.mp4`, `<stem>.txt` (the exact prompt, read back by scripts/score_videos.py)
-and, when given, `<stem>_config.json` (the settings that made it).
+Each prompt gets its own noise from (base seed, `record_noise_seed(record)`: the prompt text, the seed column or
+index, and an image-to-video prompt's reference image) through the hash seeding of the rollout, so a video depends on
+its prompt and seeds only: not on the other prompts, the rank count or the order. A sample on disk is `<stem>.mp4`,
+`<stem>.txt` (the exact prompt, read back by scripts/score_videos.py) and, when given, `<stem>_config.json` (the
+settings that made it).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import torch
 from torch import Tensor
 
 from sage_grpo.data import PromptRecord
+from sage_grpo.models.image_cond import image_digest
 from sage_grpo.seeding import prompt_noise_seed
 from sage_grpo.video import write_prompt_file, write_text_atomic, write_video
 
-__all__ = ["sample_videos", "write_sample", "sample_stem", "slug"]
+__all__ = ["record_noise_seed", "sample_videos", "write_sample", "sample_stem", "slug"]
 
 
 def slug(text: str, n: int = 48) -> str:
@@ -36,6 +38,13 @@ def slug(text: str, n: int = 48) -> str:
 def sample_stem(rec: PromptRecord) -> str:
     """File stem of a prompt's sample: `<index:04d>_<slug of the prompt>` (the prompt itself goes into `.txt`)."""
     return f"{rec.index:04d}_{slug(rec.prompt)}"
+
+
+def record_noise_seed(rec: PromptRecord) -> int:
+    """The per-prompt part of a record's noise seed: `prompt_noise_seed` of its text, seed column (else index) and,
+    for image-to-video, its reference image's content (the same image at another path gives the same noise)."""
+    image = image_digest(rec.ref_image_path) if rec.ref_image_path else None
+    return prompt_noise_seed(rec.prompt, rec.seed, rec.index, image)
 
 
 @torch.no_grad()
@@ -80,7 +89,7 @@ def sample_videos(
             traj = rollout(
                 transformer, cond, uncond, prompts=[rec.prompt], prompt_ids=torch.tensor([rec.index]),
                 generation_ids=torch.zeros(1, dtype=torch.long),
-                prompt_seeds=torch.tensor([prompt_noise_seed(rec.prompt, rec.seed, rec.index)]),
+                prompt_seeds=torch.tensor([record_noise_seed(rec)]),
                 latent_shape=shape, settings=settings, image_tokens=pipe.vision_num_semantic_tokens,
                 base_seed=base_seed, show_progress=show_progress, image=image,
             )

@@ -21,7 +21,10 @@ def text_seed(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
-def prompt_noise_seed(prompt: str, seed: int | None, index: int) -> int:
+def prompt_noise_seed(prompt: str, seed: int | None, index: int, image: str | None = None) -> int:
     """The per-prompt part of every noise seed: the prompt file's `seed` column (else the row index) together with
-    the prompt text, so two different prompts never share noise even when their seed columns are equal."""
-    return derive_seed(seed if seed is not None else index, text_seed(prompt))
+    the prompt text and, for image-to-video, `image` (the reference image's content digest), so two different
+    prompts never share noise even when their seed columns are equal: not two captions, nor one caption with two
+    images. (The training loop adds the group's position in its step, so that a prompt drawn twice in one step
+    gets two noises.)"""
+    return derive_seed(seed if seed is not None else index, text_seed(prompt), *([text_seed(image)] if image else []))

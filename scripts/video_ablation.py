@@ -147,8 +147,8 @@ class Evaluator:
         batch (several times faster on a CPU than one at a time)."""
         import torch
 
+        from sage_grpo.generation import record_noise_seed
         from sage_grpo.rollout import decode_latents, rollout
-        from sage_grpo.seeding import prompt_noise_seed
 
         n, recs = len(self.records), self.records
         with torch.no_grad():
@@ -156,7 +156,7 @@ class Evaluator:
             traj = rollout(self.pipe.transformer, self.cache.get(self.captions), uncond, prompts=self.captions,
                            prompt_ids=torch.tensor([r.index for r in recs]),
                            generation_ids=torch.zeros(n, dtype=torch.long),
-                           prompt_seeds=torch.tensor([prompt_noise_seed(r.prompt, r.seed, r.index) for r in recs]),
+                           prompt_seeds=torch.tensor([record_noise_seed(r) for r in recs]),
                            latent_shape=self.shape, settings=self.settings,
                            image_tokens=self.pipe.vision_num_semantic_tokens, base_seed=self.seed0 + seed)
             return decode_latents(self.pipe.vae, traj.final_latents).cpu()

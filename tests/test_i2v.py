@@ -314,6 +314,40 @@ def test_generate_takes_an_image_per_prompt_and_sizes_the_video_by_its_bucket(ti
     assert torch.equal(read_video(by_file[1])[0], read_video(out[0])[0])
 
 
+def test_rows_with_one_caption_and_seed_but_other_images_start_from_other_noise(tiny_i2v_pipe, images, tmp_path,
+                                                                               monkeypatch):
+    """sample_videos (generate.py, validation): two image-to-video rows with one caption and one seed column but
+    different images start from different noise; the first image copied to another path starts from the first's
+    noise (the image's content counts, not where it lies). Seen failing when the noise seed leaves the image out
+    (prompt_noise_seed(rec.prompt, rec.seed, rec.index)): "rows with other images start from the same noise"."""
+    import sage_grpo.rollout as rollout_mod
+    from sage_grpo.data import PromptRecord
+    from sage_grpo.generation import sample_videos
+    from sage_grpo.models.image_cond import ImageConditioningCache
+    from sage_grpo.models.text_cache import TextEmbeddingCache
+    from sage_grpo.rollout import SamplerSettings, latent_shape
+
+    starts, real = [], rollout_mod.rollout
+
+    def spy(*args, **kwargs):
+        traj = real(*args, **kwargs)
+        starts.append(traj.latents[0, 0])  # x_0 [C, F, h, w]
+        return traj
+
+    monkeypatch.setattr(rollout_mod, "rollout", spy)
+    (tmp_path / "copy").mkdir()
+    paths = [images[0], images[1], shutil.copy(images[0], tmp_path / "copy" / "a.png")]
+    recs = [PromptRecord(PROMPTS[0], i, seed=1, ref_image_path=str(p)) for i, p in enumerate(paths)]
+    pipe = tiny_i2v_pipe
+    list(sample_videos(pipe, TextEmbeddingCache(pipe, "cpu", torch.float32), recs,
+                       settings=SamplerSettings(sde_type="ode", eta=0.0, num_steps=1, shift=5.0, cfg_scale=1.0),
+                       shape=latent_shape(pipe.vae.config, 5, 16, 16), base_seed=930, negative_prompt="",
+                       decode=False, images=ImageConditioningCache(pipe, "cpu", torch.float32)))
+    assert len(starts) == 3
+    assert not torch.equal(starts[0], starts[1]), "rows with other images start from the same noise"
+    assert torch.equal(starts[0], starts[2])
+
+
 # ------------------------------------------------------------------------------------------------ training
 
 

@@ -419,6 +419,29 @@ def test_rollout_noise_and_prompts_vary_per_step(tiny_model, tmp_path):
     assert same, "dp rank 1 samples other videos than one process does for the same positions"
 
 
+def test_a_prompt_drawn_twice_in_a_step_is_two_groups_with_their_own_noise(tiny_model, tmp_path):
+    """A step of 2 groups from a prompt file of one prompt draws it twice (as an epoch boundary inside a step or a
+    small image-size bucket can): the two groups start from other noise and draw other SDE noise at every
+    transition, so the step trains two groups rather than one group twice.
+
+    Seen failing when rollout_phase seeds the noise by the prompt alone, without the group's position in the step
+    (prompt_seeds = record_noise_seed(rec)): "videos 0 and 2 (generation 0 of groups 0 and 1) start from the same
+    noise"."""
+    one = tmp_path / "one.txt"
+    one.write_text("a red ball rolls\n")
+    c, state = _setup(tiny_model, tmp_path / "run", "--batch_size", "4", "--num_generations", "2",
+                      "--train_video_csv", str(one), "--max_steps", "1")
+    traj = pt.rollout_phase(c, state)
+    assert traj.prompts == ["a red ball rolls"] * 4 and traj.prompt_ids.tolist() == [0, 0, 1, 1]
+    xi = _standard_noise(c, traj)
+    for a, b in ((0, 2), (1, 3)):  # the same generation of the two groups
+        same = torch.equal(traj.latents[a, 0], traj.latents[b, 0])
+        assert not same, f"videos {a} and {b} (generation {a} of groups 0 and 1) start from the same noise"
+        for t in range(traj.num_steps):
+            same = torch.allclose(xi[a, t], xi[b, t], atol=1e-3)
+            assert not same, f"transition {t}: videos {a} and {b} draw the same SDE noise"
+
+
 def test_prompt_order_varies_per_epoch_and_agrees_across_ranks():
     """The sampler visits every prompt once per epoch, in an order drawn per epoch; two data-parallel ranks, each
     computing the plan alone, take complementary halves of the one-process step's videos (the same groups).
