@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         raise SageGRPOError(f"--sp_size {args.sp_size} must divide the number of processes {world} "
                             f"(torchrun --nproc_per_node x nodes)")
 
-    from sage_grpo.generation import sample_videos, write_sample
+    from sage_grpo.generation import record_noise_seed, sample_videos, write_sample
     from sage_grpo.models.loading import load_pipeline, resolve_dtype
     from sage_grpo.models.lora import load_trained_weights, setup_trainable
     from sage_grpo.models.parallelize import parallelize
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
             continue
         meta = {k: v for k, v in vars(args).items() if k not in ("prompt", "explicit", "base_config")}
         meta.update(prompt=rec.prompt, index=rec.index, prompt_seed=rec.seed, task=task, image=rec.ref_image_path,
-                    noise_seed=_noise_seed(rec), frames=int(frames.shape[0]),
+                    noise_seed=record_noise_seed(rec), frames=int(frames.shape[0]),
                     layout=pipe.sage_grpo_location.layout, weights=str(pipe.sage_grpo_location.root),
                     seconds=round(time.time() - t0, 3), video=str(path))
         write_sample(path, frames, prompt=rec.prompt, fps=args.fps, meta=meta)
@@ -420,12 +420,6 @@ def _checkpoint_defaults(args, pipe, rank: int) -> None:
             check_sage_schedule(args.num_inference_steps, args.flow_shift, args.sage_sigma_clamp)
         if rank == 0:
             print(f"[generate] from the checkpoint's scheduler/guider configs: {', '.join(taken)}", flush=True)
-
-
-def _noise_seed(rec) -> int:
-    from sage_grpo.seeding import prompt_noise_seed
-
-    return prompt_noise_seed(rec.prompt, rec.seed, rec.index)
 
 
 if __name__ == "__main__":

@@ -291,6 +291,8 @@ def test_generate_tiles_the_decode_as_training_does_not_by_fixed_size(tiny_i2v_d
 
 def test_generate_takes_an_image_per_prompt_and_sizes_the_video_by_its_bucket(tiny_i2v_dir, images, tmp_path):
     import generate
+    from sage_grpo.data import PromptRecord
+    from sage_grpo.generation import record_noise_seed
     from sage_grpo.video import read_video
 
     common = ["--model_path", str(tiny_i2v_dir), "--dtype", "fp32", "--video_length", "5", "--num_inference_steps",
@@ -301,6 +303,7 @@ def test_generate_takes_an_image_per_prompt_and_sizes_the_video_by_its_bucket(ti
     assert sizes == [(5, 3, 24, 40), (5, 3, 32, 32)]  # each video at its own image's bucket, not --fixed_size
     meta = json.loads((out[1].with_name(out[1].stem + "_config.json")).read_text())
     assert meta["task"] == "i2v" and meta["image"] == images[2]
+    assert meta["noise_seed"] == record_noise_seed(PromptRecord("a dog", 1, ref_image_path=images[2]))
     # a prompt file's ref_image_path column (relative to the file, or absolute) gives the same videos as --image
     # (the indices: the same noise seeds as the --prompt order), its images of two sizes each at its own
     (tmp_path / "imgs").mkdir()
