@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--fps", type=int, default=None, help=f"mp4 frame rate >= 1 (default: {r.video_fps})")
     a("--text_embedding_cache_dir", default=None, help="on-disk text-embedding cache (default: "
       f"model.text_embedding_cache_dir, {m.text_embedding_cache_dir!r}; empty = in memory)")
-    a("--offload_text_encoder", default=None, metavar="BOOL", help="move the text encoders off the device once the "
-      f"prompts are encoded (default: model.offload_text_encoder, {str(m.offload_text_encoder).lower()})")
+    a("--offload_text_encoder", default=None, metavar="BOOL", help="free the text encoders once the prompts are "
+      "encoded, before the transformer loads (default: model.offload_text_encoder, "
+      f"{str(m.offload_text_encoder).lower()})")
     a("--vae_tiling", default=None, metavar="BOOL", help="decode the videos with the VAE in tiles, as post_train.py "
       f"decodes its validation videos (default: model.vae_tiling, {str(m.vae_tiling).lower()}; no effect below the "
       "tile size; reference images are encoded whole either way)")
@@ -308,7 +309,13 @@ def main(argv: list[str] | None = None) -> list[Path]:
                             f"(torchrun --nproc_per_node x nodes)")
 
     from sage_grpo.generation import record_noise_seed, sample_videos, write_sample
-    from sage_grpo.models.loading import load_pipeline, resolve_dtype
+    from sage_grpo.models.loading import (
+        attach_transformer,
+        load_pipeline,
+        load_transformer,
+        read_text_encoders,
+        resolve_dtype,
+    )
     from sage_grpo.models.lora import load_trained_weights, setup_trainable
     from sage_grpo.models.parallelize import parallelize
     from sage_grpo.models.text_cache import TextEmbeddingCache
@@ -331,21 +338,15 @@ def main(argv: list[str] | None = None) -> list[Path]:
         loc = None  # load_pipeline names what is missing
     if loc is not None:
         check_task(loc.task, records, source)  # the prompts fit the checkpoint's task, before the models load
+    # the conditioning parts first (the transformer a meta-device stand-in): every prompt and image is encoded and
+    # the text encoders freed before the transformer loads, so the 7B encoder and the 8.3B transformer never share
+    # memory (post_train.py's order)
     pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype,
-                         device=device)
+                         device=device, load_transformer=False)
     task = pipe.sage_grpo_task
     _checkpoint_defaults(args, pipe, rank)
-    if args.checkpoint_path:  # full weights first, then an adapter on top of them
-        load_trained_weights(pipe.transformer, args.checkpoint_path)
-    if args.lora_path:
-        setup_trainable(pipe.transformer, use_lora=True, lora_r=args.lora["r"], lora_alpha=args.lora["alpha"],
-                        lora_target_modules=args.lora["targets"], pretrained_lora_path=args.lora_path)
-    pipe.transformer.requires_grad_(False).eval()
-    # an sp group samples each of its videos together: same prompts and seeds on every peer, so the same inputs
-    parallelize(pipe.transformer, info, compile=args.compile)
     if args.vae_tiling:  # post_train.py's rule, not --fixed_size's: an I2V video takes its image's size
         pipe.vae.enable_tiling()
-
     try:
         shape = latent_shape(pipe.vae.config, args.video_length, args.height, args.width)
     except ValueError as err:  # a model whose VAE compresses more than the config's 16x rule allows for
@@ -361,10 +362,19 @@ def main(argv: list[str] | None = None) -> list[Path]:
               else None)
     if images is not None:
         images.precompute([r.ref_image_path for r in mine])  # VAE + SigLIP once per image
-    if args.offload_text_encoder:  # every prompt is cached: the encoders need no device memory while sampling
-        cache.offload_encoders()
+    if args.offload_text_encoder:  # every prompt is cached: the encoders are freed (a later miss reloads them)
+        cache.release_encoders(lambda: read_text_encoders(pipe.sage_grpo_location, dtype))
         if images is not None:
             images.offload_encoder()
+    attach_transformer(pipe, load_transformer(pipe.sage_grpo_location, dtype).to(device))
+    if args.checkpoint_path:  # full weights first, then an adapter on top of them
+        load_trained_weights(pipe.transformer, args.checkpoint_path)
+    if args.lora_path:
+        setup_trainable(pipe.transformer, use_lora=True, lora_r=args.lora["r"], lora_alpha=args.lora["alpha"],
+                        lora_target_modules=args.lora["targets"], pretrained_lora_path=args.lora_path)
+    pipe.transformer.requires_grad_(False).eval()
+    # an sp group samples each of its videos together: same prompts and seeds on every peer, so the same inputs
+    parallelize(pipe.transformer, info, compile=args.compile)
     written = []
     t0 = time.time()
     for rec, frames in sample_videos(pipe, cache, mine, settings=settings, shape=shape, base_seed=args.seed,

@@ -12,13 +12,13 @@ host memory), `--gpus_per_node` (8) and `--json`.
 
 Where each number comes from
 ----------------------------
-- Parameters: exact. The transformer is built on the meta device from its per-version config in diffusers' converter
-  (`scripts/convert_hunyuan_video1_5_to_diffusers.py`, TRANSFORMER_CONFIGS, copied below); LoRA adapters are added by
-  the project's own `setup_trainable` on that meta model; the Muon / AdamW split is the project's `goes_to_muon`.
-  The VAE is `AutoencoderKLHunyuanVideo15()` (the converter's default config). The text encoders and the reward model
-  are built on meta from the public config.json values copied below (Qwen2.5-VL-7B-Instruct text tower,
-  google/byt5-small encoder without the Glyph colour/font tokens (a few MB), Qwen2-VL-2B-Instruct with the VideoReward
-  vocabulary of 151,660 and its rm_head).
+- Parameters: exact. The transformer is built on the meta device from its per-version config
+  (`sage_grpo.models.full_size.real_configs`: diffusers' default config, as its converter's TRANSFORMER_CONFIGS);
+  LoRA adapters are added by the project's own `setup_trainable` on that meta model; the Muon / AdamW split is the
+  project's `goes_to_muon`. The VAE is `AutoencoderKLHunyuanVideo15()` (the converter's default config). The text
+  encoders (Qwen2.5-VL-7B-Instruct text tower, google/byt5-small encoder without the Glyph colour/font tokens, a few
+  MB) and SigLIP come from the same `real_configs`; the reward model is built on meta from the public config.json
+  values copied below (Qwen2-VL-2B-Instruct with the VideoReward vocabulary of 151,660 and its rm_head).
 - Transformer activations: an analytic count of the tensors one dual-stream block saves for backward (listed in
   `block_activation_bytes`), checked against `torch.autograd.graph.saved_tensors_hooks` bytes on CPU at reduced
   width (tests/test_plan_memory.py) and against the H100 per-block measurements in ../shared/spec/gpu_facts.md
@@ -82,34 +82,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sage_grpo.config import Config, build_parser, dp_degree, load_config, torch_dtype, validate  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
+from sage_grpo.models.full_size import real_configs  # noqa: E402
 
 GIB = 2**30
 
-# diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py, TRANSFORMER_CONFIGS. The architecture is the same for
-# every checkpoint; only target_size, task_type (metadata) and use_meanflow (the step-distilled r-embedder) vary
-# (/work/shared/spec/hv15_variants.md section 2), so every version sage_grpo.models.tiny.VARIANTS knows is planned.
-_BASE = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=54,
-             num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm", text_embed_dim=3584,
-             text_embed_2_dim=1472, image_embed_dim=1152, rope_theta=256.0, rope_axes_dim=(16, 56, 56),
-             use_meanflow=False)
+# The real configs live in sage_grpo.models.full_size (diffusers' default transformer = the 480p model; a version
+# changes only target_size, task_type and use_meanflow), so every version sage_grpo.models.tiny.VARIANTS knows is
+# planned. SigLIP (I2V): loaded for the image encoding at setup, offloaded with the text encoders.
 def _configs() -> dict:
+    from sage_grpo.models.full_size import real_transformer_config
     from sage_grpo.models.tiny import VARIANTS
 
-    return {name: {**_BASE, "target_size": v.target_size, "task_type": v.task, "use_meanflow": v.use_meanflow}
-            for name, v in VARIANTS.items()}
+    return {name: real_transformer_config(name) for name in VARIANTS}
 
 
 TRANSFORMER_CONFIGS = _configs()
-# SigLIP of the I2V checkpoints (FLUX.1-Redux-dev's image_encoder = google/siglip-so400m-patch14-384's vision tower,
-# public config.json): loaded for the image encoding at setup, offloaded with the text encoders.
-SIGLIP_SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                     image_size=384, patch_size=14)
-# Public config.json values (Hugging Face hub): Qwen/Qwen2.5-VL-7B-Instruct (text tower only, no lm_head) ...
-QWEN25_VL_7B_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                         num_attention_heads=28, num_key_value_heads=4)
-# ... google/byt5-small (encoder only; Glyph-SDXL-v2 adds colour/font tokens: vocab rows of 1472, a few MB, not counted)
-BYT5_SMALL = dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
-                  feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+_REAL = real_configs("480p_i2v")
+SIGLIP_SO400M = _REAL["image_encoder"]
+QWEN25_VL_7B_TEXT = _REAL["text_encoder"]
+BYT5_SMALL = _REAL["text_encoder_2"]
 # ... Qwen/Qwen2-VL-2B-Instruct, vocabulary resized to VideoReward's 151,660 tokens, plus rm_head (1536 -> 3).
 QWEN2_VL_2B_TEXT = dict(vocab_size=151660, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)

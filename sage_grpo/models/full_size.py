@@ -38,6 +38,7 @@ __all__ = [
     "REAL_BLOCK_PARAMS",
     "QWEN_TEXT_LAYERS",
     "real_configs",
+    "real_transformer_config",
     "miniature_configs",
     "build_on_meta",
     "write_full_size_checkpoint",
@@ -83,6 +84,12 @@ def real_configs(version: str = "480p_t2v", text_layers: int = QWEN_TEXT_LAYERS)
             image_size=384, patch_size=14, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
         )
     return configs
+
+
+def real_transformer_config(version: str = "480p_t2v") -> dict:
+    """The whole HunyuanVideo15Transformer3DModel config of `version` (every key, diffusers' defaults filled in)."""
+    cfg = build_on_meta("transformer", real_configs(version)["transformer"]).config
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items() if not k.startswith("_")}
 
 
 def miniature_configs(version: str = "480p_t2v") -> dict[str, dict]:

@@ -1,0 +1,404 @@
+#!/usr/bin/env python
+"""The real HunyuanVideo-1.5 (8.3B) built, loaded, LoRA-trained, resumed, exported, sharded and generated on a CPU.
+
+    python scripts/real_size_cpu.py                      # every stage at the real size (about an hour on 2 cores)
+    python scripts/real_size_cpu.py --miniature          # the same stages on miniature configs (a minute; the test)
+    python scripts/real_size_cpu.py --stages train,resume --keep
+
+Stages (each a process of the project's own entry points; per-phase peak RSS from a sampler inside that process):
+  checkpoint  a random-weight checkpoint of the real shapes (sage_grpo.models.full_size: transformer 8.3B, VAE,
+              Qwen2.5-VL-7B text tower, ByT5, in the diffusers layout, bf16 shards), written shard by shard
+  train       post_train.py, one process: bf16 compute, LoRA (fp32 adapters over the bf16 base), gradient
+              checkpointing, G 2, T 4, 5 frames at 64x64, the weight-free brightness reward, 2 steps, a checkpoint
+              after each; peak RSS per phase (conditioning load, text encoding, policy load, rollout, reward, update,
+              optimizer, save), load and step times
+  resume      a second run resumed from the first run's checkpoint-1 for its step 2: its adapter must equal the first
+              run's step-2 adapter bitwise
+  export      scripts/export_checkpoint.py to the peft and ComfyUI LoRA formats, then generate.py with the peft export
+  fsdp        post_train.py under torchrun, 2 gloo ranks, FSDP2: the sharded meta-device load's per-rank peak RSS and
+              one LoRA step against the one-process step 1
+  planner     scripts/plan_memory.py for the same settings next to the measured peaks
+  block       scripts/bench_attention.py: one real-width block, forward + backward at the rollout's token count, the
+              valid-token processor against diffusers' stock processor
+
+It first checks free disk and RAM and says in one line what it needs; it deletes its checkpoint at the end unless
+--keep. Writes <work>/real_size_cpu.json and prints a table (docs/performance.md holds the measured one).
+Inner mode (used by the stages): `real_size_cpu.py --meter REPORT.json -- <post_train.py or generate.py args>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+STAGES = ("checkpoint", "train", "resume", "export", "fsdp", "planner", "block")
+PROMPTS = ("a red ball rolls across the grass", "a cat sleeps on a sunny windowsill")
+# What the real-size stages need (measured: the checkpoint is 31.4 GiB; the one-process training peak ~18 GiB)
+REAL_DISK_GIB, REAL_RAM_GIB = 36, 22
+
+
+# ------------------------------------------------------------------------------------------------------ the meter
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PhaseMeter:
+    """Peak RSS and seconds per named phase of this process: a thread samples /proc/self/statm every `every` s and
+    charges the sample to the innermost open phase (nested phases: the inner one)."""
+
+    def __init__(self, every: float = 0.02):
+        self.every = every
+        self.stack: list[str] = ["start"]
+        self.peak: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self.order: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        rss, name = rss_bytes(), self.stack[-1]
+        if rss > self.peak.get(name, 0):
+            self.peak[name] = rss
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def start(self) -> PhaseMeter:
+        self._thread.start()
+        return self
+
+    @contextmanager
+    def phase(self, name: str):
+        self._sample()
+        self.stack.append(name)
+        if name not in self.order:
+            self.order.append(name)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sample()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.stack.pop()
+
+    def report(self) -> dict:
+        self._stop.set()
+        self._sample()
+        import resource
+
+        return {"phases": [{"phase": n, "peak_rss_gib": self.peak.get(n, 0) / 2**30,
+                            "seconds": self.seconds.get(n, 0.0)} for n in self.order],
+                "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def _wrap(owner, name: str, meter: PhaseMeter, phase: str) -> None:
+    original = getattr(owner, name)
+
+    def wrapped(*a, **k):
+        with meter.phase(phase):
+            return original(*a, **k)
+
+    setattr(owner, name, wrapped)
+
+
+def run_metered(report: Path, argv: list[str]) -> None:
+    """Run post_train.py's or generate.py's main in this process with the phases metered -> `report` (JSON)."""
+    import importlib.util
+
+    meter = PhaseMeter().start()
+    script = Path(argv[0])
+    spec = importlib.util.spec_from_file_location(script.stem, ROOT / script.name)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[script.stem] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    from sage_grpo.models import loading
+    from sage_grpo.models.text_cache import TextEmbeddingCache
+
+    _wrap(loading, "load_pipeline", meter, "load conditioning" if script.stem == "post_train" else "load")
+    _wrap(TextEmbeddingCache, "precompute", meter, "text encoding")
+    if script.stem == "post_train":
+        _wrap(mod, "load_policy", meter, "load policy")
+        _wrap(mod, "load_checkpoint", meter, "load checkpoint")
+        _wrap(mod, "write_checkpoint", meter, "save")
+        train = mod.train
+        mod.train = lambda c, state, logger=None, **k: train(c, state, logger, hook=meter.phase, **k)
+    else:
+        _wrap(loading, "load_transformer", meter, "load transformer")
+    t0 = time.perf_counter()
+    with meter.phase("whole run"):
+        mod.main(argv[1:])
+    out = meter.report()
+    out["wall_s"] = time.perf_counter() - t0
+    rank = os.environ.get("RANK")
+    path = report if rank is None else report.with_name(f"{report.stem}.rank{rank}.json")
+    path.write_text(json.dumps(out, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------------ the stages
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
+    """Run `cmd` (output to `log`) -> seconds; a failure raises with the log's tail."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    if p.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise SystemExit(f"[real_size_cpu] {' '.join(cmd[:4])} ... failed (exit {p.returncode}); {log}:\n{tail}")
+    return time.perf_counter() - t0
+
+
+def train_args(a, model: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return ["post_train.py", "--config", "configs/tiny_cpu.yaml", "--model_path", str(model),
+            "--pretrained_model_root", str(model.parent), "--output_dir", str(out),
+            "--train_video_csv", str(a.work / "prompts.txt"), "--dtype", "bf16", "--master_weight_type", "fp32",
+            "--use_lora", "True", "--lora_r", "8", "--enable_gradient_checkpointing", "True",
+            "--offload_text_encoder", "True", "--batch_size", "2", "--num_generations", "2",
+            "--grpo_sampling_steps", "4", "--sample_n_frames", str(a.frames), "--height", str(a.size),
+            "--width", str(a.size), "--max_steps", str(steps), "--save_interval", "1", "--log_interval", "1",
+            "--validation_interval", "0", "--text_embedding_cache_dir", str(a.work / "text_cache"),
+            "--threads", str(a.threads), *extra]
+
+
+def metered(a, name: str, argv: list[str], torchrun: int = 0) -> dict:
+    """Run `argv` metered in a fresh process (or `torchrun` ranks) -> its report(s) and wall time."""
+    report = a.work / f"{name}.meter.json"
+    inner = [str(ROOT / "scripts/real_size_cpu.py"), "--meter", str(report), "--", *argv]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
+               "--master_port", str(29500 + os.getpid() % 1000), *inner]
+    else:
+        cmd = [sys.executable, *inner]
+    wall = run(cmd, a.work / f"{name}.log", env={"OMP_NUM_THREADS": str(a.threads)})
+    if torchrun:
+        ranks = [json.loads(report.with_name(f"{report.stem}.rank{r}.json").read_text()) for r in range(torchrun)]
+        return {"wall_s": wall, "ranks": ranks}
+    return {"wall_s": wall, **json.loads(report.read_text())}
+
+
+def adapter(run_dir: Path, step: int):
+    """{name: tensor} of the LoRA adapter the run saved at `step`."""
+    from sage_grpo.models.lora import read_adapter
+
+    return read_adapter(run_dir / f"checkpoint-{step}" / "lora")[1]
+
+
+def max_abs_diff(x: dict, y: dict) -> tuple[float, float]:
+    """(max |x - y| over every tensor, max |y|)."""
+    if x.keys() != y.keys():
+        raise SystemExit("[real_size_cpu] the two adapters have different tensors")
+    diff = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
+    return diff, max(float(y[k].float().abs().max()) for k in y)
+
+
+def update_relative_l2(x: dict, y: dict) -> float:
+    """||B_x - B_y|| / ||B_y|| over the adapters' B matrices: B starts at zero, so this compares the first updates
+    themselves (A starts random and moves little, which would hide any difference)."""
+    import torch
+
+    keys = [k for k in y if "lora_B" in k]
+    num = torch.sqrt(sum(((x[k].double() - y[k].double()) ** 2).sum() for k in keys))
+    den = torch.sqrt(sum((y[k].double() ** 2).sum() for k in keys))
+    return float(num / den)
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def check_resources(a) -> None:
+    """Free disk and RAM against what the stages need: one line, before anything is written."""
+    need_disk, need_ram = (1, 2) if a.miniature else (REAL_DISK_GIB, REAL_RAM_GIB)
+    if (a.work / "checkpoint" / ".complete").is_file():
+        need_disk = 1 if a.miniature else 4
+    a.work.mkdir(parents=True, exist_ok=True)
+    disk = shutil.disk_usage(a.work).free / 2**30
+    with open("/proc/meminfo") as f:
+        ram = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) / 2**20
+    line = (f"needs {need_disk} GiB free disk under {a.work} and {need_ram} GiB RAM; "
+            f"has {disk:.0f} GiB free and {ram:.0f} GiB")
+    if disk < need_disk or ram < need_ram:
+        raise SystemExit(f"[real_size_cpu] {line}: not enough")
+    print(f"[real_size_cpu] {line}", flush=True)
+
+
+def stage_checkpoint(a, res: dict) -> None:
+    from sage_grpo.models.full_size import checkpoint_bytes, miniature_configs, write_full_size_checkpoint
+
+    ck = a.work / "checkpoint"
+    if (ck / ".complete").is_file():
+        print(f"[real_size_cpu] checkpoint: reusing {ck}", flush=True)
+        res["checkpoint"] = json.loads((ck / ".complete").read_text())
+        return
+    shutil.rmtree(ck, ignore_errors=True)
+    t0 = time.perf_counter()
+    write_full_size_checkpoint(ck, "480p_t2v", text_layers=a.text_layers,
+                               configs=miniature_configs() if a.miniature else None,
+                               max_shard_size="200KB" if a.miniature else "2GB",
+                               log=lambda m: print(f"[real_size_cpu] {m.strip()}", flush=True))
+    import resource
+
+    info = {"seconds": time.perf_counter() - t0, "gib": checkpoint_bytes(ck) / 2**30,
+            "writer_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    (ck / ".complete").write_text(json.dumps(info) + "\n")
+    res["checkpoint"] = info
+
+
+def stage_train(a, res: dict) -> None:
+    out = a.work / "run_a"
+    shutil.rmtree(out, ignore_errors=True)
+    r = metered(a, "train", train_args(a, a.work / "checkpoint", out, 2))
+    rows = metrics_rows(out)
+    r["step_s"] = [row.get("perf/step_s") for row in rows if "perf/step_s" in row]
+    r["reward"] = [row.get("reward/total") for row in rows if "reward/total" in row]
+    res["train"] = r
+
+
+def stage_resume(a, res: dict) -> None:
+    out = a.work / "run_b"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    shutil.copytree(a.work / "run_a" / "checkpoint-1", out / "checkpoint-1")
+    r = metered(a, "resume", train_args(a, a.work / "checkpoint", out, 2, "--resume_from_checkpoint", "latest"))
+    diff, scale = max_abs_diff(adapter(out, 2), adapter(a.work / "run_a", 2))
+    moved, _ = max_abs_diff(adapter(a.work / "run_a", 2), adapter(a.work / "run_a", 1))
+    r.update(max_abs_diff_vs_two_steps=diff, adapter_max_abs=scale, step2_change=moved, bitwise=diff == 0.0)
+    res["resume"] = r
+
+
+def stage_export(a, res: dict) -> None:
+    ck = a.work / "run_a" / "checkpoint-2"
+    ex = a.work / "export"
+    shutil.rmtree(ex, ignore_errors=True)
+    out: dict = {}
+    for fmt in ("peft", "comfy"):
+        t = run([sys.executable, "scripts/export_checkpoint.py", "--checkpoint", str(ck), "--out", str(ex / fmt),
+                 "--lora_format", fmt], a.work / f"export_{fmt}.log")
+        out[f"{fmt}_s"] = t
+        out[f"{fmt}_files"] = sorted(p.name for p in (ex / fmt).iterdir())
+    gen = metered(a, "generate", [
+        "generate.py", "--config", "configs/tiny_cpu.yaml", "--model_path", str(a.work / "checkpoint"),
+        "--pretrained_model_root", str(a.work), "--lora_path", str(ex / "peft"), "--prompt", PROMPTS[0],
+        "--video_length", str(a.frames), "--fixed_size", f"{a.size}x{a.size}", "--num_inference_steps", "4",
+        "--dtype", "bf16", "--offload_text_encoder", "True", "--output_path", str(ex / "videos"),
+        "--text_embedding_cache_dir", str(a.work / "text_cache")])
+    videos = sorted(str(p.relative_to(ex)) for p in (ex / "videos").rglob("*.mp4"))
+    if not videos:
+        raise SystemExit(f"[real_size_cpu] generate.py wrote no video under {ex / 'videos'}")
+    out.update(generate=gen, videos=videos)
+    res["export"] = out
+
+
+def stage_fsdp(a, res: dict) -> None:
+    out = a.work / "run_fsdp"
+    shutil.rmtree(out, ignore_errors=True)
+    # batch_size is per rank: 1 video a rank = the one-process run's group of 2, spread over the two ranks
+    r = metered(a, "fsdp", train_args(a, a.work / "checkpoint", out, 1, "--enable_fsdp", "True", "--batch_size", "1",
+                                      "--threads", "1"), torchrun=2)
+    sharded, one = adapter(out, 1), adapter(a.work / "run_a", 1)
+    diff, scale = max_abs_diff(sharded, one)
+    r.update(max_abs_diff_vs_one_process=diff, adapter_max_abs=scale,
+             update_relative_l2=update_relative_l2(sharded, one))
+    res["fsdp"] = r
+
+
+def stage_planner(a, res: dict) -> None:
+    args = train_args(a, a.work / "checkpoint", a.work / "plan", 2)[1:]  # the training run's flags
+    log = a.work / "planner.log"
+    run([sys.executable, "scripts/plan_memory.py", *args, "--world_size", "1", "--json"], log)
+    res["planner"] = json.loads(log.read_text()[log.read_text().index("{"):])
+
+
+def stage_block(a, res: dict) -> None:
+    out = a.work / "block"
+    out.mkdir(parents=True, exist_ok=True)
+    f, h = (a.frames - 1) // 4 + 1, a.size // 16
+    cmd = [sys.executable, "scripts/bench_attention.py", "--latent", f"{f},{h},{h}", "--dtype", "bf16",
+           "--mllm_valid", "8,5", "--byt5_valid", "1,1", "--reps", "3", "--out", str(out)]
+    if a.miniature:
+        cmd += ["--heads", "2", "--head_dim", "32"]
+    run(cmd, a.work / "block.log", env={"OMP_NUM_THREADS": str(a.threads)})
+    res["block"] = json.loads((out / "bench_attention.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------------ report
+
+
+def table(res: dict) -> str:
+    lines = ["| run | phase | peak RSS GiB | seconds |", "|---|---|---|---|"]
+    for name in ("train", "resume"):
+        for p in res.get(name, {}).get("phases", []):
+            lines.append(f"| {name} | {p['phase']} | {p['peak_rss_gib']:.2f} | {p['seconds']:.0f} |")
+    for r, rank in enumerate(res.get("fsdp", {}).get("ranks", [])):
+        for p in rank["phases"]:
+            lines.append(f"| fsdp rank {r} | {p['phase']} | {p['peak_rss_gib']:.2f} | {p['seconds']:.0f} |")
+    for p in res.get("export", {}).get("generate", {}).get("phases", []):
+        lines.append(f"| generate (LoRA export) | {p['phase']} | {p['peak_rss_gib']:.2f} | {p['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, default=ROOT / "outputs/real_size", help="working folder (checkpoint, runs)")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--miniature", action="store_true", help="miniature configs of the same components (the test)")
+    p.add_argument("--text_layers", type=int, default=28, help="Qwen text tower depth (28 = the real 7B)")
+    p.add_argument("--frames", type=int, default=5, help="video frames (5 -> 2 latent frames)")
+    p.add_argument("--size", type=int, default=64, help="video height and width in pixels (64 -> 4 x 4 latent)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the one-process runs")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint (default: deleted at the end)")
+    p.add_argument("--meter", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    if a.meter is not None:
+        rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+        return run_metered(a.meter, rest)
+    stages = [s for s in a.stages.split(",") if s]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        raise SystemExit(f"[real_size_cpu] unknown stage(s) {unknown}; valid: {','.join(STAGES)}")
+    a.work = a.work.resolve()
+    if set(stages) & {"train", "resume", "export", "fsdp"}:
+        stages.append("checkpoint")  # written when missing, else reused
+    if set(stages) & {"resume", "export", "fsdp"} and not (a.work / "run_a" / "checkpoint-2").is_dir():
+        stages.append("train")  # what they compare against
+    check_resources(a)
+    (a.work / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    res: dict = {"machine": {"cpus": os.cpu_count()}, "miniature": a.miniature, "text_layers": a.text_layers}
+    report = a.work / "real_size_cpu.json"
+    if report.is_file():
+        res.update({k: v for k, v in json.loads(report.read_text()).items() if k not in res})
+    for stage in STAGES:
+        if stage in stages:
+            print(f"[real_size_cpu] stage {stage}", flush=True)
+            t0 = time.perf_counter()
+            globals()[f"stage_{stage}"](a, res)
+            print(f"[real_size_cpu] stage {stage} done in {time.perf_counter() - t0:.0f} s", flush=True)
+            report.write_text(json.dumps(res, indent=1) + "\n")
+    print(table(res))
+    print(f"[real_size_cpu] report: {report}")
+    if not a.keep:
+        shutil.rmtree(a.work / "checkpoint", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

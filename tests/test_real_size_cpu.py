@@ -1,0 +1,34 @@
+"""scripts/real_size_cpu.py end to end on miniature configs: the same stages, entry points and checks as the
+8.3B run (the real one is a benchmark of about an hour, in docs/performance.md)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_miniature_run_trains_resumes_bitwise_exports_and_generates(tmp_path):
+    work = tmp_path / "rs"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_size_cpu.py"), "--miniature", "--work", str(work),
+                        "--threads", "1", "--stages", "train,resume,export,planner"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "needs 1 GiB free disk" in p.stdout  # the resource line comes first
+    res = json.loads((work / "real_size_cpu.json").read_text())
+    phases = {ph["phase"]: ph for ph in res["train"]["phases"]}
+    for name in ("load conditioning", "text encoding", "load policy", "rollout", "reward", "update", "save"):
+        assert phases[name]["peak_rss_gib"] > 0.1 and phases[name]["seconds"] >= 0
+    assert len(res["train"]["step_s"]) == 2
+    # step 2 of the resumed run equals step 2 of the uninterrupted one, and step 2 did change the adapter
+    assert res["resume"]["bitwise"] and res["resume"]["step2_change"] > 0
+    assert "load checkpoint" in {ph["phase"] for ph in res["resume"]["phases"]}
+    assert "adapter_model.safetensors" in res["export"]["peft_files"] and res["export"]["comfy_files"]
+    assert res["export"]["videos"] and (work / "export" / res["export"]["videos"][0]).stat().st_size > 0
+    assert res["planner"]["terms_gib"]["policy weights"] > 0
+    assert not (work / "checkpoint").exists()  # deleted without --keep
+    assert "| train | update |" in p.stdout  # the table
