@@ -295,9 +295,10 @@ class OptimConfig:
     warmup_steps: int = opt(0, "Linear learning-rate warm-up in optimizer updates.")
     gradient_accumulation_steps: int = opt(1, "Rollout rounds (steps) whose gradients are accumulated into one "
                                               "optimizer update: an update sees rounds x batch_size x dp videos (dp = "
-                                              "world_size / sp_size): on 8 GPUs with batch_size 2, the paper's 64 "
-                                              "videos take 4 rounds at sp 1 and 8 rounds at sp 2. The KL controller, "
-                                              "the warm-up and the anchor refresh count optimizer updates.")
+                                              "world_size / sp_size): on 8 GPUs with batch_size 2, the 64 videos of "
+                                              "the authors' 64-GPU step take 4 rounds at sp 1 and 8 rounds at sp 2. "
+                                              "The KL controller, the warm-up and the anchor refresh count optimizer "
+                                              "updates.")
     updates_per_rollout: int = opt(1, "Optimizer updates per rollout round, each on a disjoint share of the rank's "
                                       "samples (1 = the authors': the ratio of the update is then exactly 1 and "
                                       "clipping never acts; > 1 lets the ratio leave 1). Needs "
