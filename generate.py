@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     # the text encoders freed before the transformer loads, so the 7B encoder and the 8.3B transformer never share
     # memory (post_train.py's order)
     pipe = load_pipeline(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version, dtype=dtype,
-                         device=device, load_transformer=False)
+                         device=device, load_text_encoders=False, load_transformer=False)
     task = pipe.sage_grpo_task
     _checkpoint_defaults(args, pipe, rank)
     if args.vae_tiling:  # post_train.py's rule, not --fixed_size's: an I2V video takes its image's size
@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     settings = SamplerSettings(sde_type=args.sampler, eta=args.eta, num_steps=args.num_inference_steps,
                                shift=args.flow_shift, cfg_scale=args.cfg_scale, compute_dtype=dtype,
                                sage_clamp=args.sage_sigma_clamp)
-    cache = TextEmbeddingCache(pipe, device, dtype, args.text_embedding_cache_dir or None)
+    cache = TextEmbeddingCache(pipe, device, dtype, args.text_embedding_cache_dir or None,  # encoders: on a miss
+                               loader=lambda: read_text_encoders(pipe.sage_grpo_location, dtype))
     mine = records[info.dp_rank::info.dp_size]  # split over data-parallel groups; sp peers share their prompts
     writer = info.sp_rank == 0  # one peer of each sp group writes (all of them hold the same frames)
     cache.precompute([r.prompt for r in mine] + ([args.negative_prompt] if settings.use_cfg else []))
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if images is not None:
         images.precompute([r.ref_image_path for r in mine])  # VAE + SigLIP once per image
     if args.offload_text_encoder:  # every prompt is cached: the encoders are freed (a later miss reloads them)
-        cache.release_encoders(lambda: read_text_encoders(pipe.sage_grpo_location, dtype))
+        cache.release_encoders()
         if images is not None:
             images.offload_encoder()
     attach_transformer(pipe, load_transformer(pipe.sage_grpo_location, dtype).to(device))

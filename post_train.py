@@ -181,7 +181,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     # and image is encoded, the text encoders freed, and only then the policy loaded, so that the 7B text encoder
     # and the 8.3B transformer never share memory
     pipe = load_pipeline(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version, dtype=dtype,
-                         device=info.device, load_transformer=False)
+                         device=info.device, load_text_encoders=False, load_transformer=False)
     resolve_checkpoint_defaults(cfg, pipe.sage_grpo_location)  # done by preflight when it found the model already
     if m.vae_tiling:
         pipe.vae.enable_tiling()
@@ -190,7 +190,9 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     # under torchrun the embeddings live on disk beside the run (a rank holding every prompt needs ~0.9 MB each:
     # 8.6 GB for 10,000 prompts), each rank encoding its share once
     cache_dir = m.text_embedding_cache_dir or (str(out / "text_embeddings") if info.distributed else None)
-    cache = TextEmbeddingCache(pipe, info.device, dtype, cache_dir)
+    # the text encoders load only if a prompt is not on disk yet (a resumed run, or a shared cache, never reads them)
+    cache = TextEmbeddingCache(pipe, info.device, dtype, cache_dir,
+                               loader=lambda: read_text_encoders(pipe.sage_grpo_location, dtype))
     validates = bool(v.validation_interval) or v.validate_at_step0
     needed = [p.prompt for p in prompts] + ([rec.prompt for rec in val_records] if validates else [])
     if r.cfg_scale != 1.0 or (validates and v.validation_guidance_scale != 1.0):
@@ -208,7 +210,7 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     else:
         check_prompt_tasks(cfg, "t2v", prompts, val_records)
     if m.offload_text_encoder:
-        cache.release_encoders(lambda: read_text_encoders(pipe.sage_grpo_location, dtype))
+        cache.release_encoders()
         if images is not None:
             images.offload_encoder()
     warn_checkpoint_defaults(cfg, info, pipe)

@@ -227,24 +227,23 @@ def instrument_run(c, meter: Meter):
 
 @contextlib.contextmanager
 def hooked_pipeline_loader(meter: Meter):
-    """setup() imports load_pipeline from sage_grpo.models.loading at call time: hook the text encoders of the
-    pipeline it returns, so the encodes of setup's prompt cache are counted."""
+    """setup() imports read_text_encoders from sage_grpo.models.loading at call time (its prompt cache loads the
+    encoders with it when a prompt is not cached): hook the encoders it returns, so every encode is counted."""
     from sage_grpo.models import loading
 
-    original = loading.load_pipeline
+    original = loading.read_text_encoders
 
     def load(*a, **k):
-        pipe = original(*a, **k)
-        for name in ("text_encoder", "text_encoder_2"):
-            if getattr(pipe, name, None) is not None:
-                meter.attach_text_encoder(getattr(pipe, name), name)
-        return pipe
+        encoders = original(*a, **k)
+        for name, module in zip(("text_encoder", "text_encoder_2"), encoders):
+            meter.attach_text_encoder(module, name)
+        return encoders
 
-    loading.load_pipeline = load
+    loading.read_text_encoders = load
     try:
         yield
     finally:
-        loading.load_pipeline = original
+        loading.read_text_encoders = original
 
 
 class CaptureLogger:

@@ -97,26 +97,34 @@ def test_prompt_and_file_indices_do_not_collide(tmp_path):
     assert [r.index for r in generate._prompts(args)] == [0, 1, 2]
 
 
-def test_text_encoders_are_offloaded_once_prompts_are_cached(tiny_diffusers_dir, tmp_path, monkeypatch):
+def test_text_encoders_are_freed_once_prompts_are_cached_before_the_transformer_loads(tiny_diffusers_dir, tmp_path,
+                                                                                      monkeypatch):
     import generate
+    from sage_grpo.models import loading
     from sage_grpo.models.text_cache import TextEmbeddingCache
 
-    calls = []
-    original = TextEmbeddingCache.offload_encoders
+    events = []
+    release, load = TextEmbeddingCache.release_encoders, loading.load_transformer
 
-    def spy(self):
-        calls.append(len(self))  # how many prompts were cached when the encoders left
-        original(self)
+    def spy_release(self, *a, **k):
+        events.append(("release", len(self)))  # how many prompts were cached when the encoders were freed
+        release(self, *a, **k)
 
-    monkeypatch.setattr(TextEmbeddingCache, "offload_encoders", spy)
+    def spy_load(*a, **k):
+        events.append(("transformer",))
+        return load(*a, **k)
+
+    monkeypatch.setattr(TextEmbeddingCache, "release_encoders", spy_release)
+    monkeypatch.setattr(loading, "load_transformer", spy_load)
     common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size",
               "16x32", "--num_inference_steps", "2", "--prompt", "a", "--prompt", "b", "--output_path", str(tmp_path)]
     generate.main(common)
-    assert calls == [3]  # two prompts + the empty negative prompt, then offload (model.offload_text_encoder: true)
+    # two prompts + the empty negative prompt, then freed (model.offload_text_encoder: true), then the transformer
+    assert events == [("release", 3), ("transformer",)]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model:\n  offload_text_encoder: false\n")
-    generate.main([*common, "--config", str(cfg)])
-    assert calls == [3]
+    generate.main([*common, "--config", str(cfg), "--output_path", str(tmp_path / "2")])
+    assert events == [("release", 3), ("transformer",), ("transformer",)]
 
 
 # ------------------------------------------------------------------------------------------------ flag checks

@@ -277,18 +277,22 @@ def test_released_encoders_are_freed_and_come_back_for_a_prompt_not_cached(tiny_
 
     from sage_grpo.models.loading import load_pipeline, read_text_encoders
 
-    pipe = load_pipeline(model_path=str(tiny_diffusers_dir), dtype="fp32", load_transformer=False)
+    pipe = load_pipeline(model_path=str(tiny_diffusers_dir), dtype="fp32", load_text_encoders=False,
+                         load_transformer=False)
     assert next(pipe.transformer.parameters()).is_meta  # config only, no memory
-    cache = TextEmbeddingCache(pipe, "cpu", torch.float32)
-    cache.precompute(["x"])
-    encoders = [weakref.ref(pipe.text_encoder), weakref.ref(pipe.text_encoder_2)]
+    assert pipe.text_encoder is None  # loaded by the cache, and only for a prompt it does not hold
     reloads = []
 
     def reload():
         reloads.append(1)
         return read_text_encoders(pipe.sage_grpo_location, torch.float32)
 
-    cache.release_encoders(reload)
+    cache = TextEmbeddingCache(pipe, "cpu", torch.float32, loader=reload)
+    cache.precompute(["x", "y"])
+    assert reloads == [1]  # once for both prompts
+    encoders = [weakref.ref(pipe.text_encoder), weakref.ref(pipe.text_encoder_2)]
+    reloads.clear()
+    cache.release_encoders()
     gc.collect()
     assert pipe.text_encoder is None and pipe.text_encoder_2 is None
     assert all(ref() is None for ref in encoders)

@@ -13,9 +13,10 @@ and the results are shared through the disk cache when there is one (`--text_emb
 its share, the others read the files when they need them; nothing stays in memory, the node's page cache holds one
 copy) or else through all-gathers of the trimmed CPU tensors in bounded rounds (every rank then holds every prompt).
 `offload_encoders()` moves the text encoders off the accelerator once the prompt set is cached; an uncached prompt
-later still works (the encoders come back for it). `release_encoders(reload)` frees them instead (device and host
-memory: an offloaded Qwen2.5-VL-7B still holds ~15 GB of host memory beside the 16.6 GB transformer); an uncached
-prompt later loads them again with `reload`.
+later still works (the encoders come back for it). `release_encoders()` frees them instead (device and host
+memory: an offloaded Qwen2.5-VL-7B still holds ~15 GB of host memory beside the 16.6 GB transformer); with a
+`loader` the cache also loads them itself, only when a prompt is not cached, and an uncached prompt after the
+release loads them for itself alone.
 
 The disk cache is keyed by sha256(prompt + encoder identity), one safetensors file per prompt, written under a name
 unique to the writer and renamed into place (several ranks or jobs may write the same prompt at once), never
@@ -247,7 +248,11 @@ class TextEmbeddingCache:
     which the ranks of a node share), so host memory does not grow with the prompt set.
     """
 
-    def __init__(self, pipe, device: torch.device | str, dtype: torch.dtype, cache_dir: str | Path | None = None):
+    def __init__(self, pipe, device: torch.device | str, dtype: torch.dtype, cache_dir: str | Path | None = None,
+                 loader=None):
+        """loader: () -> (text_encoder, text_encoder_2), called the first time a prompt must be encoded while the
+        pipeline holds no encoders (post_train.py loads none: a run whose prompts are all on disk never reads the
+        7B encoder, and two ranks do not load it side by side for nothing)."""
         self.pipe = pipe
         self.device = torch.device(device)
         self.dtype = dtype
@@ -256,7 +261,8 @@ class TextEmbeddingCache:
         self._on_disk: set[str] = set()  # prompts this process knows to have a file (for len())
         self._identity: str | None = None
         self._offloaded = False
-        self._reload = None  # set by release_encoders: () -> (text_encoder, text_encoder_2)
+        self._loader = loader
+        self._released = False
         self.num_encoded = 0  # prompts run through the encoders by this process (tests and logs)
 
     @property
@@ -306,9 +312,11 @@ class TextEmbeddingCache:
     @torch.no_grad()
     def _encode(self, prompt: str) -> TextConditioning:
         pipe = self.pipe
-        if (pipe.text_encoder is None or pipe.text_encoder_2 is None) and self._reload is not None:
-            with self._reloaded():
-                return self._encode(prompt)
+        if (pipe.text_encoder is None or pipe.text_encoder_2 is None) and self._loader is not None:
+            if self._released:  # after release_encoders: loaded for this prompt only
+                with self._reloaded():
+                    return self._encode(prompt)
+            pipe.text_encoder, pipe.text_encoder_2 = (e.to(self.device) for e in self._loader())
         if pipe.text_encoder is None or pipe.text_encoder_2 is None:
             raise SageGRPOError(
                 f"prompt {prompt!r} is not in the text-embedding cache and the text encoders were not loaded; "
@@ -415,25 +423,26 @@ class TextEmbeddingCache:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def release_encoders(self, reload) -> None:
+    def release_encoders(self, loader=None) -> None:
         """Free the text encoders (the pipeline drops them; nothing else holds them) once the prompt set is cached;
-        `reload()` -> (text_encoder, text_encoder_2) brings them back for a prompt that is not cached."""
+        the loader (`loader`, or the one given at construction) brings them back for one prompt that is not cached
+        and they are freed again after it."""
         import gc
 
         self.pipe.text_encoder = self.pipe.text_encoder_2 = None
-        self._reload = reload
+        self._loader = loader or self._loader
+        self._released = True
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     @contextlib.contextmanager
     def _reloaded(self):
-        reload, self._reload = self._reload, None
-        self.pipe.text_encoder, self.pipe.text_encoder_2 = (e.to(self.device) for e in reload())
+        self._released = False
         try:
             yield
         finally:
-            self.release_encoders(reload)
+            self.release_encoders()
 
     def offload_encoders(self) -> None:
         """Move the text encoders to CPU (they come back only to encode a prompt that is not cached)."""
