@@ -340,7 +340,8 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     total, trainable, muon = counts["total"], counts["trainable"], counts["muon"]
     t = {}
     # LoRA: the frozen base is loaded in the compute dtype (post_train.load_policy), the adapters in the master dtype
-    t["policy weights"] = (total - trainable) * (e if m.use_lora else mw) / shard + trainable * mw / shard
+    # (`total` counts the base transformer; LoRA's `trainable` adapters come on top of it)
+    t["policy weights"] = (total * e + trainable * mw if m.use_lora else total * mw) / shard
     t["gradients"] = trainable * mw / shard
     states = (muon * 1 + (trainable - muon) * 2) if o.use_muon else trainable * 2
     t["optimizer state"] = states * mw / shard
@@ -370,8 +371,10 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t["image encoder after offload"] = 0.0 if m.offload_text_encoder else ie_bytes
     # --reward_model remote: the reward runs on its own GPUs (scripts/serve_reward.py); the policy's ranks decode and
     # send the frames, so they hold neither the reward model nor its forward
-    remote = [n.strip().lower() for n in cfg.reward.reward_model.split(",") if n.strip()] == ["remote"]
-    local_reward = {"reward model": frozen["reward"] * re}
+    names = [n.strip().lower() for n in cfg.reward.reward_model.split(",") if n.strip()]
+    remote = names == ["remote"]
+    # the VideoAlign model is held only by a run that scores with it (a built-in weight-free reward holds none)
+    local_reward = {"reward model": frozen["reward"] * re if "videoalign_local" in names or remote else 0.0}
     t["reward model"] = 0.0 if remote else local_reward["reward model"]
     B, T = d.batch_size, r.grpo_sampling_steps
     lat = C * F * H * W
@@ -403,7 +406,8 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t["vae decode"] = GPU_FACTS["vae_decode_gib"][m.vae_tiling] * GIB * scale
     t["decoded frames"] = B * r.sample_n_frames * 3 * r.height * r.width * 4
     rb = cfg.reward.reward_batch_size or B
-    local_reward["reward forward (est)"] = REWARD_GIB_PER_VIDEO * GIB * min(rb, B)
+    held = bool(local_reward["reward model"])
+    local_reward["reward forward (est)"] = REWARD_GIB_PER_VIDEO * GIB * min(rb, B) if held else 0.0
     t["reward forward (est)"] = 0.0 if remote else local_reward["reward forward (est)"]
     t["text encoder forward (est)"] = ENCODE_GIB * GIB
     t["overhead (est)"] = opts.overhead_gib * GIB
@@ -419,9 +423,10 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         base = t["policy weights"] + t["optimizer state"] + t["anchor (resident)"] + t["vae weights"] + t[
             "reward model"] + t["overhead (est)"] + t["image encoder after offload"]
         phases = {
-            "encode": base + t["text encoders before offload"]
-            + (t["image encoder before offload"] - t["image encoder after offload"])
-            + t["text encoder forward (est)"] + grads_idle,
+            # post_train encodes every prompt and image before the policy loads (setup): the text encoders, SigLIP
+            # and the VAE beside the reward model, no policy, optimizer or anchor yet
+            "encode": t["vae weights"] + t["reward model"] + t["overhead (est)"] + t["text encoders before offload"]
+            + t["image encoder before offload"] + t["text encoder forward (est)"],
             "rollout": base + t["text encoders after offload"] + t["trajectory"]
             + (t["unsharded model (rollout, kept gathered)"] if keep_rollout else t["unsharded blocks (fwd)"])
             + t["no-grad working set (est)"] + grads_idle,

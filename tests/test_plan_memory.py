@@ -288,3 +288,20 @@ def test_a_remote_reward_takes_the_reward_model_off_every_rank(counts, capsys):
     pm.main(["--config", str(ROOT / "configs/single_node_8gpu.yaml"), "--world_size", "8"])
     assert f"--reward_model remote (a reward server on other GPUs) lowers the peak by {saving:.1f} GiB per rank" in \
         capsys.readouterr().out
+
+
+def test_lora_base_weights_encode_phase_and_weight_free_rewards(counts):
+    """LoRA keeps the frozen base in the compute dtype; prompts are encoded before the policy loads (the encode phase
+    holds the text encoders, not the policy); a weight-free reward holds no VideoAlign model."""
+    c, frozen = counts
+    cfg = _cfg(use_lora=True, enable_fsdp=False, sp_size=1, batch_size=4, master_weight_type="fp32", dtype="bf16",
+               reward_model="brightness", reward_weights='{"brightness": 1.0}')
+    lora_counts = pm.count_transformer(pm.build_transformer(pm.TRANSFORMER_CONFIGS["480p_t2v"]), use_lora=True)
+    lora = pm.plan(cfg, pm.PlanOptions(world_size=1), lora_counts, frozen)
+    t, ph = lora["terms_gib"], lora["phases_gib"]
+    trainable = lora["params"]["trainable"]
+    assert t["policy weights"] == pytest.approx(((c["total"]) * 2 + trainable * 4) / 2**30)  # bf16 base, fp32 LoRA
+    assert t["reward model"] == 0 and t["reward forward (est)"] == 0
+    enc = t["vae weights"] + t["text encoders before offload"] + t["text encoder forward (est)"] + t["overhead (est)"]
+    assert ph["encode"] == pytest.approx(enc)  # no policy weights while the prompts are encoded
+    assert ph["encode"] < ph["rollout"] - t["policy weights"] + t["text encoders before offload"] + 1e-9
