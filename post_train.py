@@ -1068,7 +1068,7 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from sage_grpo.checkpoint import save_checkpoint
-    from sage_grpo.models.lora import merged_state_dict, save_lora, sharded_lora_state
+    from sage_grpo.models.lora import save_lora, sharded_lora_state
     from sage_grpo.parallel.fsdp import gather_full
 
     fsdp, lora = uses_fsdp(c.cfg, c.info), c.cfg.model.use_lora
@@ -1082,7 +1082,9 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
     gradients = pending_gradients(c.transformer) if state.accum_rounds else None
     return save_checkpoint(
         c.cfg.checkpoint.output_dir, state.step, rank=c.info.rank, gradient_state=gradients or None,
-        model_state=merged_state_dict(c.transformer),
+        # a LoRA run's trained state is its adapter (lora/): a merged copy of the 8.3B base would cost 16.6 GB of
+        # memory and disk at every save; export_checkpoint.py / generate.py merge it when asked
+        model_state=None if lora else get_model_state_dict(c.transformer),
         optimizer_state=get_optimizer_state_dict(c.transformer, c.optimizer.optimizers),
         train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg),
                      "task": c.pipe.sage_grpo_task},  # the export's model card names the task's pipeline

@@ -146,7 +146,7 @@ def save_checkpoint(
     step: int,
     *,
     rank: int,
-    model_state: dict,
+    model_state: dict | None,
     optimizer_state: dict,
     train_state: dict,
     lora_writer=None,
@@ -185,7 +185,8 @@ def save_checkpoint(
             tmp.mkdir(parents=True)
 
     def write() -> None:
-        dcp_save({"model": model_state}, tmp / "transformer")
+        if model_state is not None:  # None: a LoRA run (its adapter is written by lora_writer)
+            dcp_save({"model": model_state}, tmp / "transformer")
         dcp_save({"optimizer": optimizer_state}, tmp / "optimizer")
         if anchor_state is not None:
             dcp_save({"model": anchor_state}, tmp / "anchor")

@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
     from sage_grpo.generation import sample_stem, sample_videos, write_sample
     from sage_grpo.models.image_cond import ImageConditioningCache
     from sage_grpo.models.loading import load_pipeline
-    from sage_grpo.models.lora import load_dcp_transformer
+    from sage_grpo.models.lora import load_trained_weights
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.rewards import build_reward_from_config
     from sage_grpo.rollout import SamplerSettings, latent_shape
@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
     scores: dict[str, list[float]] = {}
     for tag in ("before", "after"):
         if tag == "after":
-            load_dcp_transformer(pipe.transformer, ckpts[-1][1] / "transformer")
+            load_trained_weights(pipe.transformer, ckpts[-1][1])
         frames[tag], scores[tag] = [], []
         for rec, video in sample_videos(pipe, cache, records, settings=settings, shape=shape,
                                         base_seed=v.validation_seed, negative_prompt=cfg.rollout.neg_prompt,

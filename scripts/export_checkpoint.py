@@ -9,9 +9,10 @@ key flags, validation metrics, how to load).
     python scripts/export_checkpoint.py --checkpoint outputs/lora_run/checkpoint-500 --out exported/comfy \
         --lora_format comfy     # peft | diffusers | original | comfy (see sage_grpo/models/lora_formats.py)
 
-checkpoint-N/transformer holds the trained weights under the plain model's names (for a LoRA run the adapter is
-already merged into them). With --merge_lora False a LoRA run's base weights are exported unmerged and the adapter
-(lora/adapter_model.safetensors + adapter_config.json) is copied beside them as lora/.
+A full fine-tuning checkpoint-N/transformer holds the trained weights under the plain model's names; a LoRA run's
+checkpoint holds the adapter alone (checkpoint-N/lora), which the weights export merges into the run's base weights
+(--model_path of its config). With --merge_lora False a LoRA run's base weights are exported unmerged and the
+adapter (lora/adapter_model.safetensors + adapter_config.json) is copied beside them as lora/.
 """
 
 from __future__ import annotations
@@ -72,13 +73,15 @@ def main(argv=None) -> Path:
 
     from sage_grpo.config import torch_dtype
     from sage_grpo.models.loading import load_pipeline
-    from sage_grpo.models.lora import load_dcp_transformer
+    from sage_grpo.models.lora import load_dcp_transformer, merge_adapter
 
     dtype = torch_dtype(args.dtype or m["master_weight_type"])
     pipe = load_pipeline(m["pretrained_model_root"], m["model_path"], m["pretrained_transformer_version"],
                          dtype=dtype, load_text_encoders=False)
-    if merge or not lora.is_dir():
+    if not lora.is_dir():
         load_dcp_transformer(pipe.transformer, ckpt / "transformer")
+    elif merge:  # a LoRA checkpoint holds the adapter only: merged into the run's base weights here
+        merge_adapter(pipe.transformer, lora)
     # written beside the target and renamed when complete: an interrupted export leaves no half-written --out
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -190,10 +190,10 @@ class Evaluator:
 
     def trained(self, checkpoint: Path, seed: int) -> tuple:
         """(reward, metrics with reference_distance) of a run's checkpoint; the base weights are restored after."""
-        from sage_grpo.models.lora import load_dcp_transformer
+        from sage_grpo.models.lora import load_trained_weights
 
         base_videos = self.base(seed)[0]
-        load_dcp_transformer(self.pipe.transformer, checkpoint / "transformer")
+        load_trained_weights(self.pipe.transformer, checkpoint)
         try:
             return self.score(self.sample(seed), base_videos)
         finally:

@@ -515,6 +515,8 @@ def test_i2v_lora_checkpoint_exports_and_generates_from_the_trained_weights(two_
     import export_checkpoint
 
     ckpt = two_size_lora_run["full"] / "checkpoint-2"
+    # a LoRA checkpoint holds the adapter, not a merged copy of the base (16.6 GB at the real size)
+    assert (ckpt / "lora" / "adapter_model.safetensors").is_file() and not (ckpt / "transformer").exists()
     adapter = export_checkpoint.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "peft"), "--lora_format",
                                       "peft"])
     merged = export_checkpoint.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "merged")])

@@ -242,8 +242,9 @@ EXPORT_WEIGHTS = "diffusion_pytorch_model.safetensors"  # diffusers' name; shard
 
 
 def locate_trained_weights(path: str | Path) -> tuple[str, Path]:
-    """What `generate.py --checkpoint_path` names -> ("dcp", the DCP directory) for a training checkpoint
-    (checkpoint-N/transformer, or checkpoint-N itself), or ("diffusers", the folder) for an exported transformer
+    """What `generate.py --checkpoint_path` names -> ("dcp", the DCP directory) for a full fine-tuning checkpoint
+    (checkpoint-N/transformer, or checkpoint-N itself), ("lora", checkpoint-N/lora) for a LoRA run's checkpoint
+    (the adapter alone: merged into the base when loaded), or ("diffusers", the folder) for an exported transformer
     (config.json + diffusion_pytorch_model*.safetensors, what scripts/export_checkpoint.py writes). Anything else
     is one error, raised before any model loads."""
     p = Path(path)
@@ -251,6 +252,8 @@ def locate_trained_weights(path: str | Path) -> tuple[str, Path]:
         return "dcp", p
     if (p / "transformer" / ".metadata").is_file():
         return "dcp", p / "transformer"
+    if (p / "train_state.json").is_file() and (p / "lora" / ADAPTER_FILE).is_file():
+        return "lora", p / "lora"
     weights = (p / EXPORT_WEIGHTS).is_file() or (p / f"{EXPORT_WEIGHTS}.index.json").is_file()
     if (p / "config.json").is_file() and weights:
         return "diffusers", p
@@ -264,6 +267,9 @@ def load_trained_weights(transformer, path: str | Path) -> None:
     kind, path = locate_trained_weights(path)
     if kind == "dcp":
         load_dcp_transformer(transformer, path)
+        return
+    if kind == "lora":
+        merge_adapter(transformer, path)
         return
     index = path / f"{EXPORT_WEIGHTS}.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [EXPORT_WEIGHTS]
@@ -280,6 +286,16 @@ def load_trained_weights(transformer, path: str | Path) -> None:
             f"{len(unexpected)} unexpected, e.g. {unexpected[:2]}; {len(wrong)} of another shape, e.g. {wrong[:2]}); "
             "pass a transformer exported from a run of the same model")
     transformer.load_state_dict(state)
+
+
+def merge_adapter(transformer, lora_dir: str | Path) -> None:
+    """Merge the adapter saved in `lora_dir` into the plain `transformer`'s weights in place (W += alpha / r B A, as
+    merged_state_dict computes it); the model stays a plain, frozen HunyuanVideo15Transformer3DModel."""
+    setup_trainable(transformer, use_lora=True, pretrained_lora_path=str(lora_dir))
+    merged = merged_state_dict(transformer)
+    transformer.unload_lora()  # peft's wrappers out: the plain modules (and names) back
+    transformer.load_state_dict(merged)
+    transformer.requires_grad_(False)
 
 
 def adapter_parameters(transformer) -> dict[str, torch.nn.Parameter]:
