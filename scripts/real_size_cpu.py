@@ -9,7 +9,8 @@ Stages (each a process of the project's own entry points; per-phase peak RSS fro
   checkpoint  a random-weight checkpoint of the real shapes (sage_grpo.models.full_size: transformer 8.3B, VAE,
               Qwen2.5-VL-7B text tower, ByT5, in the diffusers layout, bf16 shards), written shard by shard
   train       post_train.py, one process: bf16 compute, LoRA (fp32 adapters over the bf16 base), gradient
-              checkpointing, G 2, T 4, 5 frames at 64x64, the weight-free brightness reward, 2 steps, a checkpoint
+              checkpointing, G 2, T 4, 5 frames at 64x64, CFG off (--cfg_scale), the weight-free brightness
+              reward, 2 steps, a checkpoint
               after each; peak RSS per phase (conditioning load, text encoding, policy load, rollout, reward, update,
               optimizer, save), load and step times
   resume      a second run resumed from the first run's checkpoint-1 for its step 2: its adapter must equal the first
@@ -60,8 +61,9 @@ class PhaseMeter:
     """Peak RSS and seconds per named phase of this process: a thread samples /proc/self/statm every `every` s and
     charges the sample to the innermost open phase (nested phases: the inner one)."""
 
-    def __init__(self, every: float = 0.02):
+    def __init__(self, every: float = 0.02, path: Path | None = None):
         self.every = every
+        self.path = path  # the report, rewritten at the end of every phase: a run killed later still leaves it
         self.stack: list[str] = ["start"]
         self.peak: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
@@ -95,9 +97,10 @@ class PhaseMeter:
             self._sample()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
             self.stack.pop()
+            if self.path is not None:
+                self.path.write_text(json.dumps(self.report(), indent=1) + "\n")
 
     def report(self) -> dict:
-        self._stop.set()
         self._sample()
         import resource
 
@@ -120,7 +123,9 @@ def run_metered(report: Path, argv: list[str]) -> None:
     """Run post_train.py's or generate.py's main in this process with the phases metered -> `report` (JSON)."""
     import importlib.util
 
-    meter = PhaseMeter().start()
+    rank = os.environ.get("RANK")
+    path = report if rank is None else report.with_name(f"{report.stem}.rank{rank}.json")
+    meter = PhaseMeter(path=path).start()
     script = Path(argv[0])
     spec = importlib.util.spec_from_file_location(script.stem, ROOT / script.name)
     mod = importlib.util.module_from_spec(spec)
@@ -144,8 +149,7 @@ def run_metered(report: Path, argv: list[str]) -> None:
         mod.main(argv[1:])
     out = meter.report()
     out["wall_s"] = time.perf_counter() - t0
-    rank = os.environ.get("RANK")
-    path = report if rank is None else report.with_name(f"{report.stem}.rank{rank}.json")
+    out["complete"] = True
     path.write_text(json.dumps(out, indent=1) + "\n")
 
 
@@ -172,7 +176,7 @@ def train_args(a, model: Path, out: Path, steps: int, *extra: str) -> list[str]:
             "--grpo_sampling_steps", "4", "--sample_n_frames", str(a.frames), "--height", str(a.size),
             "--width", str(a.size), "--max_steps", str(steps), "--save_interval", "1", "--log_interval", "1",
             "--validation_interval", "0", "--text_embedding_cache_dir", str(a.work / "text_cache"),
-            "--threads", str(a.threads), *extra]
+            "--cfg_scale", str(a.cfg_scale), "--threads", str(a.threads), *extra]
 
 
 def metered(a, name: str, argv: list[str], torchrun: int = 0) -> dict:
@@ -184,11 +188,22 @@ def metered(a, name: str, argv: list[str], torchrun: int = 0) -> dict:
                "--master_port", str(29500 + os.getpid() % 1000), *inner]
     else:
         cmd = [sys.executable, *inner]
-    wall = run(cmd, a.work / f"{name}.log", env={"OMP_NUM_THREADS": str(a.threads)})
+    t0 = time.perf_counter()
+    failure = None
+    try:
+        run(cmd, a.work / f"{name}.log", env={"OMP_NUM_THREADS": str(a.threads)})
+    except SystemExit as e:  # kept: how far it got and where the memory went is the measurement
+        failure = str(e)
+    wall = time.perf_counter() - t0
     if torchrun:
-        ranks = [json.loads(report.with_name(f"{report.stem}.rank{r}.json").read_text()) for r in range(torchrun)]
-        return {"wall_s": wall, "ranks": ranks}
-    return {"wall_s": wall, **json.loads(report.read_text())}
+        files = [report.with_name(f"{report.stem}.rank{r}.json") for r in range(torchrun)]
+        out = {"wall_s": wall, "ranks": [json.loads(f.read_text()) if f.is_file() else {} for f in files]}
+    else:
+        out = {"wall_s": wall, **(json.loads(report.read_text()) if report.is_file() else {})}
+    if failure is not None:
+        out["failed"] = failure[-2000:]
+        print(f"[real_size_cpu] {name} failed: {failure[-600:]}", flush=True)
+    return out
 
 
 def adapter(run_dir: Path, step: int):
@@ -263,6 +278,9 @@ def stage_train(a, res: dict) -> None:
     out = a.work / "run_a"
     shutil.rmtree(out, ignore_errors=True)
     r = metered(a, "train", train_args(a, a.work / "checkpoint", out, 2))
+    res["train"] = r
+    if "failed" in r:
+        raise SystemExit(f"[real_size_cpu] the training run failed; the later stages compare against it: {r['failed']}")
     rows = metrics_rows(out)
     r["step_s"] = [row.get("perf/step_s") for row in rows if "perf/step_s" in row]
     r["reward"] = [row.get("reward/total") for row in rows if "reward/total" in row]
@@ -275,6 +293,9 @@ def stage_resume(a, res: dict) -> None:
     out.mkdir(parents=True)
     shutil.copytree(a.work / "run_a" / "checkpoint-1", out / "checkpoint-1")
     r = metered(a, "resume", train_args(a, a.work / "checkpoint", out, 2, "--resume_from_checkpoint", "latest"))
+    res["resume"] = r
+    if "failed" in r:
+        return
     diff, scale = max_abs_diff(adapter(out, 2), adapter(a.work / "run_a", 2))
     moved, _ = max_abs_diff(adapter(a.work / "run_a", 2), adapter(a.work / "run_a", 1))
     r.update(max_abs_diff_vs_two_steps=diff, adapter_max_abs=scale, step2_change=moved, bitwise=diff == 0.0)
@@ -295,7 +316,8 @@ def stage_export(a, res: dict) -> None:
         "generate.py", "--config", "configs/tiny_cpu.yaml", "--model_path", str(a.work / "checkpoint"),
         "--pretrained_model_root", str(a.work), "--lora_path", str(ex / "peft"), "--prompt", PROMPTS[0],
         "--video_length", str(a.frames), "--fixed_size", f"{a.size}x{a.size}", "--num_inference_steps", "4",
-        "--dtype", "bf16", "--offload_text_encoder", "True", "--output_path", str(ex / "videos"),
+        "--dtype", "bf16", "--cfg_scale", str(a.cfg_scale), "--offload_text_encoder", "True",
+        "--output_path", str(ex / "videos"),
         "--text_embedding_cache_dir", str(a.work / "text_cache")])
     videos = sorted(str(p.relative_to(ex)) for p in (ex / "videos").rglob("*.mp4"))
     if not videos:
@@ -310,6 +332,9 @@ def stage_fsdp(a, res: dict) -> None:
     # batch_size is per rank: 1 video a rank = the one-process run's group of 2, spread over the two ranks
     r = metered(a, "fsdp", train_args(a, a.work / "checkpoint", out, 1, "--enable_fsdp", "True", "--batch_size", "1",
                                       "--threads", "1"), torchrun=2)
+    res["fsdp"] = r
+    if "failed" in r:
+        return
     sharded, one = adapter(out, 1), adapter(a.work / "run_a", 1)
     diff, scale = max_abs_diff(sharded, one)
     r.update(max_abs_diff_vs_one_process=diff, adapter_max_abs=scale,
@@ -361,6 +386,8 @@ def parse(argv=None):
     p.add_argument("--frames", type=int, default=5, help="video frames (5 -> 2 latent frames)")
     p.add_argument("--size", type=int, default=64, help="video height and width in pixels (64 -> 4 x 4 latent)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the one-process runs")
+    p.add_argument("--cfg_scale", type=float, default=1.0, help="CFG of the runs (1 = off: half the transformer work "
+                   "of the checkpoint's 6; a 2-core CPU takes ~16 min a step with it)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint (default: deleted at the end)")
     p.add_argument("--meter", type=Path, help=argparse.SUPPRESS)
     p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
