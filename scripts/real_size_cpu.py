@@ -52,9 +52,17 @@ REAL_DISK_GIB, REAL_RAM_GIB = 36, 22
 # ------------------------------------------------------------------------------------------------------ the meter
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def rss_bytes() -> tuple[int, int]:
+    """(resident bytes, of which anonymous): safetensors weights loaded without a dtype change stay memory-mapped
+    (file pages, paged in when first used), so RSS counts them as they are touched and RssAnon does not."""
+    total = anon = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                total = int(line.split()[1]) * 1024
+            elif line.startswith("RssAnon:"):
+                anon = int(line.split()[1]) * 1024
+    return total, anon
 
 
 class PhaseMeter:
@@ -66,15 +74,16 @@ class PhaseMeter:
         self.path = path  # the report, rewritten at the end of every phase: a run killed later still leaves it
         self.stack: list[str] = ["start"]
         self.peak: dict[str, int] = {}
+        self.peak_anon: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         self.order: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> None:
-        rss, name = rss_bytes(), self.stack[-1]
-        if rss > self.peak.get(name, 0):
-            self.peak[name] = rss
+        (rss, anon), name = rss_bytes(), self.stack[-1]
+        self.peak[name] = max(rss, self.peak.get(name, 0))
+        self.peak_anon[name] = max(anon, self.peak_anon.get(name, 0))
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
@@ -105,6 +114,7 @@ class PhaseMeter:
         import resource
 
         return {"phases": [{"phase": n, "peak_rss_gib": self.peak.get(n, 0) / 2**30,
+                            "peak_anon_gib": self.peak_anon.get(n, 0) / 2**30,
                             "seconds": self.seconds.get(n, 0.0)} for n in self.order],
                 "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -365,15 +375,18 @@ def stage_block(a, res: dict) -> None:
 
 
 def table(res: dict) -> str:
-    lines = ["| run | phase | peak RSS GiB | seconds |", "|---|---|---|---|"]
+    lines = ["| run | phase | peak RSS GiB | of it anonymous GiB | seconds |", "|---|---|---|---|---|"]
+
+    def rows(name: str, phases: list) -> None:
+        for p in phases:
+            anon = f"{p['peak_anon_gib']:.2f}" if "peak_anon_gib" in p else "-"
+            lines.append(f"| {name} | {p['phase']} | {p['peak_rss_gib']:.2f} | {anon} | {p['seconds']:.0f} |")
+
     for name in ("train", "resume"):
-        for p in res.get(name, {}).get("phases", []):
-            lines.append(f"| {name} | {p['phase']} | {p['peak_rss_gib']:.2f} | {p['seconds']:.0f} |")
+        rows(name, res.get(name, {}).get("phases", []))
     for r, rank in enumerate(res.get("fsdp", {}).get("ranks", [])):
-        for p in rank["phases"]:
-            lines.append(f"| fsdp rank {r} | {p['phase']} | {p['peak_rss_gib']:.2f} | {p['seconds']:.0f} |")
-    for p in res.get("export", {}).get("generate", {}).get("phases", []):
-        lines.append(f"| generate (LoRA export) | {p['phase']} | {p['peak_rss_gib']:.2f} | {p['seconds']:.0f} |")
+        rows(f"fsdp rank {r}", rank.get("phases", []))
+    rows("generate (LoRA export)", res.get("export", {}).get("generate", {}).get("phases", []))
     return "\n".join(lines)
 
 
