@@ -21,9 +21,13 @@ I2V_MODEL = ROOT / WORLD_I2V_MODEL_DIR
 # 1/5). The shape target (0.5) is not reached (docs/world_model.md, "What was tried").
 FLOOR = {"color": 0.9, "shape": 0.25, "motion": 0.75, "background": 0.9}
 
-# The I2V checkpoint's floors, under what the same 12 captions reach with each caption's rendered first frame given:
-# measured colour 1.00, shape 0.17, motion 0.92, background 1.00, first-frame error 0.042.
-I2V_FLOOR = {"color": 0.9, "motion": 0.8, "background": 0.9}
+# The I2V checkpoint's floors, under what the same 12 captions reach with each caption's rendered first frame given
+# (`python scripts/eval_tiny.py --i2v --num_captions 12 --seed S`): at seed 0 colour 1.00, shape 0.17, motion 0.75,
+# background 1.00, first-frame error 0.041. Motion depends on the noise: over seeds 0-9, with the noise seeded by the
+# reference image too and without, it reads 0.67-0.92 (14 of the 20 draws 0.75), mean 0.77, standard deviation
+# 0.05, so its floor is the mean minus two standard deviations (8 of the 12 videos). The same captions from centred
+# first frames without CFG read 0.42; the T2V checkpoint, which ignores the image, reads first-frame error 0.10.
+I2V_FLOOR = {"color": 0.9, "motion": 0.66, "background": 0.9}
 I2V_FIRST_FRAME_ERROR = 0.06
 
 
