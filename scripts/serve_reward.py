@@ -7,8 +7,9 @@
 Any reward the trainer takes is served: a registered name, an import path (`package.module:factory`,
 `path/to/file.py:factory`) or several joined by commas. The reward flags are the training flags without the
 `reward_` prefix, with the same defaults; the trainer's --reward_weights apply on the trainer's side. Concurrent
-requests are batched (up to --max_batch videos); /health needs no token, /info and /score need
-`Authorization: Bearer $SAGE_REWARD_TOKEN` when that variable is set. Needs `pip install 'sage-grpo[serve]'`.
+requests are batched (up to --max_batch videos); a request body over --max_request_mb is refused. /health needs no
+token, /info and /score need `Authorization: Bearer $SAGE_REWARD_TOKEN` when that variable is set. Needs
+`pip install 'sage-grpo[serve]'`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sage_grpo.config import DTYPES, Config  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
+from sage_grpo.rewards.remote import MAX_BODY_BYTES, TOKEN_ENV  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                "requests (default: %(default)s)")
     ap.add_argument("--batch_wait_ms", type=float, default=10.0, help="how long the first request of a batch waits "
                                                                       "for others (default: %(default)s)")
+    ap.add_argument("--max_request_mb", type=int, default=MAX_BODY_BYTES >> 20,
+                    help="largest request body in MiB, compressed and decompressed: a longer one is refused (413) "
+                         "before it is read (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     return ap.parse_args(argv)
 
@@ -84,7 +89,7 @@ def reward_version(spec: str, reward) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    for name, value in (("port", args.port), ("max_batch", args.max_batch)):
+    for name, value in (("port", args.port), ("max_batch", args.max_batch), ("max_request_mb", args.max_request_mb)):
         if value < 1 or (name == "port" and value > 65535):
             raise SageGRPOError(f"--{name} out of range: {value}")
     try:
@@ -95,7 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from sage_grpo.rewards import build_reward
-    from sage_grpo.rewards.remote import TOKEN_ENV
     from sage_grpo.rewards.server import make_app
 
     if any(n.strip().lower() == "remote" for n in args.reward_model.split(",")):
@@ -114,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     ver = reward_version(args.reward_model, reward)
     token = os.environ.get(TOKEN_ENV, "")
     app = make_app(reward, args.reward_model, ver, token=token, max_batch=args.max_batch,
-                   batch_wait_s=args.batch_wait_ms / 1000, device=args.device)
+                   batch_wait_s=args.batch_wait_ms / 1000, device=args.device,
+                   max_body_bytes=args.max_request_mb << 20)
     print(f"serving {args.reward_model} ({', '.join(reward.components)}; version {ver}) on "
           f"http://{args.host}:{args.port}{' with a bearer token' if token else ''}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -29,11 +29,15 @@ import torch
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards.base import _one_line, register_reward
 
-__all__ = ["TOKEN_ENV", "RemoteReward", "apply_read", "encode_batch", "decode_batch", "read_spec_of"]
+__all__ = ["TOKEN_ENV", "BodyTooLarge", "RemoteReward", "apply_read", "encode_batch", "decode_batch",
+           "read_spec_of"]
 
 TOKEN_ENV = "SAGE_REWARD_TOKEN"  # bearer token: checked by the server when set there, sent by the client when set
 CONTENT_TYPE = "application/x-safetensors+zlib"
-MAX_BODY_BYTES = 4 << 30  # a request larger than this is refused by the server (a whole 121-frame 720p batch fits)
+# the largest request body a server takes by default (serve_reward.py --max_request_mb), compressed and again
+# decompressed: a longer body is refused (413) before it is read, and decompression stops at this size. Three
+# whole 121-frame 720p videos in float32 (1.25 GiB each) fit; VideoAlign's frames travel as uint8, far smaller.
+MAX_BODY_BYTES = 4 << 30
 
 
 # ------------------------------------------------------------------------------------------------ what is read
@@ -91,16 +95,23 @@ def encode_batch(x: torch.Tensor, prompts: Sequence[str], dtype: torch.dtype | N
     return zlib.compress(save({"frames": x.contiguous(), "prompts": text}), 1)  # level 1: the network is the budget
 
 
-def decode_batch(body: bytes) -> tuple[torch.Tensor, list[str]]:
-    """The inverse of `encode_batch` -> (frames float32, or the sent float dtype; prompts). Raises ValueError on
-    anything malformed (the server answers 400)."""
+class BodyTooLarge(ValueError):
+    """A request body that decompresses to more than the server takes (the server answers 413)."""
+
+
+def decode_batch(body: bytes | bytearray, max_bytes: int = MAX_BODY_BYTES) -> tuple[torch.Tensor, list[str]]:
+    """The inverse of `encode_batch` -> (frames float32, or the sent float dtype; prompts). Raises `BodyTooLarge`
+    when the body decompresses to more than ``max_bytes`` (never holding more than ``max_bytes + 1`` of it), and
+    ValueError on anything malformed (the server answers 400)."""
     from safetensors.torch import load
 
     try:
-        d = zlib.decompressobj()
-        raw = d.decompress(body, MAX_BODY_BYTES)
-        if d.unconsumed_tail:
-            raise ValueError(f"request larger than {MAX_BODY_BYTES} bytes uncompressed")
+        raw = zlib.decompressobj().decompress(body, max_bytes + 1)  # a zlib bomb stops here
+    except zlib.error as err:
+        raise ValueError(f"malformed request body (zlib: {err})") from None
+    if len(raw) > max_bytes:
+        raise BodyTooLarge(f"request body decompresses to more than the server's limit of {max_bytes} bytes")
+    try:
         tensors = load(raw)
         prompts = json.loads(bytes(tensors["prompts"].numpy()).decode())
         frames = tensors["frames"]

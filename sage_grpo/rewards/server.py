@@ -6,6 +6,9 @@ Endpoints: ``GET /health`` (no token: for load balancers and start-up scripts; c
 null for NaN). Requests that arrive while a batch is scored, or within ``batch_wait_s`` of the first, are scored
 together (up to ``max_batch`` videos of one shape) by one worker thread, so the model sees one batch at a time.
 When ``token`` is set, /info and /score need ``Authorization: Bearer <token>``. No request body is ever unpickled.
+A body longer than ``max_body_bytes`` is refused (413) before it is read, or as soon as it grows past the limit
+while it streams in; it is decompressed (never past the same limit) and decoded in a worker thread, so /health
+answers while a large body is decoded.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastapi import FastAPI, HTTPException, Request  # at module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from sage_grpo.rewards.base import score_safely
-from sage_grpo.rewards.remote import decode_batch, read_spec_of
+from sage_grpo.rewards.remote import MAX_BODY_BYTES, BodyTooLarge, decode_batch, read_spec_of
 
 __all__ = ["make_app"]
 
@@ -94,9 +98,26 @@ class Batcher:
             lo = hi
 
 
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request body, refused with 413 when it announces more than ``limit`` bytes (before any of it is read)
+    or grows past it (a chunked body, or one longer than announced): never more than ``limit`` bytes are held."""
+    announced = request.headers.get("content-length", "")
+    if announced.isdigit() and int(announced) > limit:
+        raise HTTPException(status_code=413, detail=f"request body of {announced} bytes is larger than the server's "
+                                                    f"limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        if len(body) + len(chunk) > limit:
+            raise HTTPException(status_code=413, detail=f"request body larger than the server's limit of {limit} "
+                                                        "bytes")
+        body += chunk
+    return body
+
+
 def make_app(reward, name: str, version: str, *, token: str = "", max_batch: int = 16, batch_wait_s: float = 0.01,
-             device: str | torch.device = "cpu"):
-    """The FastAPI app serving ``reward`` (a `Reward`, or a `CompositeReward` of one or more) as ``name``."""
+             device: str | torch.device = "cpu", max_body_bytes: int = MAX_BODY_BYTES):
+    """The FastAPI app serving ``reward`` (a `Reward`, or a `CompositeReward` of one or more) as ``name``;
+    ``max_body_bytes``: the largest request body, compressed and decompressed."""
     from contextlib import asynccontextmanager
 
     rewards = list(getattr(reward, "rewards", {"": reward}).values())
@@ -144,14 +165,17 @@ def make_app(reward, name: str, version: str, *, token: str = "", max_batch: int
     async def info(request: Request):
         authorize(request)
         return {"reward": name, "components": list(components), "default_weights": default_weights,
-                "version": version, "read_spec": spec, "max_batch": max_batch}
+                "version": version, "read_spec": spec, "max_batch": max_batch, "max_body_bytes": max_body_bytes}
 
     @app.post("/score")
     async def score_endpoint(request: Request):
         authorize(request)
-        body = await request.body()
-        try:
-            frames, prompts = decode_batch(body)
+        body = await read_body(request, max_body_bytes)
+        try:  # in a worker thread: decompressing and decoding a large body takes seconds
+            frames, prompts = await run_in_threadpool(decode_batch, body, max_body_bytes)
+            del body  # not held while the batch waits and is scored
+        except BodyTooLarge as err:
+            raise HTTPException(status_code=413, detail=str(err)) from None
         except ValueError as err:
             raise HTTPException(status_code=400, detail=str(err)) from None
         if spec is None and (frames.ndim != 5 or frames.shape[2] != 3):
