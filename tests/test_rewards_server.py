@@ -1,5 +1,6 @@
 """What the reward server (scripts/serve_reward.py, a real process on 127.0.0.1) refuses: a body over its limit before
-it is read, and /health answers while a large body is decoded."""
+it is read, and /health answers while a large body is decoded; a batcher that stops fails /health and every
+request at once, and the client goes to the next replica."""
 
 from __future__ import annotations
 
@@ -8,21 +9,46 @@ import http.client
 import json
 import select
 import socket
+import time
 import zlib
 
 import httpx
 import pytest
+import torch
+from helpers import smooth_videos
 from test_rewards_remote import serve
+
+from sage_grpo.rewards import build_reward
+from sage_grpo.rewards.remote import RemoteReward, encode_batch
 
 TOKEN = "0123456789abcdef" * 4  # as long as `openssl rand -hex 32`
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LIMIT_MB = 64
+DYING = """
+import asyncio
+from sage_grpo.rewards.builtin import BrightnessReward
+class Dying(BrightnessReward):
+    def __call__(self, videos, prompts):
+        if "die" in prompts:  # as a reward whose own asyncio client was cancelled would
+            raise asyncio.CancelledError("the reward's client was cancelled")
+        return super().__call__(videos, prompts)
+def build(**kw):
+    return Dying()
+"""
 
 
 @pytest.fixture(scope="module")
-def server():
-    """brightness behind a token, taking request bodies up to 64 MiB."""
-    with serve("--reward_model", "brightness", "--max_request_mb", str(LIMIT_MB), token=TOKEN) as (url, _):
+def dying(tmp_path_factory) -> str:
+    """brightness, except that a batch with the prompt "die" raises a BaseException that is no Exception."""
+    path = tmp_path_factory.mktemp("dying") / "dying.py"
+    path.write_text(DYING)
+    return f"{path}:build"
+
+
+@pytest.fixture(scope="module")
+def server(dying):
+    """`dying` behind a token, taking request bodies up to 64 MiB."""
+    with serve("--reward_model", dying, "--max_request_mb", str(LIMIT_MB), token=TOKEN) as (url, _):
         yield url
 
 
@@ -73,3 +99,21 @@ def test_health_answers_while_a_large_body_is_decoded(server):
         status, got = answer(s)
     assert status == 413 and "decompresses to more than the server's limit" in got["detail"]
     assert answered >= 3, answered  # decoded on the event loop, /health would wait for the whole decode
+
+
+def test_a_batcher_that_stops_fails_health_and_requests_at_once_and_the_client_goes_to_a_replica(server, dying):
+    videos = smooth_videos(2, 5, 16, 16, seed=2)
+    with serve("--reward_model", dying, token=TOKEN) as (url, _):
+        remote = RemoteReward([url, server], token=TOKEN, rank=0, timeout=5, retries=1, backoff=0.1)
+        assert [s.urls for s in remote.servers] == [[url, server]]  # replicas; rank 0 tries `url` first
+        r = httpx.post(f"{url}/score", content=encode_batch(videos, ["a", "die"]), headers=AUTH)
+        assert r.status_code == 503 and "batcher stopped (CancelledError" in r.json()["detail"]
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/score", content=encode_batch(videos, ["a", "b"]), headers=AUTH)
+        assert r.status_code == 503 and "batcher stopped" in r.json()["detail"]
+        got = remote(videos, ["a", "b"])  # 503 from `url` at once, then scored by `server`
+        assert time.monotonic() - t0 < 4  # less than the client's timeout: nothing waited for an answer
+    want = build_reward("brightness", reward_weights="")(videos, ["a", "b"])
+    torch.testing.assert_close(got["brightness"], want["brightness"], rtol=0, atol=1e-6)

@@ -1,6 +1,7 @@
 """The reward server behind `scripts/serve_reward.py`: a FastAPI app that scores with any reward.
 
-Endpoints: ``GET /health`` (no token: for load balancers and start-up scripts; counts of requests and batches),
+Endpoints: ``GET /health`` (no token: for load balancers and start-up scripts; counts of requests and batches;
+503 once the batcher has stopped, when /score answers 503 at once too),
 ``GET /info`` (components, default weights, version, ``read_spec``: what `RemoteReward` needs to know) and
 ``POST /score`` (a body of `sage_grpo.rewards.remote.encode_batch`; answers ``{"scores": {component: [B]}}``,
 null for NaN). Requests that arrive while a batch is scored, or within ``batch_wait_s`` of the first, are scored
@@ -40,6 +41,10 @@ class _ReadScorer:
         return self.reward.score_read(x, prompts)
 
 
+class BatcherStopped(RuntimeError):
+    """The batcher is gone: this server will score nothing more (answered 503, so that clients go elsewhere)."""
+
+
 class Batcher:
     """Collects concurrent requests into batches for one scoring thread."""
 
@@ -49,53 +54,77 @@ class Batcher:
         self.queue: asyncio.Queue | None = None
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="reward")  # one model, one batch at a time
         self.requests = self.batches = self.videos = 0
+        self.error = ""  # why `run` ended; "" while it runs
+        self.closing = False  # the server shuts down: `run` is cancelled on purpose
 
     async def submit(self, frames: torch.Tensor, prompts: list[str]) -> dict[str, list]:
+        if self.error:
+            raise BatcherStopped(self.error)
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put((frames, prompts, fut))
+        self.queue.put_nowait((frames, prompts, fut))
         return await fut
 
     async def run(self) -> None:
+        """Score batches until cancelled. Whatever else ends the loop (a reward raising a BaseException that is
+        no Exception, such as a CancelledError of its own) is kept in ``error``, and every waiting request and
+        every later one is answered with it at once instead of waiting for ever."""
         loop = asyncio.get_running_loop()
-        while True:
-            batch = [await self.queue.get()]
-            n = batch[0][0].shape[0]
-            deadline = loop.time() + self.wait_s
-            while n < self.max_batch:
-                # whatever else is queued, then what arrives before the deadline
-                try:
-                    item = self.queue.get_nowait() if not self.queue.empty() else await asyncio.wait_for(
-                        self.queue.get(), max(0.0, deadline - loop.time()))
-                except (asyncio.TimeoutError, TimeoutError):
-                    break
-                batch.append(item)
-                n += item[0].shape[0]
-            by_shape: dict[tuple, list] = {}
-            for item in batch:  # only frames of one shape and dtype can share a tensor
-                by_shape.setdefault((tuple(item[0].shape[1:]), item[0].dtype), []).append(item)
-            for items in by_shape.values():
-                await self._score(loop, items)
+        batch: list = []
+        try:
+            while True:
+                batch = [await self.queue.get()]
+                n = batch[0][0].shape[0]
+                deadline = loop.time() + self.wait_s
+                while n < self.max_batch:
+                    # whatever else is queued, then what arrives before the deadline
+                    try:
+                        item = self.queue.get_nowait() if not self.queue.empty() else await asyncio.wait_for(
+                            self.queue.get(), max(0.0, deadline - loop.time()))
+                    except (asyncio.TimeoutError, TimeoutError):
+                        break
+                    batch.append(item)
+                    n += item[0].shape[0]
+                by_shape: dict[tuple, list] = {}
+                for item in batch:  # only frames of one shape and dtype can share a tensor
+                    by_shape.setdefault((tuple(item[0].shape[1:]), item[0].dtype), []).append(item)
+                for items in by_shape.values():
+                    await self._score(loop, items)
+        except BaseException as err:  # noqa: BLE001 - see the docstring
+            self.error = f"the reward server's batcher stopped ({type(err).__name__}: {err})"
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(BatcherStopped(self.error))
+            if self.closing:
+                raise
+
+    def _score_frames(self, frames: list[torch.Tensor], prompts: list[str]) -> list[dict[str, list]]:
+        """In the scoring thread: one batch -> each request's {component: [scores]}, None for NaN."""
+        scores = self.score(torch.cat(frames), prompts)
+        out, lo = [], 0
+        for f in frames:
+            hi = lo + f.shape[0]
+            out.append({c: [None if math.isnan(v) else v for v in s[lo:hi].tolist()] for c, s in scores.items()})
+            lo = hi
+        return out
 
     async def _score(self, loop, items: list) -> None:
-        frames = torch.cat([f for f, _, _ in items])
         prompts = [p for _, ps, _ in items for p in ps]
         self.requests += len(items)
         self.batches += 1
         self.videos += len(prompts)
         try:
-            scores = await loop.run_in_executor(self.executor, self.score, frames, prompts)
+            answers = await loop.run_in_executor(self.executor, self._score_frames, [f for f, _, _ in items],
+                                                 prompts)
         except Exception as err:  # noqa: BLE001 - answered as a 500 to each waiting request
             for _, _, fut in items:
                 if not fut.done():
                     fut.set_exception(err)
             return
-        lo = 0
-        for f, _, fut in items:
-            hi = lo + f.shape[0]
+        for (_, _, fut), answer in zip(items, answers):
             if not fut.done():  # the client may have gone (timeout)
-                fut.set_result({c: [None if math.isnan(v) else v for v in s[lo:hi].tolist()]
-                                for c, s in scores.items()})
-            lo = hi
+                fut.set_result(answer)
 
 
 async def read_body(request: Request, limit: int) -> bytearray:
@@ -144,6 +173,7 @@ def make_app(reward, name: str, version: str, *, token: str = "", max_batch: int
         batcher.queue = asyncio.Queue()
         task = asyncio.create_task(batcher.run())
         yield
+        batcher.closing = True
         task.cancel()
         batcher.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -158,8 +188,10 @@ def make_app(reward, name: str, version: str, *, token: str = "", max_batch: int
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "reward": name, "requests": batcher.requests, "batches": batcher.batches,
-                "videos": batcher.videos}
+        counts = {"reward": name, "requests": batcher.requests, "batches": batcher.batches, "videos": batcher.videos}
+        if batcher.error:  # a load balancer or supervisor takes this server out
+            return JSONResponse(status_code=503, content={"status": "failed", "error": batcher.error, **counts})
+        return {"status": "ok", **counts}
 
     @app.get("/info")
     async def info(request: Request):
@@ -170,6 +202,8 @@ def make_app(reward, name: str, version: str, *, token: str = "", max_batch: int
     @app.post("/score")
     async def score_endpoint(request: Request):
         authorize(request)
+        if batcher.error:  # at once, before the body is read
+            return JSONResponse(status_code=503, content={"detail": batcher.error})
         body = await read_body(request, max_body_bytes)
         try:  # in a worker thread: decompressing and decoding a large body takes seconds
             frames, prompts = await run_in_threadpool(decode_batch, body, max_body_bytes)
@@ -182,6 +216,8 @@ def make_app(reward, name: str, version: str, *, token: str = "", max_batch: int
             raise HTTPException(status_code=400, detail=f"expected videos [B, F, 3, H, W], got {tuple(frames.shape)}")
         try:
             scores = await batcher.submit(frames, prompts)
+        except BatcherStopped as err:
+            return JSONResponse(status_code=503, content={"detail": str(err)})
         except Exception as err:  # noqa: BLE001
             return JSONResponse(status_code=500, content={"detail": f"{type(err).__name__}: {err}"})
         return {"scores": scores}
