@@ -8,15 +8,17 @@ Any reward the trainer takes is served: a registered name, an import path (`pack
 `path/to/file.py:factory`) or several joined by commas. The reward flags are the training flags without the
 `reward_` prefix, with the same defaults; the trainer's --reward_weights apply on the trainer's side. Concurrent
 requests are batched (up to --max_batch videos); a request body over --max_request_mb is refused. /health needs no
-token, /info and /score need `Authorization: Bearer $SAGE_REWARD_TOKEN` when that variable is set. Needs
-`pip install 'sage-grpo[serve]'`.
+token, /info and /score need `Authorization: Bearer $SAGE_REWARD_TOKEN` when that variable is set; a --host other
+than loopback is refused without it, unless --allow_unauthenticated. Needs `pip install 'sage-grpo[serve]'`.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import ipaddress
 import os
+import socket
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -33,8 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="serve_reward.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reward_model", required=True, help="reward name(s) or import path(s), comma-separated")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for other hosts (default: "
-                                                        "%(default)s)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for other hosts, which needs "
+                                                        "SAGE_REWARD_TOKEN (default: %(default)s)")
+    ap.add_argument("--allow_unauthenticated", action="store_true",
+                    help="serve a --host other than loopback without SAGE_REWARD_TOKEN, on purpose: whoever reaches "
+                         "the port can then use the reward")
     ap.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     ap.add_argument("--device", default="cuda" if _cuda() else "cpu", help="(default: %(default)s)")
     ap.add_argument("--dtype", default=r.reward_dtype, choices=DTYPES, help="reward model dtype (default: %(default)s)")
@@ -87,8 +92,31 @@ def reward_version(spec: str, reward) -> str:
     return "; ".join(parts)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is only reachable from this machine."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def check_exposure(host: str, token: str, allow_unauthenticated: bool) -> None:
+    """A server that other hosts can reach needs a token, unless serving without one is asked for on purpose."""
+    if not (token or allow_unauthenticated or is_loopback(host)):
+        raise SageGRPOError(f"--host {host} lets other hosts reach the reward server, but {TOKEN_ENV} is not set: "
+                            f"set it (the trainer sends the same value), or listen on 127.0.0.1, or pass "
+                            "--allow_unauthenticated to serve without a token on purpose")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    token = os.environ.get(TOKEN_ENV, "")
+    check_exposure(args.host, token, args.allow_unauthenticated)
     for name, value in (("port", args.port), ("max_batch", args.max_batch), ("max_request_mb", args.max_request_mb)):
         if value < 1 or (name == "port" and value > 65535):
             raise SageGRPOError(f"--{name} out of range: {value}")
@@ -116,7 +144,6 @@ def main(argv: list[str] | None = None) -> None:
         pickscore_processor_path=args.pickscore_processor_path,
     )
     ver = reward_version(args.reward_model, reward)
-    token = os.environ.get(TOKEN_ENV, "")
     app = make_app(reward, args.reward_model, ver, token=token, max_batch=args.max_batch,
                    batch_wait_s=args.batch_wait_ms / 1000, device=args.device,
                    max_body_bytes=args.max_request_mb << 20)

@@ -1,14 +1,17 @@
 """What the reward server (scripts/serve_reward.py, a real process on 127.0.0.1) refuses: a body over its limit before
 it is read, and /health answers while a large body is decoded; a batcher that stops fails /health and every
-request at once, and the client goes to the next replica."""
+request at once, and the client goes to the next replica; other hosts are served only with a token or on purpose."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
 import json
+import os
 import select
 import socket
+import subprocess
+import sys
 import time
 import zlib
 
@@ -16,8 +19,11 @@ import httpx
 import pytest
 import torch
 from helpers import smooth_videos
-from test_rewards_remote import serve
+from post_train_helpers import ROOT
+from test_rewards_remote import _free_port, serve
+from test_rewards_scripts import load_script
 
+from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards import build_reward
 from sage_grpo.rewards.remote import RemoteReward, encode_batch
 
@@ -117,3 +123,29 @@ def test_a_batcher_that_stops_fails_health_and_requests_at_once_and_the_client_g
         assert time.monotonic() - t0 < 4  # less than the client's timeout: nothing waited for an answer
     want = build_reward("brightness", reward_weights="")(videos, ["a", "b"])
     torch.testing.assert_close(got["brightness"], want["brightness"], rtol=0, atol=1e-6)
+
+
+def test_serving_other_hosts_without_a_token_is_refused_unless_on_purpose(monkeypatch):
+    env = {k: v for k, v in os.environ.items() if k != "SAGE_REWARD_TOKEN"}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/serve_reward.py"), "--reward_model", "brightness",
+                        "--host", "0.0.0.0", "--port", str(_free_port())], capture_output=True, text=True, cwd=ROOT,
+                       env={**env, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: --host 0.0.0.0 lets other hosts reach the reward server, but SAGE_REWARD_TOKEN "
+                               "is not set") and "--allow_unauthenticated" in r.stderr
+    sr = load_script("serve_reward")
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        sr.check_exposure(host, "", False)
+    for host in ("0.0.0.0", "::", "10.1.2.3"):
+        with pytest.raises(SageGRPOError, match=f"--host {host} lets other hosts reach"):
+            sr.check_exposure(host, "", False)
+        sr.check_exposure(host, TOKEN, False)
+        sr.check_exposure(host, "", True)
+    # past the check (to the next refusal, before anything is bound) with the flag, or with the token
+    monkeypatch.delenv("SAGE_REWARD_TOKEN", raising=False)
+    cannot = "--reward_model remote cannot be served"
+    with pytest.raises(SageGRPOError, match=cannot):
+        sr.main(["--reward_model", "remote", "--host", "0.0.0.0", "--allow_unauthenticated"])
+    monkeypatch.setenv("SAGE_REWARD_TOKEN", TOKEN)
+    with pytest.raises(SageGRPOError, match=cannot):
+        sr.main(["--reward_model", "remote", "--host", "0.0.0.0"])
