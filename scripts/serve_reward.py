@@ -74,6 +74,13 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# the flags that change the scores a reward gives (device, batching and threads do not): servers of one reward
+# are replicas only when these are equal too
+SETTINGS = ("pretrained_model_root", "model_path", "base_model_path", "checkpoint_mode", "checkpoint_step", "dtype",
+            "max_pixels", "min_pixels", "sample_fps", "video_fps", "clip_model_path", "pickscore_model_path",
+            "pickscore_processor_path")
+
+
 def reward_version(spec: str, reward) -> str:
     """The reward's own `version` when it has one; a user's file: the hash of its text (a changed file is a
     different reward); else the package version."""
@@ -144,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         pickscore_processor_path=args.pickscore_processor_path,
     )
     ver = reward_version(args.reward_model, reward)
-    app = make_app(reward, args.reward_model, ver, token=token, max_batch=args.max_batch,
-                   batch_wait_s=args.batch_wait_ms / 1000, device=args.device,
+    app = make_app(reward, args.reward_model, ver, settings={k: getattr(args, k) for k in SETTINGS}, token=token,
+                   max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000, device=args.device,
                    max_body_bytes=args.max_request_mb << 20)
     print(f"serving {args.reward_model} ({', '.join(reward.components)}; version {ver}) on "
           f"http://{args.host}:{args.port}{' with a bearer token' if token else ''}", flush=True)

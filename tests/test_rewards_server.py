@@ -1,6 +1,7 @@
 """What the reward server (scripts/serve_reward.py, a real process on 127.0.0.1) refuses: a body over its limit before
 it is read, and /health answers while a large body is decoded; a batcher that stops fails /health and every
-request at once, and the client goes to the next replica; other hosts are served only with a token or on purpose."""
+request at once, and the client goes to the next replica; other hosts are served only with a token or on purpose;
+servers of one reward with other settings are not replicas."""
 
 from __future__ import annotations
 
@@ -149,3 +150,13 @@ def test_serving_other_hosts_without_a_token_is_refused_unless_on_purpose(monkey
     monkeypatch.setenv("SAGE_REWARD_TOKEN", TOKEN)
     with pytest.raises(SageGRPOError, match=cannot):
         sr.main(["--reward_model", "remote", "--host", "0.0.0.0"])
+
+
+def test_servers_of_one_reward_with_other_settings_are_not_replicas(server, dying):
+    info = httpx.get(f"{server}/info", headers=AUTH).json()
+    assert info["settings"]["checkpoint_step"] == -1 and info["settings"]["dtype"] == "bf16"
+    with serve("--reward_model", dying, "--checkpoint_step", "5", "--dtype", "fp32", token=TOKEN) as (url, _):
+        with pytest.raises(SageGRPOError, match=rf"{server} and {url} both serve 'brightness' but are not replicas "
+                                                r"\(checkpoint_step -1 vs 5, dtype 'bf16' vs 'fp32'\): start replicas "
+                                                "with the same reward and reward flags"):
+            RemoteReward([server, url], token=TOKEN, retries=0)

@@ -6,11 +6,13 @@ the client then sends those frames, as uint8 when the reward quantises them itse
 own dtype. Without ``read_spec`` the whole decoded video is sent. The body is a safetensors file (tensors and the
 prompts as UTF-8 bytes, never a pickle) compressed with zlib: lossless, so remote scores equal local ones.
 
-Several URLs: servers that report the same reward (components and version) are replicas, tried in turn starting
-from one chosen by the rank (the load spreads over ranks); servers of different rewards are combined, each
-contributing its components. A request that times out or fails is retried with exponential backoff on the next
-replica; what still fails is NaN (one warning), so the failed-reward policy (`--max_failed_reward_steps`) applies.
-A server that cannot be reached when the run starts, or refuses the token, is one error line instead.
+Several URLs: servers that report the same reward (components, version and the settings that change its scores:
+checkpoint, step, dtype, pixels, frame rates) are replicas, tried in turn starting from one chosen by the rank and
+the call (the load spreads over ranks and calls); servers of different rewards are combined, each contributing its
+components. A request that times out or fails is retried with exponential backoff on the next replica; what still
+fails is NaN (one warning), so the failed-reward policy (`--max_failed_reward_steps`) applies. A server that cannot
+be reached when the run starts, refuses the token, or serves the same reward with other settings as another, is one
+error line instead.
 """
 
 from __future__ import annotations
@@ -140,6 +142,20 @@ class _Server:
     default_weights: dict[str, float]
     version: str
     read_spec: dict | None
+    settings: dict  # the server's reward flags that change the scores
+
+    def difference(self, other: _Server) -> str:
+        """What tells ``other`` apart from this server, in words (nothing when they are replicas)."""
+        if self.components != other.components:
+            return f"components {', '.join(self.components)} vs {', '.join(other.components)}"
+        if self.version != other.version:
+            return f"version {self.version!r} vs {other.version!r}"
+        keys = sorted(set(self.settings) | set(other.settings))
+        diff = [f"{k} {self.settings.get(k)!r} vs {other.settings.get(k)!r}" for k in keys
+                if self.settings.get(k) != other.settings.get(k)]
+        if self.read_spec != other.read_spec:
+            diff.append(f"read_spec {self.read_spec!r} vs {other.read_spec!r}")
+        return ", ".join(diff)
 
 
 class RemoteReward:
@@ -165,12 +181,14 @@ class RemoteReward:
         groups: dict[tuple, _Server] = {}
         for url in urls:
             info = self._info(url)
-            key = (tuple(info["components"]), info["version"])
+            settings = dict(info.get("settings") or {})
+            key = (tuple(info["components"]), info["version"], json.dumps(settings, sort_keys=True),
+                   json.dumps(info.get("read_spec"), sort_keys=True))
             if key in groups:
                 groups[key].urls.append(url)
             else:
                 groups[key] = _Server([url], tuple(info["components"]), dict(info["default_weights"]),
-                                      info["version"], info.get("read_spec"))
+                                      info["version"], info.get("read_spec"), settings)
         self.servers = list(groups.values())
         for srv in self.servers:
             frames = (srv.read_spec or {}).get("frames") or {}
@@ -179,11 +197,13 @@ class RemoteReward:
                                     f"{frames['video_fps']:g} fps, but these have {video_fps:g}: restart it with "
                                     f"--video_fps {video_fps:g}")
         comps: list[str] = []
-        for s in self.servers:
-            clash = [c for c in s.components if c in comps]
-            if clash:
-                raise SageGRPOError(f"--reward_url: {s.urls[0]} serves component {clash[0]!r} that another server "
-                                    "serves too, with a different reward version; replicas must serve the same one")
+        for i, s in enumerate(self.servers):
+            for other in self.servers[:i]:
+                clash = [c for c in s.components if c in other.components]
+                if clash:
+                    raise SageGRPOError(f"--reward_url: {other.urls[0]} and {s.urls[0]} both serve {clash[0]!r} but "
+                                        f"are not replicas ({other.difference(s)}): start replicas with the same "
+                                        "reward and reward flags")
             comps += s.components
         self.components = tuple(comps)
         self.default_weights = {k: v for s in self.servers for k, v in s.default_weights.items()}

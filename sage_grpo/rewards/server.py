@@ -2,7 +2,7 @@
 
 Endpoints: ``GET /health`` (no token: for load balancers and start-up scripts; counts of requests and batches;
 503 once the batcher has stopped, when /score answers 503 at once too),
-``GET /info`` (components, default weights, version, ``read_spec``: what `RemoteReward` needs to know) and
+``GET /info`` (components, default weights, version, settings, ``read_spec``: what `RemoteReward` needs to know) and
 ``POST /score`` (a body of `sage_grpo.rewards.remote.encode_batch`; answers ``{"scores": {component: [B]}}``,
 null for NaN). Requests that arrive while a batch is scored, or within ``batch_wait_s`` of the first, are scored
 together (up to ``max_batch`` videos of one shape) by one worker thread, so the model sees one batch at a time.
@@ -143,10 +143,12 @@ async def read_body(request: Request, limit: int) -> bytearray:
     return body
 
 
-def make_app(reward, name: str, version: str, *, token: str = "", max_batch: int = 16, batch_wait_s: float = 0.01,
-             device: str | torch.device = "cpu", max_body_bytes: int = MAX_BODY_BYTES):
+def make_app(reward, name: str, version: str, *, settings: dict | None = None, token: str = "", max_batch: int = 16,
+             batch_wait_s: float = 0.01, device: str | torch.device = "cpu", max_body_bytes: int = MAX_BODY_BYTES):
     """The FastAPI app serving ``reward`` (a `Reward`, or a `CompositeReward` of one or more) as ``name``;
-    ``max_body_bytes``: the largest request body, compressed and decompressed."""
+    ``settings``: the reward's flags that change its scores (JSON-able; clients take only servers that report the
+    same ones, version and components as replicas); ``max_body_bytes``: the largest request body, compressed and
+    decompressed."""
     from contextlib import asynccontextmanager
 
     rewards = list(getattr(reward, "rewards", {"": reward}).values())
@@ -197,7 +199,8 @@ def make_app(reward, name: str, version: str, *, token: str = "", max_batch: int
     async def info(request: Request):
         authorize(request)
         return {"reward": name, "components": list(components), "default_weights": default_weights,
-                "version": version, "read_spec": spec, "max_batch": max_batch, "max_body_bytes": max_body_bytes}
+                "version": version, "settings": settings or {}, "read_spec": spec, "max_batch": max_batch,
+                "max_body_bytes": max_body_bytes}
 
     @app.post("/score")
     async def score_endpoint(request: Request):
