@@ -1,7 +1,9 @@
 """What the reward server (scripts/serve_reward.py, a real process on 127.0.0.1) refuses: a body over its limit before
 it is read, and /health answers while a large body is decoded; a batcher that stops fails /health and every
 request at once, and the client goes to the next replica; other hosts are served only with a token or on purpose;
-servers of one reward with other settings are not replicas."""
+servers of one reward with other settings are not replicas. And the quiet failures a wrong client or server would
+pass unseen: a refused token retried with backoff, a missing score taken as 0, every rank and call starting at the
+first replica, a token compared by its first bytes."""
 
 from __future__ import annotations
 
@@ -56,6 +58,13 @@ def dying(tmp_path_factory) -> str:
 def server(dying):
     """`dying` behind a token, taking request bodies up to 64 MiB."""
     with serve("--reward_model", dying, "--max_request_mb", str(LIMIT_MB), token=TOKEN) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def replica(dying):
+    """A replica of `server` (the same reward and reward flags; its body limit is not one of them)."""
+    with serve("--reward_model", dying, token=TOKEN) as (url, _):
         yield url
 
 
@@ -160,3 +169,57 @@ def test_servers_of_one_reward_with_other_settings_are_not_replicas(server, dyin
                                                 r"\(checkpoint_step -1 vs 5, dtype 'bf16' vs 'fp32'\): start replicas "
                                                 "with the same reward and reward flags"):
             RemoteReward([server, url], token=TOKEN, retries=0)
+
+
+def test_a_refused_token_fails_the_batch_at_once_without_retries(server):
+    """A token changed mid-run cannot be fixed by retrying: one try, NaN, no 2 + 4 + 8 s of backoff."""
+    remote = RemoteReward([server], token=TOKEN, retries=3, backoff=2.0)
+    remote.client.headers["Authorization"] = "Bearer changed-mid-run"
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"failed 1 time\(s\) on a batch of 2 .*token refused \(401\)"):
+        got = remote(smooth_videos(2, 5, 16, 16, seed=3), ["a", "b"])
+    assert time.monotonic() - t0 < 1.5
+    assert torch.isnan(got["brightness"]).all()
+
+
+def test_a_missing_score_is_nan_not_zero(server):
+    """A video the reward could not score travels as null and must come back NaN (masked), never 0 (trained on as
+    a real score)."""
+    videos = smooth_videos(2, 5, 16, 16, seed=4)
+    videos[1] = float("nan")  # brightness: NaN
+    answer = httpx.post(f"{server}/score", content=encode_batch(videos, ["a", "b"]), headers=AUTH).json()
+    assert answer["scores"]["brightness"][1] is None
+    got = RemoteReward([server], token=TOKEN)(videos, ["a", "b"])["brightness"]
+    want = build_reward("brightness", reward_weights="")(videos[:1], ["a"])["brightness"]
+    assert torch.isnan(got[1]) and got[0] == want[0] and want[0] > 0
+
+
+def test_ranks_and_calls_start_at_different_replicas(server, replica):
+    def served() -> list[int]:
+        return [httpx.get(f"{u}/health").json()["requests"] for u in (server, replica)]
+
+    videos = smooth_videos(1, 5, 16, 16, seed=5)
+    ranks = [RemoteReward([server, replica], token=TOKEN, rank=r) for r in (0, 1)]
+    assert [s.urls for s in ranks[0].servers] == [[server, replica]]  # replicas
+    before = served()
+    for remote in ranks:  # each rank's first call
+        remote(videos, ["a"])
+    middle = served()
+    assert [m - b for m, b in zip(middle, before)] == [1, 1]  # rank 0 on `server`, rank 1 on `replica`
+    ranks[0](videos, ["a"])  # rank 0's second call: the next replica
+    assert [a - m for a, m in zip(served(), middle)] == [0, 1]
+
+
+def test_the_server_compares_the_whole_token(server):
+    def status(path: str, token: str | None) -> int:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        if path == "/info":
+            return httpx.get(f"{server}/info", headers=headers).status_code
+        return httpx.post(f"{server}/score", headers=headers,
+                          content=encode_batch(smooth_videos(1, 5, 16, 16), ["a"])).status_code
+
+    for path in ("/info", "/score"):
+        assert status(path, TOKEN) == 200
+        # the last byte wrong, the first half, one byte more, none
+        for wrong in (TOKEN[:-1] + "0", TOKEN[:32], TOKEN + "0", None):
+            assert status(path, wrong) == 401, (path, wrong)
