@@ -291,9 +291,11 @@ def stage_train(a, res: dict) -> None:
     res["train"] = r
     if "failed" in r:
         raise SystemExit(f"[real_size_cpu] the training run failed; the later stages compare against it: {r['failed']}")
-    rows = metrics_rows(out)
-    r["step_s"] = [row.get("perf/step_s") for row in rows if "perf/step_s" in row]
-    r["reward"] = [row.get("reward/total") for row in rows if "reward/total" in row]
+    steps = {row["step"]: row for row in metrics_rows(out) if "perf/step_s" in row}  # the last row of each step
+    r["step_s"] = [steps[k]["perf/step_s"] for k in sorted(steps)]
+    r["step_phases_s"] = [{p: steps[k].get(f"perf/{p}_s") for p in ("rollout", "reward", "anchor", "update",
+                                                                    "optimizer")} for k in sorted(steps)]
+    r["reward"] = [steps[k].get("reward/total_mean") for k in sorted(steps)]
     res["train"] = r
 
 
