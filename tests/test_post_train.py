@@ -415,9 +415,10 @@ def test_user_errors_before_any_model_loads(tmp_path):
 def test_a_lora_checkpoint_exports_for_from_pretrained_and_generates_the_trained_video(tiny_model, tmp_path):
     """Train 1 LoRA step: scripts/export_checkpoint.py (a subprocess, as a user runs it) writes the merged weights,
     which diffusers' from_pretrained loads equal to the checkpoint's and unlike the base; generate.py
-    --checkpoint_path checkpoint-N of the LoRA run (its adapter, merged) makes another video than the base model. (The full
-    fine-tuning case of generate.py: test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_modes.
-    generate.py as a subprocess: tests/test_generate.py.)"""
+    --checkpoint_path checkpoint-N of the LoRA run (its adapter, merged) makes another video than the base model.
+    (The full fine-tuning case of generate.py:
+    test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_modes. generate.py as a subprocess:
+    tests/test_generate.py.)"""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     out = tmp_path / "run"
