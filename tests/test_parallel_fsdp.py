@@ -238,7 +238,7 @@ def test_post_train_rollout_phase_runs_inside_keep_unsharded(monkeypatch, reshar
     monkeypatch.setattr(fsdp, "keep_unsharded", recorder)
     monkeypatch.setattr(rollout_mod, "rollout", lambda transformer, *a, **kw: events.append(("rollout", transformer)))
     transformer = torch.nn.Linear(1, 1)
-    rec = SimpleNamespace(prompt="a cat", seed=None, index=0)
+    rec = SimpleNamespace(prompt="a cat", seed=None, index=0, ref_image_path="")
     sampler = SimpleNamespace(next_step=lambda: ["p"], rank_slice=lambda prompts, rank: [(0, 0, 0)])
     c = SimpleNamespace(cfg=cfg, info=SimpleNamespace(dp_rank=0, is_main=True, device=torch.device("cpu")),
                         prompts=[rec], cache=SimpleNamespace(get=lambda texts: None),
