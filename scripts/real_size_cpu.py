@@ -341,9 +341,11 @@ def stage_export(a, res: dict) -> None:
 def stage_fsdp(a, res: dict) -> None:
     out = a.work / "run_fsdp"
     shutil.rmtree(out, ignore_errors=True)
-    # batch_size is per rank: 1 video a rank = the one-process run's group of 2, spread over the two ranks
+    # batch_size is per rank: 1 video a rank = the one-process run's group of 2, spread over the two ranks. The
+    # rollout re-gathers each block per forward: kept gathered (the default, for GPUs) each rank holds the whole
+    # 15.5 GiB bf16 transformer during the rollout, and two of them do not fit a 24 GiB host (measured: killed)
     r = metered(a, "fsdp", train_args(a, a.work / "checkpoint", out, 1, "--enable_fsdp", "True", "--batch_size", "1",
-                                      "--threads", "1"), torchrun=2)
+                                      "--rollout_reshard_after_forward", "True", "--threads", "1"), torchrun=2)
     res["fsdp"] = r
     if "failed" in r:
         return
