@@ -229,7 +229,8 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     vh, vw = parse_size(v.validation_fixed_size, "--validation_fixed_size")
     spec = validation_metrics_spec(cfg, val_records)
     # a reward named in --validation_metrics is built (its model loaded) only when the run validates
-    extra = {n: build_reward_from_config(replace(cfg, reward=replace(cfg.reward, reward_model=n, reward_weights="")),
+    extra = {n: build_reward_from_config(replace(cfg, reward=replace(cfg.reward, reward_model=n, reward_weights="",
+                                                                     reward_optional="")),
                                          info.device) for n in spec.rewards} if validates else {}
     val_settings = SamplerSettings(sde_type="ode", eta=0.0, num_steps=v.validation_num_inference_steps,
                                    shift=v.validation_timestep_shift, cfg_scale=v.validation_guidance_scale,
@@ -766,7 +767,7 @@ def reward_phase(c: Components, traj: Trajectory, early: EarlyScores | None = No
                  ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Score (or collect the `early` scores), gather the rewards of all data-parallel ranks (a group may span
     several), group-relative advantages -> (my advantages [b], my valid [b], metrics)."""
-    from sage_grpo.advantage import group_advantages
+    from sage_grpo.advantage import combine_components, group_advantages
     from sage_grpo.parallel.dist import all_gather_cat
 
     cfg, info = c.cfg, c.info
@@ -775,6 +776,13 @@ def reward_phase(c: Components, traj: Trajectory, early: EarlyScores | None = No
     every = all_gather_cat(mine, group=info.dp_group)  # [B_global, K]
     groups = all_gather_cat(traj.prompt_ids.to(info.device), group=info.dp_group)  # [B_global]
     total = every[:, names.index("total")].cpu()
+    if cfg.reward.reward_combine != "weighted_sum" or c.reward.optional:
+        # the components combined over each group (optional ones, per-component normalisation): NaN = masked
+        w = c.reward.weights
+        total = combine_components(
+            every.cpu(), torch.tensor([w.get(k, 0.0) for k in names]),
+            torch.tensor([k not in c.reward.optional for k in names]), groups.cpu(),
+            normalize=cfg.reward.reward_combine == "component_norm")
     adv, valid = group_advantages(total, groups.cpu(), adv_clip_max=cfg.optim.adv_clip_max)
     b = traj.batch_size
     sl = slice(info.dp_rank * b, (info.dp_rank + 1) * b)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["group_advantages"]
+__all__ = ["combine_components", "group_advantages"]
 
 
 def group_advantages(
@@ -43,3 +43,52 @@ def group_advantages(
         adv[member] = (rg - mean) / (std + eps)
     adv = adv.clamp(-adv_clip_max, adv_clip_max)
     return adv.float(), valid
+
+
+def combine_components(
+    scores: Tensor,
+    weights: Tensor,
+    required: Tensor,
+    group_ids: Tensor,
+    *,
+    normalize: bool,
+    eps: float = 1e-8,
+) -> Tensor:
+    """The per-sample training reward from the reward components, for `group_advantages` (docs/rewards.md).
+
+    scores: [N, K] component scores, NaN/inf where a score failed; weights: [K] (0 = not trained); required: [K]
+    bool (False = optional); group_ids: [N]. A sample is masked (NaN) when a required weighted component failed or
+    every weighted component failed. Within each group, over its unmasked samples that have component k:
+    normalize=False: s_i = sum_k w_k r_ik, a failed optional r_ik replaced by the group's mean of component k (so it
+    moves the sample neither up nor down on k; 0 when no sample of the group has it: a constant, which the group
+    advantage cancels); normalize=True (GDPO-style): s_i = sum_k w_k z_ik with z_ik = (r_ik - mean) / (std + eps),
+    population std, z = 0 for a failed optional score and for a component with fewer than two distinct values in
+    the group. Returns s [N] float64, NaN at masked samples.
+    """
+    if scores.ndim != 2 or weights.shape != (scores.shape[1],) or required.shape != weights.shape \
+            or group_ids.shape != (scores.shape[0],):
+        raise ValueError(f"scores {tuple(scores.shape)}, weights {tuple(weights.shape)}, required "
+                         f"{tuple(required.shape)} and group_ids {tuple(group_ids.shape)} do not match")
+    s, w = scores.double(), weights.double()
+    used = w != 0  # [K]
+    ok = torch.isfinite(s)  # [N, K]
+    # masked: a required weighted component failed, or nothing weighted is left
+    valid = (ok | ~(used & required)).all(dim=1) & (ok & used).any(dim=1)  # [N]
+    out = torch.full(s.shape[:1], float("nan"), dtype=torch.float64)
+    for g in torch.unique(group_ids):
+        rows = (group_ids == g) & valid  # [N]
+        if not bool(rows.any()):
+            continue
+        total = torch.zeros(int(rows.sum()), dtype=torch.float64)  # [n_g]
+        for k in used.nonzero().flatten().tolist():
+            col, have = s[rows, k], ok[rows, k]  # [n_g]
+            x = col[have]  # [m]
+            term = torch.zeros_like(col)
+            if normalize:
+                if x.numel() >= 2 and not bool((x == x[0]).all()):  # a constant: 0, not rounding noise / eps
+                    term[have] = (x - x.mean()) / (x.std(unbiased=False) + eps)
+            elif x.numel():
+                term = torch.where(have, col, x.mean())
+            total = total + w[k] * term
+        out[rows] = total
+    return out

@@ -225,8 +225,8 @@ _EXACT_KEYS = {
     "model": ("dtype", "master_weight_type", "use_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
     "data": ("train_video_csv", "batch_size", "num_generations"),
     "rollout": None,  # every rollout setting
-    "reward": ("reward_model", "reward_weights", "reward_checkpoint_mode", "reward_max_pixels", "reward_min_pixels",
-               "reward_sample_fps"),
+    "reward": ("reward_model", "reward_weights", "reward_combine", "reward_optional", "reward_checkpoint_mode",
+               "reward_max_pixels", "reward_min_pixels", "reward_sample_fps"),
     "kl": None,
     "optim": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "warmup_steps",
               "gradient_accumulation_steps", "max_grad_norm", "use_muon", "seed", "clip_range", "adv_clip_max",

@@ -217,6 +217,17 @@ class RewardConfig:
                                                               "keys). Setting A: {\"VQ\":1,\"MQ\":1,\"TA\":1}; Setting "
                                                               "B (default, best): VQ 0.5, MQ 0.5, TA 1.0. Empty = each "
                                                               "reward's own default weights.")
+    reward_combine: str = opt("weighted_sum", "How training combines the components into each video's reward "
+                                              "before the group advantage: weighted_sum = sum_k w_k r_k (the "
+                                              "paper); component_norm = sum_k w_k z_k with z_k = (r_k - "
+                                              "mean_group r_k) / (std_group r_k + 1e-8), each component normalised "
+                                              "within its group first (GDPO-style), so that no component dominates "
+                                              "by its scale. Logs and validation keep the weighted sum.",
+                              ("weighted_sum", "component_norm"))
+    reward_optional: str = opt("", "Components (case-insensitive, joined by commas) whose failure (NaN) does not mask "
+                                   "a video in training: its score counts as the group's mean of that component "
+                                   "(with component_norm: its term is left out). A failed component not named here "
+                                   "masks the video. Empty = every component required.")
     reward_checkpoint_mode: str = opt("v3", "Key remapping of the VideoReward state dict: v1/v2 older layouts, v3 "
                                             "current transformers.", ("v1", "v2", "v3"))
     reward_checkpoint_step: int = opt(-1, "Which checkpoint-<step>/ of the VideoReward directory to load; -1 = the "

@@ -1,8 +1,10 @@
+import math
+
 import numpy as np
 import pytest
 import torch
 
-from sage_grpo.advantage import group_advantages
+from sage_grpo.advantage import combine_components, group_advantages
 
 
 def _reference(rewards, groups, eps=1e-8, clip=5.0):
@@ -85,3 +87,95 @@ def test_near_constant_group_does_not_blow_rounding_noise_up():
     adv, _ = group_advantages(rewards, torch.tensor([0, 0, 1, 1]))
     assert adv[:2].abs().max().item() < 1e-3
     assert adv[2:].tolist() == pytest.approx([-1.0, 1.0], abs=1e-6)  # a real spread still gives full size
+
+
+# ------------------------------------------------------------------------------ combining the reward components
+
+def _combine_reference(scores, weights, required, groups, normalize, eps=1e-8):
+    """Per-sample Python loops over plain lists: masked = a required weighted score failed or none is left; within
+    a group's unmasked samples, sum: a failed optional score is the mean of the others; normalize: z-scores with the
+    population std, 0 for a failed optional score or a component with one distinct value."""
+    n, k = len(scores), len(weights)
+    fin = [[math.isfinite(scores[i][j]) for j in range(k)] for i in range(n)]
+    used = [w != 0 for w in weights]
+    masked = [any(used[j] and required[j] and not fin[i][j] for j in range(k))
+              or not any(used[j] and fin[i][j] for j in range(k)) for i in range(n)]
+    out = [math.nan] * n
+    for i in range(n):
+        if masked[i]:
+            continue
+        mates = [m for m in range(n) if groups[m] == groups[i] and not masked[m]]
+        s = 0.0
+        for j in range(k):
+            if not used[j]:
+                continue
+            have = [scores[m][j] for m in mates if fin[m][j]]
+            mean = sum(have) / len(have) if have else 0.0
+            if normalize:
+                std = math.sqrt(sum((x - mean) ** 2 for x in have) / len(have)) if have else 0.0
+                z = 0.0 if not fin[i][j] or len(set(have)) < 2 else (scores[i][j] - mean) / (std + eps)
+                s += weights[j] * z
+            else:
+                s += weights[j] * (scores[i][j] if fin[i][j] else mean)
+        out[i] = s
+    return out
+
+
+NAN = float("nan")
+# 2 groups of 4; components: A (required, w 1), B (optional, w 0.5, ~100x A's scale), C (required, w 0: logged only)
+SCORES = [[0.1, 250.0, NAN], [0.4, NAN, 1.0], [0.3, 120.0, 2.0], [NAN, 300.0, 3.0],
+          [0.2, 180.0, 0.0], [0.2, 90.0, 0.0], [0.9, NAN, 0.0], [0.5, 60.0, 0.0]]
+GROUPS = [0, 0, 0, 0, 1, 1, 1, 1]
+WEIGHTS, REQUIRED = [1.0, 0.5, 0.0], [True, False, True]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_combine_components_matches_reference_loops(normalize):
+    out = combine_components(torch.tensor(SCORES, dtype=torch.float64), torch.tensor(WEIGHTS), torch.tensor(REQUIRED),
+                             torch.tensor(GROUPS), normalize=normalize)
+    ref = _combine_reference(SCORES, WEIGHTS, REQUIRED, GROUPS, normalize)
+    np.testing.assert_allclose(out.numpy(), np.array(ref), rtol=1e-12, atol=1e-12)
+    # sample 3 lost required A: masked; samples 1 and 6 lost optional B only, sample 0 lost C (weight 0): trained
+    assert torch.isnan(out).tolist() == [False, False, False, True, False, False, False, False]
+
+
+def test_combine_components_by_hand():
+    """The numbers written out. Group 0 without the masked sample 3: A = (0.1, 0.4, 0.3), B = (250, -, 120), B's
+    mean 185 stands in for sample 1's. Sum: 0.1 + 125 = 125.1, 0.4 + 92.5 = 92.9, 0.3 + 60 = 60.3. Normalised:
+    A's mean 0.8/3, population std sqrt(0.14/3 - (0.8/3)^2); B's z over (250, 120) is +-1 and 0 for sample 1."""
+    args = (torch.tensor(SCORES, dtype=torch.float64), torch.tensor(WEIGHTS), torch.tensor(REQUIRED),
+            torch.tensor(GROUPS))
+    summed = combine_components(*args, normalize=False)
+    np.testing.assert_allclose(summed[:3].numpy(), [125.1, 92.9, 60.3], rtol=1e-12)
+    ma = 0.8 / 3
+    sa = math.sqrt((0.1 ** 2 + 0.4 ** 2 + 0.3 ** 2) / 3 - ma ** 2)
+    za = [(x - ma) / (sa + 1e-8) for x in (0.1, 0.4, 0.3)]
+    normed = combine_components(*args, normalize=True)
+    np.testing.assert_allclose(normed[:3].numpy(), [za[0] + 0.5, za[1], za[2] - 0.5], rtol=1e-9)
+    # group 1: A = (0.2, 0.2, 0.9, 0.5) and B = (180, 90, -, 60); by the sum B (~100x A's scale) picks the best
+    # (sample 4: 90.2 against 55.9 for sample 6, whose B counts as B's mean 110); normalised, A's clear best
+    # (sample 6: z_A 1.57, z_B 0) wins against sample 4 (z_A -0.87 + 0.5 z_B 0.69)
+    assert int(summed[4:].argmax()) == 0 and int(normed[4:].argmax()) == 2
+
+
+def test_failed_required_component_masks_and_optional_does_not():
+    scores = torch.tensor([[1.0, 2.0], [NAN, 3.0], [2.0, NAN], [4.0, 5.0]])  # one group, A and B both weighted
+    groups, w = torch.zeros(4, dtype=torch.long), torch.tensor([1.0, 1.0])
+    both = combine_components(scores, w, torch.tensor([True, True]), groups, normalize=False)
+    assert torch.isnan(both).tolist() == [False, True, True, False]
+    b_opt = combine_components(scores, w, torch.tensor([True, False]), groups, normalize=False)
+    assert torch.isnan(b_opt).tolist() == [False, True, False, False]
+    assert b_opt[2].item() == 2.0 + 3.5  # B's mean over samples 0 and 3 (sample 1 is masked: not in it)
+    none_req = combine_components(torch.tensor([[NAN, NAN], [1.0, 2.0], [3.0, NAN]]), w,
+                                  torch.tensor([False, False]), torch.zeros(3, dtype=torch.long), normalize=True)
+    assert torch.isnan(none_req).tolist() == [True, False, False]  # nothing weighted left: masked
+
+
+def test_combine_components_constant_component_gives_zero():
+    # 0.7 three times: its float64 mean is off by 1e-16, which / (0 + eps) would be 1e-8 of noise, not 0
+    scores = torch.tensor([[0.7, 7.0], [0.7, 8.0], [0.7, 9.0]], dtype=torch.float64)
+    out = combine_components(scores, torch.tensor([1.0, 2.0]), torch.tensor([True, True]),
+                             torch.zeros(3, dtype=torch.long), normalize=True)
+    z = 1 / (math.sqrt(2 / 3) + 1e-8)
+    assert out[1].item() == 0.0  # A contributes exactly nothing, B's middle sample is its mean
+    np.testing.assert_allclose(out.numpy(), [-2 * z, 0.0, 2 * z], rtol=1e-12)

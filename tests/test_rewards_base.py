@@ -214,3 +214,16 @@ def test_brightness_clamps_out_of_range_pixels():
     assert BrightnessReward()(_const_video((-1.0, -1.0, -1.0)), [""])["brightness"].item() == pytest.approx(0.0)
     got = BrightnessReward()(_const_video((1.5, -0.5, 0.5)), [""])["brightness"].item()
     assert got == pytest.approx(0.299 * 1.0 + 0.587 * 0.0 + 0.114 * 0.5, abs=1e-6)
+
+
+def test_optional_components_are_named_case_insensitively_and_checked():
+    """--reward_optional: names match the components case-insensitively; an unknown one is one error line naming
+    the valid ones; the logged total stays the plain weighted sum (NaN where a weighted component failed)."""
+    reward = CompositeReward({"t": Table({"VQ": [1.0, 2.0], "TA": [float("nan"), 3.0]})}, {"VQ": 1.0, "TA": 2.0},
+                             optional=[" ta "])
+    assert reward.optional == frozenset({"TA"})
+    out = reward(vids(2), ["0", "1"])
+    assert math.isnan(out["total"][0]) and out["total"][1].item() == 1.0 * 2.0 + 2.0 * 3.0
+    assert CompositeReward({"t": Table({"VQ": [1.0]})}).optional == frozenset()
+    with pytest.raises(SageGRPOError, match=r"--reward_optional names an unknown component 'MQ'.*VQ, TA"):
+        CompositeReward({"t": Table({"VQ": [1.0], "TA": [1.0]})}, {"VQ": 1.0}, optional=["MQ"])

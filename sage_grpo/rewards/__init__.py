@@ -63,6 +63,7 @@ def build_reward(
     sample_fps: float = REWARD_SAMPLE_FPS,
     video_fps: float = VIDEO_FPS,
     batch_size: int = 0,
+    reward_optional: str = "",
     **extra: object,
 ) -> CompositeReward:
     """Build the (composite) reward the training loop calls.
@@ -71,7 +72,8 @@ def build_reward(
     path ``package.module:factory`` or ``path/to/file.py:factory`` names a user's factory, called with the same
     keyword arguments as the built-in builders.
     ``reward_weights``: JSON like ``'{"VQ":0.5,"MQ":0.5,"TA":1.0}'`` (keys case-insensitive, any component of the
-    selected rewards); ``None`` or ``""`` = each reward's default weights. Paths default to
+    selected rewards); ``None`` or ``""`` = each reward's default weights. ``reward_optional``: components, joined by
+    commas, whose failure does not mask a video in training. Paths default to
     ``<pretrained_model_root>/VideoReward`` and ``<pretrained_model_root>/Qwen2-VL-2B-Instruct``. ``extra`` goes to
     every builder (e.g. ``clip_model_path``, ``min_pixels``, ``color_target``, ``attn_implementation``).
     """
@@ -95,7 +97,8 @@ def build_reward(
     rewards = {n: b(**kwargs) for n, b in builders.items()}
     components = [c for r in rewards.values() for c in r.components]
     weights = parse_reward_weights(reward_weights, components)
-    return CompositeReward(rewards, weights)
+    optional = [o.strip() for o in reward_optional.split(",") if o.strip()]
+    return CompositeReward(rewards, weights, optional)
 
 
 def build_reward_from_config(cfg, device: str | torch.device = "cpu") -> CompositeReward:
@@ -107,6 +110,7 @@ def build_reward_from_config(cfg, device: str | torch.device = "cpu") -> Composi
         reward_model_path=r.reward_model_path,
         reward_base_model_path=r.reward_base_model_path,
         reward_weights=r.reward_weights,
+        reward_optional=r.reward_optional,
         reward_checkpoint_mode=r.reward_checkpoint_mode,
         pretrained_model_root=cfg.model.pretrained_model_root,
         device=device,

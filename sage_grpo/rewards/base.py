@@ -324,11 +324,15 @@ class CompositeReward:
     """Several rewards combined as ``total = sum_k w_k * component_k``; returns the total and every component.
 
     Components with weight 0 are logged but do not enter the total (so a NaN there cannot make it NaN). A NaN in
-    any weighted component makes that video's total NaN, which the advantage code masks.
+    any weighted component makes that video's total NaN. ``optional`` names the components whose failure does not
+    mask a video in training: the trainer then combines the components itself
+    (`sage_grpo.advantage.combine_components`); ``total`` stays the plain weighted sum that is logged and validated.
     """
 
-    def __init__(self, rewards: Mapping[str, Reward], weights: Mapping[str, float] | None = None):
-        """Combine named rewards; ``weights`` None means each reward's ``default_weights``."""
+    def __init__(self, rewards: Mapping[str, Reward], weights: Mapping[str, float] | None = None,
+                 optional: Sequence[str] = ()):
+        """Combine named rewards; ``weights`` None means each reward's ``default_weights``; ``optional``: component
+        names (case-insensitive)."""
         if not rewards:
             raise SageGRPOError("no reward selected: set --reward_model")
         self.rewards = dict(rewards)
@@ -353,6 +357,12 @@ class CompositeReward:
             raise SageGRPOError(f"weights name unknown components {unknown}; valid: {', '.join(self.components)}")
         if not any(w != 0 for w in self.weights.values()):
             raise SageGRPOError("all reward weights are 0: the total reward would carry no signal")
+        by_lower = {c.lower(): c for c in self.components}
+        unknown = [o for o in optional if o.strip().lower() not in by_lower]
+        if unknown:
+            raise SageGRPOError(f"--reward_optional names an unknown component {unknown[0]!r}; the selected reward(s) "
+                                f"provide: {', '.join(self.components)}")
+        self.optional = frozenset(by_lower[o.strip().lower()] for o in optional)
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score ``videos`` [B, F, C, H, W]; returns {"total": [B], component: [B], ...} (float32)."""
