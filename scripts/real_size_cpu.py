@@ -249,6 +249,8 @@ def metrics_rows(run_dir: Path) -> list[dict]:
 def check_resources(a) -> None:
     """Free disk and RAM against what the stages need: one line, before anything is written."""
     need_disk, need_ram = (1, 2) if a.miniature else (REAL_DISK_GIB, REAL_RAM_GIB)
+    if not a.miniature and a.blocks != 54:
+        need_disk, need_ram = 4, 8
     if (a.work / "checkpoint" / ".complete").is_file():
         need_disk = 1 if a.miniature else 4
     a.work.mkdir(parents=True, exist_ok=True)
@@ -263,7 +265,12 @@ def check_resources(a) -> None:
 
 
 def stage_checkpoint(a, res: dict) -> None:
-    from sage_grpo.models.full_size import checkpoint_bytes, miniature_configs, write_full_size_checkpoint
+    from sage_grpo.models.full_size import (
+        checkpoint_bytes,
+        miniature_configs,
+        real_configs,
+        write_full_size_checkpoint,
+    )
 
     ck = a.work / "checkpoint"
     if (ck / ".complete").is_file():
@@ -272,8 +279,14 @@ def stage_checkpoint(a, res: dict) -> None:
         return
     shutil.rmtree(ck, ignore_errors=True)
     t0 = time.perf_counter()
-    write_full_size_checkpoint(ck, "480p_t2v", text_layers=a.text_layers,
-                               configs=miniature_configs() if a.miniature else None,
+    configs = None
+    if a.miniature:
+        configs = miniature_configs()
+    elif a.blocks != 54:  # real width, fewer blocks; the miniature VAE and text encoders (whose widths it takes)
+        configs = miniature_configs()
+        configs["transformer"] = dict(real_configs()["transformer"], num_layers=a.blocks, text_embed_dim=64,
+                                      text_embed_2_dim=32, image_embed_dim=32, in_channels=9, out_channels=4)
+    write_full_size_checkpoint(ck, "480p_t2v", text_layers=a.text_layers, configs=configs,
                                max_shard_size="200KB" if a.miniature else "2GB",
                                log=lambda m: print(f"[real_size_cpu] {m.strip()}", flush=True))
     import resource
@@ -400,6 +413,9 @@ def parse(argv=None):
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--miniature", action="store_true", help="miniature configs of the same components (the test)")
     p.add_argument("--text_layers", type=int, default=28, help="Qwen text tower depth (28 = the real 7B)")
+    p.add_argument("--blocks", type=int, default=54, help="transformer blocks at the real width (54 = the real 8.3B; "
+                   "fewer: with the miniature VAE and text encoders, e.g. 8 for a 1.36B model two ranks hold on a "
+                   "24 GiB host)")
     p.add_argument("--frames", type=int, default=5, help="video frames (5 -> 2 latent frames)")
     p.add_argument("--size", type=int, default=64, help="video height and width in pixels (64 -> 4 x 4 latent)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the one-process runs")
