@@ -44,6 +44,9 @@ def _with_reward(monkeypatch, nan_rows):
                 out["total"][nan_rows(len(prompts))] = float("nan")
                 return out
 
+            def __getattr__(self, name):  # the composite's weights, optional components, ...
+                return getattr(real, name)
+
         return orig(replace(c, reward=Failing()), traj)
 
     monkeypatch.setattr(pt, "reward_phase", wrapped)
