@@ -126,14 +126,6 @@ def test_disk_cache_hits_and_is_keyed_by_encoder(tiny_pipe, tiny_diffusers_dir, 
     assert d.num_encoded == 1
 
 
-def test_offload_still_encodes_new_prompts(text_cache, tiny_pipe):
-    text_cache.precompute(["x", "y"])
-    text_cache.offload_encoders()
-    assert next(tiny_pipe.text_encoder.parameters()).device.type == "cpu"
-    c = text_cache.get(["z"], dtype=torch.bfloat16)
-    assert c.prompt_embeds.dtype == torch.bfloat16 and text_cache.num_encoded == 3
-
-
 def test_prompts_over_the_encoder_limits_are_truncated_with_a_warning(tiny_pipe, text_cache):
     import warnings
 

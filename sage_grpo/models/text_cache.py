@@ -12,11 +12,10 @@ equals the full-length one up to float rounding (tests/test_models_text_cache.py
 and the results are shared through the disk cache when there is one (`--text_embedding_cache_dir`: each rank writes
 its share, the others read the files when they need them; nothing stays in memory, the node's page cache holds one
 copy) or else through all-gathers of the trimmed CPU tensors in bounded rounds (every rank then holds every prompt).
-`offload_encoders()` moves the text encoders off the accelerator once the prompt set is cached; an uncached prompt
-later still works (the encoders come back for it). `release_encoders()` frees them instead (device and host
-memory: an offloaded Qwen2.5-VL-7B still holds ~15 GB of host memory beside the 16.6 GB transformer); with a
-`loader` the cache also loads them itself, only when a prompt is not cached, and an uncached prompt after the
-release loads them for itself alone.
+`release_encoders()` frees the text encoders once the prompt set is cached (device and host memory: an encoder
+merely moved off the GPU would still hold ~15 GB of host memory beside the 16.6 GB transformer); with a `loader`
+the cache loads them itself, only when a prompt is not cached, and an uncached prompt after the release loads
+them for itself alone.
 
 The disk cache is keyed by sha256(prompt + encoder identity), one safetensors file per prompt, written under a name
 unique to the writer and renamed into place (several ranks or jobs may write the same prompt at once), never
@@ -260,7 +259,6 @@ class TextEmbeddingCache:
         self._memory: dict[str, _Entry] = {}
         self._on_disk: set[str] = set()  # prompts this process knows to have a file (for len())
         self._identity: str | None = None
-        self._offloaded = False
         self._loader = loader
         self._released = False
         self.num_encoded = 0  # prompts run through the encoders by this process (tests and logs)
@@ -313,24 +311,19 @@ class TextEmbeddingCache:
     def _encode(self, prompt: str) -> TextConditioning:
         pipe = self.pipe
         if (pipe.text_encoder is None or pipe.text_encoder_2 is None) and self._loader is not None:
-            if self._released:  # after release_encoders: loaded for this prompt only
-                with self._reloaded():
-                    return self._encode(prompt)
             pipe.text_encoder, pipe.text_encoder_2 = (e.to(self.device) for e in self._loader())
+            if self._released:  # freed once the prompt set was cached: loaded for this prompt only
+                try:
+                    return self._encode(prompt)
+                finally:
+                    self.release_encoders()
         if pipe.text_encoder is None or pipe.text_encoder_2 is None:
             raise SageGRPOError(
                 f"prompt {prompt!r} is not in the text-embedding cache and the text encoders were not loaded; "
                 "load them (load_text_encoders=True) to encode it"
             )
-        if self._offloaded:
-            pipe.text_encoder.to(self.device)
-            pipe.text_encoder_2.to(self.device)
-        try:
-            # batch of 1: padded to the fixed lengths anyway, and identical to what the pipeline computes.
-            pe, pm, be, bm = pipe.encode_prompt(prompt=[prompt], device=self.device, dtype=self.dtype, batch_size=1)
-        finally:
-            if self._offloaded:
-                self._move_encoders("cpu")
+        # batch of 1: padded to the fixed lengths anyway, and identical to what the pipeline computes.
+        pe, pm, be, bm = pipe.encode_prompt(prompt=[prompt], device=self.device, dtype=self.dtype, batch_size=1)
         self.num_encoded += 1
         warn_if_truncated(pipe, prompt)
         return TextConditioning(pe, pm, be, bm).to("cpu")
@@ -416,13 +409,6 @@ class TextEmbeddingCache:
         entries = {p: self._entry(p) for p in dict.fromkeys(prompts)}  # a repeated prompt is read once
         return _pad([entries[p] for p in prompts]).to(device or self.device, dtype or self.dtype)
 
-    def _move_encoders(self, device) -> None:
-        for enc in (self.pipe.text_encoder, self.pipe.text_encoder_2):
-            if enc is not None:
-                enc.to(device)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
     def release_encoders(self, loader=None) -> None:
         """Free the text encoders (the pipeline drops them; nothing else holds them) once the prompt set is cached;
         the loader (`loader`, or the one given at construction) brings them back for one prompt that is not cached
@@ -435,19 +421,6 @@ class TextEmbeddingCache:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    @contextlib.contextmanager
-    def _reloaded(self):
-        self._released = False
-        try:
-            yield
-        finally:
-            self.release_encoders()
-
-    def offload_encoders(self) -> None:
-        """Move the text encoders to CPU (they come back only to encode a prompt that is not cached)."""
-        self._move_encoders("cpu")
-        self._offloaded = True
 
     def __len__(self) -> int:
         return len(self._memory) + len(self._on_disk)
