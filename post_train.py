@@ -484,7 +484,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                 state.anchor_refreshed_at, state.anchor_synced = state.updates, True
             metrics: dict = {"kl/anchor_synced": int(state.anchor_synced),
                              "rollout/window_start": int(c.windows[window_of(c, state)].int().argmax())}
-            # a remote reward scores each finished chunk while the next one samples (EarlyScores); otherwise in order
+            # a reward on the CPU scores each finished chunk while the next one samples (EarlyScores); else in order
             early = EarlyScores(c) if overlaps_reward(c) else None
             with clock("rollout"):
                 traj = rollout_phase(c, state) if early is None else rollout_phase(c, state, early)
@@ -662,18 +662,22 @@ class StopRequest:
 
 
 def overlaps_reward(c: Components) -> bool:
-    """Whether scoring overlaps the rollout: --reward_overlap, a reward that is only `remote` (a local reward would
-    compete with the rollout for the GPU), one sp rank per video (sp peers share the scoring of a video) and more
-    than one chunk of --mini_batch_size_per_update videos on the rank."""
+    """Whether scoring overlaps the rollout: --reward_overlap, every reward says its work is on the CPU
+    (`runs_on_cpu`: the remote client, the detecting world rewards, a user's reward that says so; a reward on the
+    accelerator would compete with the rollout for it) and more than one chunk of --mini_batch_size_per_update
+    videos on the rank. Any --sp_size: EarlyScores shares the videos between the sp peers."""
     cfg = c.cfg
-    return (cfg.reward.reward_overlap and list(c.reward.rewards) == ["remote"] and c.info.sp_size == 1
+    return (cfg.reward.reward_overlap and getattr(c.reward, "runs_on_cpu", False) is True
             and cfg.data.batch_size > cfg.optim.mini_batch_size_per_update)
 
 
 class EarlyScores:
-    """Scores of the rollout's chunks, asked for as each chunk finishes: the chunk is decoded here (the GPU is this
-    thread's) and scored by the reward in a worker thread (the remote reward waits on the network there), while the
-    rollout goes on with the next chunk. `collect` -> the scores of all videos, in order."""
+    """Scores of the rollout's chunks, asked for as each chunk finishes: the chunk is decoded here (the accelerator
+    is this thread's) and scored on the CPU by the reward in a worker thread, while the rollout goes on with the next
+    chunk. The sp peers hold the same videos: video i of the rank is decoded and scored by sp rank i % sp_size only
+    (every chunk of >= sp videos is shared evenly, chunks of one video take turns), and `collect` gathers the
+    scores in the sp group. Decoding and scoring run no collective, so every sp rank makes the same transformer
+    forwards. `collect` -> the scores of all videos in rollout order, as the in-order scoring gives them."""
 
     def __init__(self, c: Components):
         from concurrent.futures import ThreadPoolExecutor
@@ -681,6 +685,7 @@ class EarlyScores:
         self.c = c
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="reward")  # chunks are scored in order
         self.futures: list = []
+        self.rows: list[list[int]] = []  # the rank's videos each future scores
         self.prompts: list[str] = []
 
     def start(self, prompts: list[str]) -> None:
@@ -690,17 +695,32 @@ class EarlyScores:
         """A finished chunk: indices [n] into the rank's videos, final latents [n, C, F, H, W]."""
         from sage_grpo.rollout import decode_latents
 
-        frames = decode_latents(self.c.pipe.vae, final_latents)  # [n, F, 3, H, W] in [0, 1]
-        texts = [self.prompts[i] for i in indices.tolist()]
-        self.futures.append(self.pool.submit(self.c.reward, frames, texts))
+        info = self.c.info
+        mine = (indices % info.sp_size == info.sp_rank).cpu()  # [n] bool: the videos this sp rank scores
+        if not mine.any():
+            return
+        rows = indices.cpu()[mine].tolist()
+        frames = decode_latents(self.c.pipe.vae, final_latents[mine.to(final_latents.device)])  # [m, F, 3, H, W]
+        self.rows.append(rows)
+        self.futures.append(self.pool.submit(self.c.reward, frames.cpu(), [self.prompts[i] for i in rows]))
 
-    def collect(self) -> dict[str, torch.Tensor]:
-        """{"total": [b], component: [b]}: every chunk's scores, concatenated in rollout order."""
+    def collect(self, names: list[str], b: int) -> torch.Tensor:
+        """-> [b, K] scores of the rank's b videos (columns `names`), every chunk's, in rollout order."""
+        from sage_grpo.parallel.dist import all_gather_cat
+
+        info = self.c.info
         try:
             parts = [f.result() for f in self.futures]
         finally:
             self.pool.shutdown(wait=True)
-        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        mine = torch.full((b, len(names)), math.nan, device=info.device)  # [b, K], NaN = another sp rank's video
+        for rows, scores in zip(self.rows, parts):
+            mine[rows] = torch.stack([scores[k].float().to(info.device) for k in names], dim=1)
+        if info.sp_size == 1:
+            return mine
+        every = all_gather_cat(mine[None], group=info.sp_group)  # [sp, b, K]
+        videos = torch.arange(b, device=info.device)
+        return every[videos % info.sp_size, videos]  # [b, K]: each video's row from the rank that scored it
 
 
 def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = None) -> Trajectory:
@@ -807,16 +827,14 @@ def reward_phase(c: Components, traj: Trajectory, early: EarlyScores | None = No
 def score_videos(c: Components, traj: Trajectory, early: EarlyScores | None = None) -> tuple[list[str], torch.Tensor]:
     """Decode and score this data-parallel rank's videos -> (component names, [b, K] scores), each video decoded and
     scored once per sequence-parallel group: the sp peers hold the same b videos, each takes a contiguous share,
-    and the shares are all-gathered inside the group. `early` (sp_size 1): the scores asked for during the
-    rollout."""
+    and the shares are all-gathered inside the group. `early`: the scores asked for during the rollout."""
     from sage_grpo.parallel.dist import all_gather_cat
     from sage_grpo.rollout import decode_latents
 
     info, b = c.info, traj.batch_size
     names = sorted(["total", *c.reward.components])
     if early is not None:
-        scores = early.collect()
-        return names, torch.stack([scores[k].float().to(info.device) for k in names], dim=1)  # [b, K]
+        return names, early.collect(names, b)
     share = -(-b // info.sp_size)  # ceil(b / sp) rows per sp rank; the last ranks may get fewer (or none)
     lo, hi = min(info.sp_rank * share, b), min((info.sp_rank + 1) * share, b)
     mine = torch.full((share, len(names)), math.nan, device=info.device)  # [share, K], NaN rows = padding

@@ -249,10 +249,12 @@ class RewardConfig:
                               "variable.")
     reward_timeout: float = opt(120.0, "Seconds a reward server request may take before it is retried (remote "
                                        "reward).")
-    reward_overlap: bool = opt(True, "With --reward_model remote alone and --sp_size 1: each chunk of "
-                                     "--mini_batch_size_per_update videos is decoded and sent to the reward server as "
-                                     "soon as it is sampled, so scoring overlaps the rollout of the next chunk (the "
-                                     "same samples and scores as in order).")
+    reward_overlap: bool = opt(True, "When every reward works on the CPU (remote, world_caption, world_size, "
+                                     "world_motion, world_motion_right, a user's reward with runs_on_cpu = True), any "
+                                     "--sp_size: each chunk of --mini_batch_size_per_update videos is decoded as soon "
+                                     "as it is sampled and scored in a worker thread, so scoring overlaps the rollout "
+                                     "of the next chunk (the same samples and scores as in order). Rewards on the "
+                                     "accelerator and the demo rewards score in order after the rollout.")
     reward_retries: int = opt(3, "Retries of a failed reward server request, with exponential backoff from 1 s, "
                                  "before its videos score NaN (remote reward).")
     clip_model_path: str = opt("", "openai/clip-vit-large-patch14 directory for the clipscore reward/metric; empty = "

@@ -41,6 +41,11 @@ class Reward(Protocol):
         ...
 
 
+# Optional attribute of a reward (not part of the protocol's check): ``runs_on_cpu = True`` says that its work is
+# on the CPU (detectors over CPU tensors, a network client) and never on the accelerator, so the trainer may score it
+# in a worker thread on CPU frames while the rollout keeps the accelerator (post_train.py's overlap). Default False.
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Registry: name -> builder(**kwargs) -> Reward
 # ----------------------------------------------------------------------------------------------------------------
@@ -363,6 +368,12 @@ class CompositeReward:
             raise SageGRPOError(f"--reward_optional names an unknown component {unknown[0]!r}; the selected reward(s) "
                                 f"provide: {', '.join(self.components)}")
         self.optional = frozenset(by_lower[o.strip().lower()] for o in optional)
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        """Whether every reward of the composite says its work is on the CPU (``runs_on_cpu``), so that the whole
+        composite can score CPU frames in a worker thread without touching the accelerator."""
+        return all(getattr(r, "runs_on_cpu", False) is True for r in self.rewards.values())
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score ``videos`` [B, F, C, H, W]; returns {"total": [B], component: [B], ...} (float32)."""

@@ -161,6 +161,8 @@ class _Server:
 class RemoteReward:
     """`Reward` whose components are computed by reward servers; see the module docstring."""
 
+    runs_on_cpu = True  # it encodes CPU frames and waits on the network: the overlap scores it in a worker thread
+
     def __init__(self, urls: Sequence[str], timeout: float = 120.0, retries: int = 3, backoff: float = 1.0,
                  token: str | None = None, rank: int = 0, video_fps: float | None = None):
         """``urls``: server base URLs; ``timeout``: seconds per request; ``retries``: further tries after the first;

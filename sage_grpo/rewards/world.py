@@ -13,7 +13,9 @@ detectors, so on a rendered clip its value is known in closed form.
   configs/tiny_world_i2v.yaml.
 
 They are deliberately hackable one-number targets (a huge object, a red screen, a drift to the right); the held-out
-metrics in `sage_grpo.world.metrics` show what such a reward trades away. Detection runs on the CPU per video.
+metrics in `sage_grpo.world.metrics` show what such a reward trades away. Detection runs on the CPU per video,
+so the rewards that detect say `runs_on_cpu` (the trainer scores them while the rollout samples); world_color_share
+is one tensor expression on the frames' device.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class WorldCaptionReward:
 
     components = ("world_caption",)
     default_weights = {"world_caption": 1.0}
+    runs_on_cpu = True  # the detectors work on CPU copies of the frames
     caption_kinds = ATTRIBUTE_KINDS  # the caption attributes it scores: not held out (sage_grpo.heldout)
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -59,6 +62,7 @@ class WorldSizeReward:
 
     components = ("world_size",)
     default_weights = {"world_size": 1.0}
+    runs_on_cpu = True  # the detectors work on CPU copies of the frames
     caption_kinds = ("size",)
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -100,6 +104,7 @@ class WorldMotionRightReward:
 
     components = ("world_motion_right",)
     default_weights = {"world_motion_right": 1.0}
+    runs_on_cpu = True  # the detectors work on CPU copies of the frames
     caption_kinds = ("motion",)
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -134,6 +139,7 @@ class WorldMotionReward:
 
     components = ("world_motion",)
     default_weights = {"world_motion": 1.0}
+    runs_on_cpu = True  # the detectors work on CPU copies of the frames
     caption_kinds = ("motion",)
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,126 @@
+"""Scoring overlapped with the rollout (--reward_overlap, docs/rewards.md "Overlap") beyond the remote reward: which
+rewards overlap, a local reward on the CPU scored in a worker thread in one process, and Ulysses sp 2 on two gloo
+ranks (each sp rank scores its share of every chunk); overlapped and in order give the same metrics and weights,
+bitwise. The remote reward's overlap: tests/test_rewards_remote.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from post_train_helpers import ROOT, _args, _stable, _weights, pt
+
+from sage_grpo.metrics import read_metrics
+from sage_grpo.rewards import build_reward
+
+# brightness computed on the CPU, saying so; each call appends "rank thread videos device start" to <file>.<rank>.log
+CPU_REWARD = """
+import os, threading, time
+from pathlib import Path
+from sage_grpo.rewards.builtin import BrightnessReward
+class CpuBrightness(BrightnessReward):
+    components = ("cpu_brightness",)
+    default_weights = {"cpu_brightness": 1.0}
+    runs_on_cpu = True
+    def __call__(self, videos, prompts):
+        rank = os.environ.get("RANK", "0")
+        with open(Path(__file__).with_suffix(f".{rank}.log"), "a") as f:
+            f.write(f"{rank} {threading.current_thread().name} {len(prompts)} {videos.device.type} "
+                    f"{time.monotonic()}\\n")
+        return {"cpu_brightness": super().__call__(videos, prompts)["brightness"]}
+def build(**kw):
+    return CpuBrightness()
+"""
+
+
+def _plugin(folder, name):
+    """The CPU reward as `<folder>/<name>.py` -> (its --reward_model spec, its calls of rank r: [(thread, videos,
+    device, start)])."""
+    path = folder / f"{name}.py"
+    path.write_text(CPU_REWARD)
+
+    def calls(rank=0):
+        log = path.with_suffix(f".{rank}.log")
+        rows = [line.split() for line in log.read_text().splitlines()]
+        return [(thread, int(n), device, float(t)) for _, thread, n, device, t in rows]
+
+    return f"{path}:build", calls
+
+
+@pytest.mark.parametrize(("rewards", "overlaps"), [
+    ("world_size", True), ("world_motion,world_caption", True), ("brightness", False),
+    ("world_size,brightness", False), ("world_color_share", False)])
+def test_rewards_overlap_when_every_one_works_on_the_cpu(rewards, overlaps):
+    reward = build_reward(rewards, reward_weights=None)
+    cfg = SimpleNamespace(reward=SimpleNamespace(reward_overlap=True), data=SimpleNamespace(batch_size=4),
+                          optim=SimpleNamespace(mini_batch_size_per_update=1))
+    assert reward.runs_on_cpu is overlaps
+    assert pt.overlaps_reward(SimpleNamespace(cfg=cfg, reward=reward)) is overlaps
+    cfg.reward.reward_overlap = False  # the flag turns it off
+    assert pt.overlaps_reward(SimpleNamespace(cfg=cfg, reward=reward)) is False
+    cfg.reward.reward_overlap, cfg.data.batch_size = True, 1  # one chunk: nothing to overlap
+    assert pt.overlaps_reward(SimpleNamespace(cfg=cfg, reward=reward)) is False
+
+
+@pytest.mark.slow
+def test_a_local_cpu_reward_scores_in_a_worker_thread_as_in_order(tiny_model, tmp_path, monkeypatch):
+    """4 videos a step in chunks of 1, 2 steps: overlapped, each chunk is scored on CPU frames in the worker thread,
+    the first while later chunks still sample; in order, one call a step on the main thread. Metrics and trained
+    weights equal bitwise."""
+    monkeypatch.chdir(ROOT)
+    handed = []
+    submit = pt.EarlyScores.submit
+
+    def timed_submit(self, *a):
+        handed.append(__import__("time").monotonic())
+        return submit(self, *a)
+
+    monkeypatch.setattr(pt.EarlyScores, "submit", timed_submit)
+    for overlap in ("true", "false"):
+        spec, calls = _plugin(tmp_path, f"cpu_{overlap}")
+        pt.main(_args(tiny_model, tmp_path / overlap, "--reward_model", spec, "--reward_weights",
+                      '{"cpu_brightness":1.0}', "--reward_overlap", overlap))
+        scoring = calls()[1:]  # the first call is the start-up probe of a user's reward
+        if overlap == "true":
+            assert [(th, n, dev) for th, n, dev, _ in scoring] == [("reward_0", 1, "cpu")] * 8  # 2 steps x 4 chunks
+            assert len(handed) == 8
+            assert scoring[0][3] < handed[3] and scoring[4][3] < handed[7]  # scoring began before the last chunk
+        else:
+            assert [(th, n) for th, n, _, _ in scoring] == [("MainThread", 4)] * 2
+    a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("true", "false"))
+    assert len(a) == 2 and a[0]["reward/cpu_brightness_std"] > 0 and _stable(a) == _stable(b)
+    wa, wb = _weights(tmp_path / "true"), _weights(tmp_path / "false")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.dist
+def test_sp2_overlapped_scoring_shares_each_chunk_and_equals_in_order(tiny_model, tmp_path):
+    """torchrun, 2 gloo ranks, --sp_size 2 with FSDP2 (one data-parallel rank, both ranks hold the same 4 videos),
+    chunks of 1, one step. Overlapped, sp rank r decodes and scores videos r and r + 2 in its worker thread (2 of
+    the 4 chunks) while both ranks make the same forwards; in order, each scores its contiguous half on the main
+    thread. The runs agree bitwise (metrics, weights)."""
+    specs = {o: _plugin(tmp_path, f"cpu_{o}") for o in ("true", "false")}
+    flags = ["--sp_size", "2", "--batch_size", "4", "--enable_fsdp", "True", "--max_steps", "1", "--reward_weights",
+             '{"cpu_brightness":1.0}']
+    runs = [_args(tiny_model, tmp_path / o, *flags, "--reward_model", specs[o][0], "--reward_overlap", o)
+            for o in ("true", "false")]
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps(runs))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "tests/dist_workers/post_train_runs_worker.py"), str(spec)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        overlapped = [(th, n, dev) for th, n, dev, _ in specs["true"][1](rank)[1:]]  # [0]: the start-up probe
+        assert overlapped == [("reward_0", 1, "cpu")] * 2  # its 2 of the 4 chunks
+        assert [(th, n) for th, n, _, _ in specs["false"][1](rank)[1:]] == [("MainThread", 2)]
+    a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("true", "false"))
+    assert len(a) == 1 and a[0]["reward/cpu_brightness_std"] > 0 and _stable(a) == _stable(b)
+    wa, wb = _weights(tmp_path / "true"), _weights(tmp_path / "false")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
