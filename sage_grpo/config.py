@@ -67,6 +67,8 @@ REWARD_MIN_PIXELS = 128 * 28 * 28  # 100352
 REWARD_MAX_PIXELS = 256 * 28 * 28  # 200704
 REWARD_SAMPLE_FPS = 2.0
 VIDEO_FPS = 24
+# what the vlm_judge template asks for (--judge_scale): a score from 1 to 10, or yes / no
+JUDGE_SCALES = ("1-10", "yes_no")
 _TRUE = {"true", "1", "yes", "on", "y", "t"}
 _FALSE = {"false", "0", "no", "off", "n", "f"}
 
@@ -247,22 +249,40 @@ class RewardConfig:
                               "http://host:port, several separated by commas (replicas of one reward share the load; "
                               "servers of different rewards are combined). Token: the SAGE_REWARD_TOKEN environment "
                               "variable.")
-    reward_timeout: float = opt(120.0, "Seconds a reward server request may take before it is retried (remote "
-                                       "reward).")
+    reward_timeout: float = opt(120.0, "Seconds a reward server request (remote) or a judge request (vlm_judge) "
+                                       "may take before it is retried.")
     reward_overlap: bool = opt(True, "When every reward works on the CPU (remote, world_caption, world_size, "
                                      "world_motion, world_motion_right, a user's reward with runs_on_cpu = True), any "
                                      "--sp_size: each chunk of --mini_batch_size_per_update videos is decoded as soon "
                                      "as it is sampled and scored in a worker thread, so scoring overlaps the rollout "
                                      "of the next chunk (the same samples and scores as in order). Rewards on the "
                                      "accelerator and the demo rewards score in order after the rollout.")
-    reward_retries: int = opt(3, "Retries of a failed reward server request, with exponential backoff from 1 s, "
-                                 "before its videos score NaN (remote reward).")
+    reward_retries: int = opt(3, "Retries of a failed reward server request (remote: exponential backoff from 1 "
+                                 "s) or judge request (vlm_judge: the openai client's backoff, 0.5 s doubling up "
+                                 "to 8 s, or the server's Retry-After) before its videos score NaN.")
     clip_model_path: str = opt("", "openai/clip-vit-large-patch14 directory for the clipscore reward/metric; empty = "
                                    "<pretrained_model_root>/clip-vit-large-patch14.")
     pickscore_model_path: str = opt("", "yuvalkirstain/PickScore_v1 directory for the pickscore reward/metric; empty = "
                                         "<pretrained_model_root>/PickScore_v1.")
     pickscore_processor_path: str = opt("", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K directory (PickScore's processor); "
                                             "empty = <pretrained_model_root>/CLIP-ViT-H-14-laion2B-s32B-b79K.")
+    judge_url: str = opt("", "For --reward_model vlm_judge: the OpenAI-compatible chat server of the judge VLM "
+                             "(vllm serve, SGLang, transformers serve), http://host:port (/v1 may follow). API "
+                             "key: the SAGE_JUDGE_API_KEY environment variable, else OPENAI_API_KEY.")
+    judge_model: str = opt("", "Model name the judge requests ask for (e.g. vLLM's --served-model-name); empty = "
+                               "the one model the judge server lists.")
+    judge_template: str = opt("", "Text file of the judge's prompt: {prompt} stands for the video's prompt, "
+                                  "{frames} for the number of frames sent; empty = the built-in template of "
+                                  "--judge_scale (docs/rewards.md).")
+    judge_scale: str = opt("1-10", "What the judge's template asks for. 1-10: a score from 1 to 10; the reward is "
+                                   "(E - 1) / 9, E the expected score under the answer's log-probabilities, or "
+                                   "the number answered where the server returns none. yes_no: yes or no; the "
+                                   "reward is P(yes), or 1 / 0.", JUDGE_SCALES)
+    judge_frames: int = opt(4, "Frames of each video sent to the judge, evenly spaced from the first to the "
+                               "last.")
+    judge_video: bool = opt(False, "Send the judge the frames as one mp4 video_url part instead of one image_url "
+                                   "part per frame (for servers whose model takes video).")
+    judge_concurrency: int = opt(8, "Judge requests in flight at once per rank (one request per video).")
 
 
 @dataclass
@@ -720,6 +740,25 @@ def check_window(r: RolloutConfig, o: OptimConfig) -> None:
                             "the SDE window, and a window from step 0 leaves none")
 
 
+def check_judge(cfg: Config) -> None:
+    """The vlm_judge flags: a URL exactly when the judge is selected (trained or a validation metric), counts >= 1,
+    a template file that can be read."""
+    r = cfg.reward
+    names = [str(n).strip().lower() for n in [*r.reward_model.split(","), *cfg.validation.validation_metrics]]
+    judged = "vlm_judge" in names
+    if r.judge_url.strip() and not judged:
+        raise SageGRPOError("--judge_url is only used by the vlm_judge reward (in --reward_model or "
+                            f"--validation_metrics), got --reward_model {r.reward_model}")
+    for name, value in (("judge_frames", r.judge_frames), ("judge_concurrency", r.judge_concurrency)):
+        if value < 1:
+            raise SageGRPOError(f"--{name} must be >= 1, got {value}")
+    if judged:
+        from sage_grpo.rewards.judge import check_url, load_template
+
+        check_url(r.judge_url)
+        load_template(r.judge_template, r.judge_scale)
+
+
 def check_values(cfg: Config) -> None:
     """Value checks that need no world size: ranges, sizes, frame counts, JSON."""
     r, o, v, d, k = cfg.rollout, cfg.optim, cfg.validation, cfg.data, cfg.kl
@@ -794,6 +833,7 @@ def check_values(cfg: Config) -> None:
             raise SageGRPOError(f"--reward_url {url.strip()!r} must start with http:// or https://")
     if cfg.reward.reward_timeout <= 0:
         raise SageGRPOError(f"--reward_timeout must be > 0 seconds, got {cfg.reward.reward_timeout}")
+    check_judge(cfg)
     if cfg.reward.reward_sample_fps <= 0:
         raise SageGRPOError(f"--reward_sample_fps must be > 0, got {cfg.reward.reward_sample_fps}")
     if cfg.reward.reward_min_pixels > cfg.reward.reward_max_pixels:

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 start=$SECONDS
-source scripts/_setup.sh "dev,lora,plot,serve"
+source scripts/_setup.sh "dev,lora,plot,serve,judge"
 echo "== ruff"
 ruff check .
 echo "== pytest (every CPU test: fast, slow and multi-process)"

@@ -1,5 +1,5 @@
-"""Rewards: protocol, registry, weighted composite, VideoAlign, CLIPScore/PickScore, closed-form demo rewards and the
-synthetic world's detector rewards.
+"""Rewards: protocol, registry, weighted composite, VideoAlign, CLIPScore/PickScore, closed-form demo rewards, the
+synthetic world's detector rewards, reward servers and a VLM judge over an OpenAI-compatible endpoint.
 
 The training loop calls :func:`build_reward` once and then ``reward(videos, prompts)`` on decoded videos
 float [B, F, 3, H, W] in [0, 1]; the result holds ``"total"`` (weighted sum) and every component, NaN where a score
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from sage_grpo.config import REWARD_MAX_PIXELS, REWARD_SAMPLE_FPS, VIDEO_FPS
-from sage_grpo.rewards import builtin, clip_metrics, remote, videoalign, world  # noqa: F401 - registers the rewards
+from sage_grpo.rewards import builtin, clip_metrics, judge, remote, videoalign, world  # noqa: F401 - registers them
 from sage_grpo.rewards.base import (
     CompositeReward,
     Reward,
@@ -127,4 +127,11 @@ def build_reward_from_config(cfg, device: str | torch.device = "cpu") -> Composi
         reward_url=r.reward_url,
         reward_timeout=r.reward_timeout,
         reward_retries=r.reward_retries,
+        judge_url=r.judge_url,
+        judge_model=r.judge_model,
+        judge_template=r.judge_template,
+        judge_scale=r.judge_scale,
+        judge_frames=r.judge_frames,
+        judge_video=r.judge_video,
+        judge_concurrency=r.judge_concurrency,
     )

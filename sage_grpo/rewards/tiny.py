@@ -1,4 +1,5 @@
-"""Tiny random VideoReward checkpoint + tiny "Qwen2-VL-2B-Instruct" base, in the authors' on-disk layouts.
+"""Tiny random VideoReward checkpoint + tiny "Qwen2-VL-2B-Instruct" base, in the authors' on-disk layouts; and a
+tiny VLM judge that `transformers serve` serves (`write_tiny_judge`).
 
 Used by tests, the benchmark and the embedded CPU demo so that they run the real loading, key remapping, LoRA
 merging, tokenisation and pooling code without any download. Sizes: a 2-layer vision tower and a 2-layer language
@@ -226,4 +227,79 @@ def write_tiny_videoreward(
                         "target_modules": list(LORA_TARGETS), "base_model_name_or_path": "Qwen/Qwen2-VL-2B-Instruct"})
         )  # fmt: skip
         tok.save_pretrained(str(d))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ a tiny VLM judge
+
+JUDGE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_judge(out: str | Path, answer: str = "7", seed: int = 0) -> Path:
+    """A tiny LLaVA (CLIP vision tower of 28-pixel images, Qwen2 language model of width 32, the byte tokenizer
+    with an ``<image>`` token, a PIL image processor and a ChatML chat template) in the layout ``transformers
+    serve`` loads, whose greedy answer to any chat is ``answer`` (one byte) and then the end of the turn.
+
+    Its vision tower and projector are random and run on every image, but the language model is set so that the
+    answer does not depend on them: value projections of weight 0 and bias b make every attention output the same
+    vector, which writes a constant along dimension 0 of the residual stream (the MLPs write nothing); the
+    embedding of ``answer`` alone has a component along dimension 1. The head reads ``answer`` from dimension 0
+    and the end of turn from dimension 1 (twice as strongly), so any token but ``answer`` is followed by
+    ``answer``, and ``answer`` by the end of turn.
+    """
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        Qwen2Config,
+    )
+
+    out = Path(out)
+    tok = build_byte_tokenizer(("<image>",), n_merges=0)
+    side, patch = 28, 14  # 2 x 2 patches + the class token, which the "default" feature strategy drops
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side}),
+        tokenizer=tok, patch_size=patch, vision_feature_select_strategy="default", chat_template=JUDGE_CHAT_TEMPLATE,
+        image_token="<image>", num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(out)
+    ids = tok.convert_tokens_to_ids
+    eos, said = ids("<|im_end|>"), ids(answer)
+    cfg = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=side, patch_size=patch).to_dict(),
+        text_config=Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=4096,
+                                eos_token_id=eos, tie_word_embeddings=False).to_dict(),
+        image_token_index=ids("<image>"), image_seq_length=(side // patch) ** 2, vision_feature_layer=-1,
+        vision_feature_select_strategy="default", tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    lm, big = model.model.language_model, 100.0
+    with torch.no_grad():
+        lm.embed_tokens.weight[:, :2] = 0
+        lm.embed_tokens.weight[said, 1] = big
+        for layer in lm.layers:
+            attn = layer.self_attn
+            attn.v_proj.weight.zero_()
+            attn.v_proj.bias.zero_()
+            attn.v_proj.bias[0] = big / len(lm.layers)
+            attn.o_proj.weight.zero_()
+            attn.o_proj.weight[0, 0] = 1.0
+            layer.mlp.down_proj.weight.zero_()
+        lm.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[said, 0] = 1.0
+        model.lm_head.weight[eos, 1] = 2.0
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id, do_sample=False)
+    model.save_pretrained(out)
     return out
