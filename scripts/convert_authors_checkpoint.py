@@ -22,7 +22,7 @@ from sage_grpo.config import DTYPES, Config  # noqa: E402
 from sage_grpo.errors import run_cli  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     m = Config().model  # the training flags' defaults
     p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pretrained_model_root", default=m.pretrained_model_root,
@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--dtype", default=m.dtype, choices=DTYPES, help="dtype of the written weights (default: "
                                                                     "%(default)s)")
     p.add_argument("--verbose", action="store_true", help="show the libraries' warnings and progress bars")
-    a = p.parse_args()
+    a = p.parse_args(argv)
 
     from sage_grpo.errors import SageGRPOError
     from sage_grpo.files import usual_permissions

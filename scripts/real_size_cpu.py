@@ -21,10 +21,17 @@ Stages (each a process of the project's own entry points; per-phase peak RSS fro
   planner     scripts/plan_memory.py for the same settings next to the measured peaks
   block       scripts/bench_attention.py: one real-width block, forward + backward at the rollout's token count, the
               valid-token processor against diffusers' stock processor
+  authors     the authors' layout (tencent/HunyuanVideo-1.5) of --authors_version at the real size, written by
+              sage_grpo.models.full_size (one transformer safetensors file in their key names, the whole Qwen2.5-VL
+              with its vision tower, the glyph byt5_model.pt; I2V: vision_encoder/siglip): post_train.py one LoRA
+              step straight from it (I2V: a reference image per prompt), then scripts/convert_authors_checkpoint.py,
+              whose output is checked tensor by tensor against the values written; runs after the diffusers
+              checkpoint is deleted (unless --keep) and deletes its own folders unless --keep
 
-It first checks free disk and RAM and says in one line what it needs; it deletes its checkpoint at the end unless
+It first checks free disk and RAM and says in one line what it needs; it deletes its checkpoints at the end unless
 --keep. Writes <work>/real_size_cpu.json and prints a table (docs/performance.md holds the measured one).
-Inner mode (used by the stages): `real_size_cpu.py --meter REPORT.json -- <post_train.py or generate.py args>`.
+Inner mode (used by the stages): `real_size_cpu.py --meter REPORT.json -- <post_train.py, generate.py or
+convert_authors_checkpoint.py args>`.
 """
 
 from __future__ import annotations
@@ -43,10 +50,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STAGES = ("checkpoint", "train", "resume", "export", "fsdp", "planner", "block")
+STAGES = ("checkpoint", "train", "resume", "export", "fsdp", "planner", "block", "authors")
 PROMPTS = ("a red ball rolls across the grass", "a cat sleeps on a sunny windowsill")
 # What the real-size stages need (measured: the checkpoint is 31.4 GiB; the one-process training peak ~18 GiB)
 REAL_DISK_GIB, REAL_RAM_GIB = 36, 22
+
+
+def authors_disk_gib(text_layers: int) -> int:
+    """GiB of disk of the authors stage: its checkpoint and the converted copy side by side (bf16; from the parameter
+    counts: transformer 15.5 twice, VAE 2.3 + 4.7 (fp32 once converted), the Qwen2.5-VL's embeddings, head and vision
+    tower 3.3, the converted text tower's embeddings 1.0, ByT5 0.4 and SigLIP 0.8 twice, 0.43 per Qwen text layer
+    twice)."""
+    return int(45 + 2 * 0.434 * text_layers) + 1
 
 
 # ------------------------------------------------------------------------------------------------------ the meter
@@ -130,14 +145,15 @@ def _wrap(owner, name: str, meter: PhaseMeter, phase: str) -> None:
 
 
 def run_metered(report: Path, argv: list[str]) -> None:
-    """Run post_train.py's or generate.py's main in this process with the phases metered -> `report` (JSON)."""
+    """Run post_train.py's, generate.py's or convert_authors_checkpoint.py's main in this process with the phases
+    metered -> `report` (JSON)."""
     import importlib.util
 
     rank = os.environ.get("RANK")
     path = report if rank is None else report.with_name(f"{report.stem}.rank{rank}.json")
     meter = PhaseMeter(path=path).start()
     script = Path(argv[0])
-    spec = importlib.util.spec_from_file_location(script.stem, ROOT / script.name)
+    spec = importlib.util.spec_from_file_location(script.stem, ROOT / script)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[script.stem] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -152,8 +168,12 @@ def run_metered(report: Path, argv: list[str]) -> None:
         _wrap(mod, "write_checkpoint", meter, "save")
         train = mod.train
         mod.train = lambda c, state, logger=None, **k: train(c, state, logger, hook=meter.phase, **k)
-    else:
+    elif script.stem == "generate":
         _wrap(loading, "load_transformer", meter, "load transformer")
+    else:  # convert_authors_checkpoint.py
+        from diffusers import DiffusionPipeline
+
+        _wrap(DiffusionPipeline, "save_pretrained", meter, "write")
     t0 = time.perf_counter()
     with meter.phase("whole run"):
         mod.main(argv[1:])
@@ -177,10 +197,16 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def train_args(a, model: Path, out: Path, steps: int, *extra: str) -> list[str]:
-    return ["post_train.py", "--config", "configs/tiny_cpu.yaml", "--model_path", str(model),
-            "--pretrained_model_root", str(model.parent), "--output_dir", str(out),
-            "--train_video_csv", str(a.work / "prompts.txt"), "--dtype", "bf16", "--master_weight_type", "fp32",
+def train_args(a, model: Path, out: Path, steps: int, *extra: str, authors_version: str = "",
+               prompts: Path | None = None) -> list[str]:
+    """post_train.py's arguments: a diffusers-layout `model`, or the authors' layout root `model` (its
+    transformer/`authors_version`)."""
+    where = (["--model_path", "", "--pretrained_model_root", str(model), "--pretrained_transformer_version",
+              authors_version] if authors_version else ["--model_path", str(model), "--pretrained_model_root",
+                                                        str(model.parent)])
+    return ["post_train.py", "--config", "configs/tiny_cpu.yaml", *where, "--output_dir", str(out),
+            "--train_video_csv", str(prompts or a.work / "prompts.txt"), "--dtype", "bf16", "--master_weight_type",
+            "fp32",
             "--use_lora", "True", "--lora_r", "8", "--enable_gradient_checkpointing", "True",
             "--offload_text_encoder", "True", "--batch_size", "2", "--num_generations", "2",
             "--grpo_sampling_steps", "4", "--sample_n_frames", str(a.frames), "--height", str(a.size),
@@ -246,13 +272,16 @@ def metrics_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def check_resources(a) -> None:
+def check_resources(a, stages: list[str]) -> None:
     """Free disk and RAM against what the stages need: one line, before anything is written."""
     need_disk, need_ram = (1, 2) if a.miniature else (REAL_DISK_GIB, REAL_RAM_GIB)
     if not a.miniature and a.blocks != 54:
         need_disk, need_ram = 4, 8
     if (a.work / "checkpoint" / ".complete").is_file():
         need_disk = 1 if a.miniature else 4
+    if "authors" in stages and not a.miniature:  # after the diffusers checkpoint is deleted, or beside it (--keep)
+        authors = authors_disk_gib(a.text_layers)
+        need_disk, need_ram = need_disk + authors if a.keep else max(need_disk, authors), REAL_RAM_GIB
     a.work.mkdir(parents=True, exist_ok=True)
     disk = shutil.disk_usage(a.work).free / 2**30
     with open("/proc/meminfo") as f:
@@ -388,6 +417,94 @@ def stage_block(a, res: dict) -> None:
     res["block"] = json.loads((out / "bench_attention.json").read_text())
 
 
+def authors_prompts(a, version: str) -> Path:
+    """The prompt file of the authors stage: the two prompts, each with a reference image for an I2V version."""
+    from sage_grpo.models.tiny import variant_of
+
+    if variant_of(version).task != "i2v":
+        return a.work / "prompts.txt"
+    import numpy as np
+    from PIL import Image
+
+    ramp = np.linspace(0, 255, a.size, dtype=np.uint8)
+    rgb = np.stack([np.tile(ramp, (a.size, 1)), np.tile(ramp[:, None], (1, a.size)), np.full((a.size,) * 2, 90,
+                                                                                              np.uint8)], -1)
+    Image.fromarray(rgb).save(a.work / "reference.png")
+    path = a.work / "authors_prompts.csv"
+    path.write_text("prompt,ref_image_path\n" + "".join(f"{p},reference.png\n" for p in PROMPTS))
+    return path
+
+
+def check_converted(folder: Path, seed: int = 0) -> dict:
+    """Every tensor of the converted diffusers-layout checkpoint against the values the authors' layout was written
+    with (sage_grpo.models.full_size.expected_tensor, drawn in bf16) -> counts per component."""
+    import torch
+    from safetensors import safe_open
+
+    from sage_grpo.models.full_size import expected_tensor
+
+    out = {}
+    for component in ("transformer", "vae", "text_encoder", "image_encoder"):
+        files = sorted((folder / component).glob("*.safetensors"))
+        if not files:
+            continue
+        n = unequal = elements = 0
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                for key in h.keys():
+                    t = h.get_tensor(key)
+                    want = expected_tensor(component, key, torch.empty(t.shape, device="meta"), seed)
+                    n, elements = n + 1, elements + t.numel()
+                    unequal += not torch.equal(t, want.to(t.dtype))
+        out[component] = {"tensors": n, "parameters": elements, "unequal": unequal}
+    return out
+
+
+def stage_authors(a, res: dict) -> None:
+    from sage_grpo.models.full_size import checkpoint_bytes, miniature_configs, real_configs, write_authors_checkpoint
+
+    root, conv, version = a.work / "authors", a.work / "authors_converted", a.authors_version
+    for d in (root, conv, a.work / "run_authors"):
+        shutil.rmtree(d, ignore_errors=True)
+    need = 1 if a.miniature else authors_disk_gib(a.text_layers)
+    free = shutil.disk_usage(a.work).free / 2**30
+    print(f"[real_size_cpu] authors: needs {need} GiB free disk, has {free:.0f} GiB", flush=True)
+    if free < need:
+        raise SystemExit("[real_size_cpu] authors: not enough disk (fewer Qwen layers: --text_layers, or delete the "
+                         "diffusers checkpoint: run without --keep)")
+    out: dict = {"version": version}
+    res["authors"] = out
+    configs = miniature_configs(version) if a.miniature else real_configs(version, a.text_layers)
+    # The I2V bucket base (config only: no weight depends on it): --size, so the reference image's bucket is the
+    # T2V runs' size instead of 640 x 640 (1,600 latent tokens a frame, hours a step on a CPU)
+    configs["transformer"]["target_size"] = a.size
+    out["target_size"] = a.size
+    t0 = time.perf_counter()
+    write_authors_checkpoint(root, version, text_layers=a.text_layers, configs=configs,
+                             max_shard_size="200KB" if a.miniature else "2GB",
+                             log=lambda m: print(f"[real_size_cpu] {m.strip()}", flush=True))
+    out.update(write_s=time.perf_counter() - t0, gib=checkpoint_bytes(root) / 2**30)
+    out["train"] = metered(a, "authors_train", train_args(a, root, a.work / "run_authors", 1,
+                                                          authors_version=version, prompts=authors_prompts(a, version)))
+    out["convert"] = metered(a, "authors_convert", [
+        "scripts/convert_authors_checkpoint.py", "--pretrained_model_root", str(root), "--pretrained_transformer_version",
+        version, "--out", str(conv)])
+    if "failed" not in out["convert"]:
+        t0 = time.perf_counter()
+        out["converted_gib"] = checkpoint_bytes(conv) / 2**30
+        out["check"] = check_converted(conv)
+        out["check_s"] = time.perf_counter() - t0
+    if not a.keep:
+        for d in (root, conv):
+            shutil.rmtree(d, ignore_errors=True)
+    for part in ("train", "convert"):
+        if "failed" in out[part]:
+            raise SystemExit(f"[real_size_cpu] authors: {part} failed: {out[part]['failed'][-600:]}")
+    bad = {k: v for k, v in out["check"].items() if v["unequal"]}
+    if bad:
+        raise SystemExit(f"[real_size_cpu] authors: the converted checkpoint differs from what was written: {bad}")
+
+
 # ------------------------------------------------------------------------------------------------------ report
 
 
@@ -404,6 +521,9 @@ def table(res: dict) -> str:
     for r, rank in enumerate(res.get("fsdp", {}).get("ranks", [])):
         rows(f"fsdp rank {r}", rank.get("phases", []))
     rows("generate (LoRA export)", res.get("export", {}).get("generate", {}).get("phases", []))
+    authors = res.get("authors", {})
+    rows(f"authors' layout {authors.get('version', '')}", authors.get("train", {}).get("phases", []))
+    rows("convert_authors_checkpoint", authors.get("convert", {}).get("phases", []))
     return "\n".join(lines)
 
 
@@ -421,7 +541,9 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch threads of the one-process runs")
     p.add_argument("--cfg_scale", type=float, default=1.0, help="CFG of the runs (1 = off: half the transformer work "
                    "of the checkpoint's 6; a 2-core CPU takes ~16 min a step with it)")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoint (default: deleted at the end)")
+    p.add_argument("--authors_version", default="480p_i2v", help="the version the authors stage writes, trains "
+                   "and converts (an I2V one also exercises SigLIP and the reference image at the real size)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: deleted when done with)")
     p.add_argument("--meter", type=Path, help=argparse.SUPPRESS)
     p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -441,13 +563,15 @@ def main(argv=None) -> None:
         stages.append("checkpoint")  # written when missing, else reused
     if set(stages) & {"resume", "export", "fsdp"} and not (a.work / "run_a" / "checkpoint-2").is_dir():
         stages.append("train")  # what they compare against
-    check_resources(a)
+    check_resources(a, stages)
     (a.work / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     res: dict = {"machine": {"cpus": os.cpu_count()}, "miniature": a.miniature, "text_layers": a.text_layers}
     report = a.work / "real_size_cpu.json"
     if report.is_file():
         res.update({k: v for k, v in json.loads(report.read_text()).items() if k not in res})
     for stage in STAGES:
+        if stage == "authors" and not a.keep:  # its disk: the diffusers checkpoint is done with by now
+            shutil.rmtree(a.work / "checkpoint", ignore_errors=True)
         if stage in stages:
             print(f"[real_size_cpu] stage {stage}", flush=True)
             t0 = time.perf_counter()

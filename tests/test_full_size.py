@@ -84,3 +84,66 @@ def test_tensor_values_depend_on_seed_and_name_only(tmp_path):
 def test_text_layers_out_of_range_is_refused():
     with pytest.raises(ValueError, match="text_layers"):
         real_configs("480p_t2v", text_layers=2)
+
+
+def test_authors_layout_at_miniature_size_loads_equal_to_the_diffusers_one_and_converts_back(tmp_path):
+    """The authors' layout writer (one transformer file in their key names, the whole Qwen2.5-VL, the glyph .pt,
+    SigLIP) gives every tensor the diffusers writer's values: both load equal through load_pipeline, and
+    scripts/convert_authors_checkpoint.py's output holds exactly the written values (real_size_cpu's check)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from sage_grpo.models.full_size import write_authors_checkpoint
+    from sage_grpo.models.loading import load_pipeline
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = miniature_configs("480p_i2v")
+    authors = write_authors_checkpoint(tmp_path / "a", "480p_i2v", configs=cfg, max_shard_size="200KB",
+                                       log=lambda _: None)
+    diffusers = write_full_size_checkpoint(tmp_path / "d", "480p_i2v", configs=cfg, max_shard_size="200KB",
+                                           log=lambda _: None)
+    files = list((authors / "transformer/480p_i2v").glob("*.safetensors"))
+    assert len(files) == 1  # one file, as the authors ship it, in their key names
+    with safe_open(str(files[0]), "pt") as f:
+        keys = set(f.keys())
+        assert "double_blocks.0.img_attn_q.weight" in keys and "final_layer.adaLN_modulation.1.weight" in keys
+        assert all(f.get_slice(k).get_dtype() == "BF16" for k in keys)
+    with safe_open(str(next((authors / "text_encoder/llm").glob("model*.safetensors"))), "pt") as f:
+        assert any(k.startswith("visual.") for k in f.keys())  # the whole Qwen2.5-VL, hub key names
+    a = load_pipeline(str(authors), "", "480p_i2v", dtype="bf16")
+    d = load_pipeline(model_path=str(diffusers), dtype="bf16")
+    for component in ("transformer", "vae", "text_encoder", "image_encoder"):
+        sa, sd = getattr(a, component).state_dict(), getattr(d, component).state_dict()
+        assert sa.keys() == sd.keys()
+        assert all(torch.equal(sa[k], sd[k]) for k in sa), component
+    # the glyph encoder: the same values in every tensor but the embedding, which has the colour and font rows too
+    ga, gd = a.text_encoder_2.state_dict(), d.text_encoder_2.state_dict()
+    assert ga["shared.weight"].shape[0] > gd["shared.weight"].shape[0]
+    assert all(torch.equal(ga[k], gd[k]) for k in gd if "embed" not in k and "shared" not in k)
+
+    spec = importlib.util.spec_from_file_location("convert_authors_checkpoint",
+                                                  root / "scripts/convert_authors_checkpoint.py")
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    convert.main(["--pretrained_model_root", str(authors), "--pretrained_transformer_version", "480p_i2v",
+                  "--out", str(tmp_path / "c")])
+    spec = importlib.util.spec_from_file_location("real_size_cpu", root / "scripts/real_size_cpu.py")
+    rs = importlib.util.module_from_spec(spec)
+    sys.modules["real_size_cpu"] = rs
+    spec.loader.exec_module(rs)
+    check = rs.check_converted(tmp_path / "c")
+    assert set(check) == {"transformer", "vae", "text_encoder", "image_encoder"}
+    assert all(v["unequal"] == 0 and v["tensors"] > 10 for v in check.values()), check
+    # the check can fail: one changed value is found
+    from safetensors.torch import load_file, save_file
+
+    name = "transformer_blocks.0.attn.to_q.weight"
+    path = tmp_path / "c/transformer/diffusion_pytorch_model.safetensors"  # one file below 5 GB
+    state = load_file(str(path))
+    state[name] = state[name].clone()
+    state[name][0, 0] += 1
+    save_file(state, str(path))
+    assert rs.check_converted(tmp_path / "c")["transformer"]["unequal"] == 1

@@ -29,6 +29,7 @@ __all__ = [
     "load_authors_parts",
     "load_authors_transformer",
     "load_authors_vae",
+    "authors_vae_config",
     "glyph_special_tokens",
     "save_authors_layout",
     "SIGLIP_DIR",
@@ -179,6 +180,12 @@ def load_authors_text_encoders(root: Path, dt) -> tuple:
     return _load_mllm_text_tower(root / "text_encoder/llm", dt), _load_glyph_byt5(root, dt)[0]
 
 
+def authors_vae_config(vae) -> dict:
+    """The VAE's config under the authors' names (the inverse of _VAE_ALIASES)."""
+    config = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
+    return {next((a for a, d in _VAE_ALIASES.items() if d == k), k): v for k, v in config.items()}
+
+
 def save_authors_layout(components: dict, root: Path, version: str = "480p_t2v") -> None:
     """Write `components` (diffusers classes, see sage_grpo.models.tiny) in the authors' layout (for tests)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -197,10 +204,7 @@ def save_authors_layout(components: dict, root: Path, version: str = "480p_t2v")
     vae = components["vae"]
     save_file({k: v.contiguous() for k, v in diffusers_to_authors_vae(vae.state_dict()).items()},
               vdir / "diffusion_pytorch_model.safetensors")
-    vcfg = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
-    vcfg["ffactor_spatial"] = vcfg.pop("spatial_compression_ratio")  # the authors' names
-    vcfg["ffactor_temporal"] = vcfg.pop("temporal_compression_ratio")
-    (vdir / "config.json").write_text(json.dumps(vcfg, indent=1))
+    (vdir / "config.json").write_text(json.dumps(authors_vae_config(vae), indent=1))
 
     # The MLLM as a full Qwen2.5-VL (tiny vision tower) whose language model is the tiny text tower.
     te = components["text_encoder"]

@@ -42,12 +42,19 @@ __all__ = [
     "miniature_configs",
     "build_on_meta",
     "write_full_size_checkpoint",
+    "write_authors_checkpoint",
+    "expected_tensor",
     "checkpoint_bytes",
 ]
 
 REAL_TRANSFORMER_PARAMS = 8_326_608_160  # diffusers' default config on the meta device (/work/shared gpu_facts)
 REAL_BLOCK_PARAMS = 151_056_896
 QWEN_TEXT_LAYERS = 28  # Qwen2.5-VL-7B-Instruct's text tower
+# Qwen2.5-VL-7B-Instruct's vision tower (its config.json's vision_config, 676M parameters): the authors'
+# text_encoder/llm is the whole Qwen2.5-VL checkpoint, of which the pipeline keeps the text tower.
+QWEN_VISION_CONFIG = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                          in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                          fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")
 
 _STD = 0.02
 _DEFAULT_SHARD = "2GB"
@@ -165,16 +172,24 @@ def _unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _write_weights(model: torch.nn.Module, folder: Path, *, diffusers: bool, seed: int, dtype: torch.dtype,
                    max_shard_size: str, prefix: str) -> int:
     """Fill and write `model`'s state shard by shard (one shard in memory at a time) -> bytes written."""
+    stem = "diffusion_pytorch_model" if diffusers else "model"
+    return _write_state(_unique_state(model), folder, stem, seed=seed, dtype=dtype, max_shard_size=max_shard_size,
+                        value_name=lambda n: prefix + n)
+
+
+def _write_state(state: dict[str, torch.Tensor], folder: Path, stem: str, *, seed: int, dtype: torch.dtype,
+                 max_shard_size: str, value_name) -> int:
+    """Write {file key: meta tensor} as `stem`*.safetensors shards (and the index when sharded), each tensor drawn
+    from the generator of (seed, value_name(key)), one shard in memory at a time -> bytes written."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in _unique_state(model).items()}  # meta casts
-    stem = "diffusion_pytorch_model" if diffusers else "model"
+    state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}  # meta casts
     split = split_torch_state_dict_into_shards(state, filename_pattern=stem + "{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     total = 0
     for filename, names in split.filename_to_tensors.items():
-        shard = {n: _random_like(prefix + n, state[n], seed, dtype) for n in names}
+        shard = {n: _random_like(value_name(n), state[n], seed, dtype) for n in names}
         save_file(shard, str(folder / filename), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in shard.values())
         del shard
@@ -195,16 +210,7 @@ def write_full_size_checkpoint(out: str | Path, version: str = "480p_t2v", *, se
     tiny checkpoint of the same version, whose classes are the real ones; every weight folder is then replaced."""
     import time
 
-    from transformers import SiglipImageProcessor
-
     from sage_grpo.files import usual_permissions
-    from sage_grpo.models.tiny import (
-        TEXT_LENGTHS_FILE,
-        TextLengths,
-        build_tiny_tokenizer,
-        default_system_message,
-        tiny_crop_start,
-    )
     from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
 
     out = Path(out)
@@ -228,14 +234,196 @@ def write_full_size_checkpoint(out: str | Path, version: str = "480p_t2v", *, se
         log(f"  {component}: {params:,} parameters, {n / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s")
         del model
     if "image_encoder" in configs:  # the processor of the real encoder's resolution (SigLIP's 0.5 mean/std)
-        size = configs["image_encoder"]["image_size"]
-        shutil.rmtree(out / "feature_extractor")
-        SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(out / "feature_extractor")
+        _write_processor(out / "feature_extractor", configs["image_encoder"])
+    _write_text_lengths(out, configs)
+    return usual_permissions(out)
+
+
+def _write_processor(folder: Path, image_config: dict) -> None:
+    from transformers import SiglipImageProcessor
+
+    shutil.rmtree(folder, ignore_errors=True)
+    size = image_config["image_size"]
+    SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(folder)
+
+
+def _write_text_lengths(out: Path, configs: dict[str, dict]) -> None:
+    """The pipeline's text lengths: the MLLM crop measured on the tokenizer written, the image tokens of SigLIP."""
+    from sage_grpo.models.tiny import (
+        TEXT_LENGTHS_FILE,
+        TextLengths,
+        build_tiny_tokenizer,
+        default_system_message,
+        tiny_crop_start,
+    )
+
     crop = tiny_crop_start(build_tiny_tokenizer(), default_system_message())
-    tokens = 729 if "image_encoder" not in configs else (configs["image_encoder"]["image_size"]
-                                                        // configs["image_encoder"]["patch_size"]) ** 2
+    image = configs.get("image_encoder")
+    tokens = 729 if image is None else (image["image_size"] // image["patch_size"]) ** 2
     lengths = TextLengths(prompt_template_encode_start_idx=crop, vision_num_semantic_tokens=tokens)
     (out / TEXT_LENGTHS_FILE).write_text(json.dumps(lengths.to_dict(), indent=1) + "\n")
+
+
+def expected_tensor(component: str, name: str, meta: torch.Tensor, seed: int = 0,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The values both writers give tensor `name` (diffusers' name) of `component`: what a loaded or converted
+    checkpoint must hold."""
+    return _random_like(f"{component}.{name}", meta, seed, dtype)
+
+
+# safetensors' dtype names of the dtypes written here
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def _groups(names: list[str]) -> list[list[str]]:
+    """`names` grouped by module up to the first numbered part ("transformer_blocks.3", "x_embedder"): a group
+    holds every tensor a key conversion may fuse (q, k and v of one attention)."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)
+        groups.setdefault(".".join(parts[:cut]), []).append(n)
+    return list(groups.values())
+
+
+def _write_converted_file(model: torch.nn.Module, path: Path, convert, component: str, *, seed: int,
+                          dtype: torch.dtype) -> int:
+    """`model`'s state in another key layout (`convert`: diffusers' names -> those) as ONE safetensors file, as the
+    authors ship their transformer, streamed a group at a time -> bytes of tensor data. Ours because safetensors'
+    save_file takes the whole state in memory (16.6 GB for the transformer): the header is computed from the
+    converted meta tensors, then each group is drawn, converted and appended in the header's order."""
+    import struct
+
+    meta = {n: t.to(dtype) if t.is_floating_point() else t for n, t in _unique_state(model).items()}
+    plan = [(g, convert({n: meta[n] for n in g})) for g in _groups(list(meta))]  # shapes only: meta tensors
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for _, converted in plan:
+        for key, t in converted.items():
+            nbytes = t.numel() * t.element_size()
+            header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                           "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for group, converted in plan:
+            real = convert({n: expected_tensor(component, n, meta[n], seed, dtype) for n in group})
+            if list(real) != list(converted):
+                raise RuntimeError(f"{path}: the conversion of {group[0]}... changed its keys between passes")
+            for t in real.values():  # little-endian rows, as safetensors stores them
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return offset
+
+
+def write_authors_checkpoint(out: str | Path, version: str = "480p_t2v", *, seed: int = 0,
+                             text_layers: int = QWEN_TEXT_LAYERS, dtype: torch.dtype = torch.bfloat16,
+                             max_shard_size: str = _DEFAULT_SHARD, configs: dict[str, dict] | None = None,
+                             log=print) -> Path:
+    """Write a random-weight checkpoint of the real shapes of `version` under `out` in the authors' layout
+    (tencent/HunyuanVideo-1.5) -> `out`: transformer/<version>/ as one safetensors file in the authors' key names,
+    vae/ in theirs, text_encoder/llm a whole Qwen2.5-VL checkpoint (the real vision tower beside the text tower, the
+    hub's key names), the glyph ByT5 as Glyph-SDXL-v2's byt5_model.pt, and for I2V vision_encoder/siglip/.
+
+    Every transformer, VAE, text-tower and image-encoder tensor holds the values `write_full_size_checkpoint(seed)`
+    gives it (`expected_tensor`, by its diffusers name): a conversion of this layout must reproduce them. The
+    tokenizers and the Glyph-SDXL-v2 colour and font lists are the tiny checkpoint's (the real ones are hub
+    downloads); the glyph encoder's embedding covers them."""
+    import time
+
+    from transformers import ByT5Tokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from sage_grpo.files import usual_permissions
+    from sage_grpo.models.authors_layout import SIGLIP_DIR, authors_vae_config, glyph_special_tokens
+    from sage_grpo.models.convert import diffusers_to_authors_transformer, diffusers_to_authors_vae
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    out = Path(out)
+    configs = configs if configs is not None else real_configs(version, text_layers)
+    write_tiny_checkpoint(out, "authors", seed, version)  # the layout and every non-weight file
+    done = []
+
+    def report(what: str, params: int, nbytes: int, t0: float) -> None:
+        log(f"  {what}: {params:,} parameters, {nbytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s")
+        done.append(what)
+
+    t0 = time.perf_counter()
+    tr = build_on_meta("transformer", configs["transformer"])
+    tdir = out / "transformer" / version
+    for f in tdir.glob("*.safetensors"):
+        f.unlink()
+    n = _write_converted_file(tr, tdir / "diffusion_pytorch_model.safetensors", diffusers_to_authors_transformer,
+                              "transformer", seed=seed, dtype=dtype)
+    (tdir / "config.json").write_text(json.dumps({"rope_dim_list": list(tr.config.rope_axes_dim),
+                                                  "target_size": tr.config.target_size}))
+    report(f"transformer/{version}", sum(t.numel() for t in _unique_state(tr).values()), n, t0)
+
+    t0 = time.perf_counter()
+    vae = build_on_meta("vae", configs["vae"])
+    n = _write_converted_file(vae, out / "vae/diffusion_pytorch_model.safetensors", diffusers_to_authors_vae, "vae",
+                              seed=seed, dtype=dtype)
+    (out / "vae/config.json").write_text(json.dumps(authors_vae_config(vae), indent=1))
+    report("vae", sum(t.numel() for t in _unique_state(vae).values()), n, t0)
+
+    # the MLLM: the whole Qwen2.5-VL, saved under the hub's key names (model.* text tower, visual.*, lm_head)
+    t0 = time.perf_counter()
+    text = configs["text_encoder"]
+    vision = QWEN_VISION_CONFIG if text["hidden_size"] == QWEN_VISION_CONFIG["out_hidden_size"] else dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, fullatt_block_indexes=[0],
+        out_hidden_size=text["hidden_size"])  # a miniature text tower: a miniature vision tower
+    with torch.device("meta"):
+        vl = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+    hub = {"model.language_model.": "model.", "model.visual.": "visual."}
+    state = {}
+    for name, t in _unique_state(vl).items():
+        prefix = next((p for p in hub if name.startswith(p)), "")
+        state[hub[prefix] + name[len(prefix):] if prefix else name] = t
+    llm = out / "text_encoder/llm"
+    for f in list(llm.glob("model*.safetensors*")):
+        f.unlink()
+    vl.config.dtype = dtype
+    vl.config.save_pretrained(llm)
+    def tower(key: str) -> str:  # the text tower's values are the diffusers checkpoint's text_encoder's
+        return "text_encoder." + key[len("model."):] if key.startswith("model.") else "text_encoder_llm." + key
+
+    n = _write_state(state, llm, "model", seed=seed, dtype=dtype, max_shard_size=max_shard_size, value_name=tower)
+    report("text_encoder/llm (Qwen2.5-VL)", sum(t.numel() for t in state.values()), n, t0)
+
+    # the glyph encoder: byt5-small's config, Glyph-SDXL-v2's weights with the added colour and font rows
+    t0 = time.perf_counter()
+    byt5 = build_on_meta("text_encoder_2", configs["text_encoder_2"])
+    byt5.config.save_pretrained(out / "text_encoder/byt5-small")
+    glyph = out / "text_encoder/Glyph-SDXL-v2"
+    tokenizer = ByT5Tokenizer.from_pretrained(out / "text_encoder/byt5-small")
+    tokenizer.add_tokens(glyph_special_tokens(glyph), special_tokens=True)
+    rows = len(tokenizer)  # the loader resizes the embedding to this
+    glyph_state = {}
+    for name, t in byt5.state_dict(keep_vars=True).items():  # with encoder.embed_tokens (tied to shared)
+        if not name.startswith("encoder."):
+            continue
+        meta = torch.empty((rows, t.shape[1]), device="meta") if name == "encoder.embed_tokens.weight" else t
+        glyph_state["module.text_tower.encoder." + name[len("encoder."):]] = expected_tensor(
+            "text_encoder_2", name, meta, seed, dtype)
+    torch.save(glyph_state, glyph / "checkpoints/byt5_model.pt")
+    report("Glyph-SDXL-v2 byt5_model.pt", sum(t.numel() for t in glyph_state.values()),
+           sum(t.numel() * t.element_size() for t in glyph_state.values()), t0)
+    del glyph_state
+
+    if "image_encoder" in configs:
+        t0 = time.perf_counter()
+        siglip = build_on_meta("image_encoder", configs["image_encoder"])
+        folder = out / SIGLIP_DIR / "image_encoder"
+        shutil.rmtree(folder)
+        folder.mkdir()
+        siglip.config.dtype = dtype
+        siglip.config.save_pretrained(folder)
+        n = _write_weights(siglip, folder, diffusers=False, seed=seed, dtype=dtype, max_shard_size=max_shard_size,
+                           prefix="image_encoder.")
+        _write_processor(out / SIGLIP_DIR / "feature_extractor", configs["image_encoder"])
+        report(f"{SIGLIP_DIR} (SigLIP)", sum(t.numel() for t in _unique_state(siglip).values()), n, t0)
+    _write_text_lengths(out, configs)
     return usual_permissions(out)
 
 
