@@ -251,12 +251,13 @@ class RewardConfig:
                               "variable.")
     reward_timeout: float = opt(120.0, "Seconds a reward server request (remote) or a judge request (vlm_judge) "
                                        "may take before it is retried.")
-    reward_overlap: bool = opt(True, "When every reward works on the CPU (remote, world_caption, world_size, "
-                                     "world_motion, world_motion_right, a user's reward with runs_on_cpu = True), any "
-                                     "--sp_size: each chunk of --mini_batch_size_per_update videos is decoded as soon "
-                                     "as it is sampled and scored in a worker thread, so scoring overlaps the rollout "
-                                     "of the next chunk (the same samples and scores as in order). Rewards on the "
-                                     "accelerator and the demo rewards score in order after the rollout.")
+    reward_overlap: bool = opt(True, "When every reward works on the CPU (remote, vlm_judge, world_caption, "
+                                     "world_size, world_motion, world_motion_right, a user's reward with runs_on_cpu "
+                                     "= True), any --sp_size: each chunk of --mini_batch_size_per_update videos is "
+                                     "decoded as soon as it is sampled and scored in a worker thread, so scoring "
+                                     "overlaps the rollout of the next chunk (the same samples and scores as in "
+                                     "order). Rewards on the accelerator and the demo rewards score in order after "
+                                     "the rollout.")
     reward_retries: int = opt(3, "Retries of a failed reward server request (remote: exponential backoff from 1 "
                                  "s) or judge request (vlm_judge: the openai client's backoff, 0.5 s doubling up "
                                  "to 8 s, or the server's Retry-After) before its videos score NaN.")
