@@ -487,8 +487,8 @@ def stage_authors(a, res: dict) -> None:
     out["train"] = metered(a, "authors_train", train_args(a, root, a.work / "run_authors", 1,
                                                           authors_version=version, prompts=authors_prompts(a, version)))
     out["convert"] = metered(a, "authors_convert", [
-        "scripts/convert_authors_checkpoint.py", "--pretrained_model_root", str(root), "--pretrained_transformer_version",
-        version, "--out", str(conv)])
+        "scripts/convert_authors_checkpoint.py", "--pretrained_model_root", str(root),
+        "--pretrained_transformer_version", version, "--out", str(conv)])
     if "failed" not in out["convert"]:
         t0 = time.perf_counter()
         out["converted_gib"] = checkpoint_bytes(conv) / 2**30
