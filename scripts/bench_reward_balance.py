@@ -12,17 +12,20 @@ component_norm, --seed 0, 1, ... and validation off; it trains on the config's t
 right, up or down (`world_motion` cannot score "bounces", which would mask those groups), written to
 --out/train_prompts.txt. The default pair: `world_motion` (the object's displacement the caption's way) and
 `temporal_consistency` (minus the mean frame-to-frame change): moving further changes the frames more, so they pull
-apart, and within a group of the base model's rollouts the first spreads about 15 times as widely as the second, so
-it alone orders the weighted sums.
+apart, and within a group of the base model's rollouts the first spreads far more widely than the second, so it
+alone orders the weighted sums. The script measures both first: the base model's training rollouts of the
+evaluation captions (a group of the config's num_generations each, the training sampler and SDE window), each
+component's standard deviation within a group and the two components' correlation within a group, averaged over
+the groups.
 
 Evaluation: before training (the base weights, once) and after each run (its last checkpoint), the same captions are
 sampled by ODE with the config's validation settings, --eval_noises noise seeds each (validation_seed, +1, ...), and
 every component is scored; a run's change is its mean over those videos minus the base model's. The table gives
 each combination's changes as mean ± standard error over the seeds (and the median), in the component's own units
 and in spreads of the base model's scores on the evaluation set, and component_norm - weighted_sum with the standard
-error of that difference. Writes --out/summary.json (every run's scores and the table's numbers), --out/table.md
-and runs/<combine>_s<seed>/ (each run's config.yaml and metrics.jsonl; its checkpoint is deleted once evaluated).
-Keep --threads 1 on a shared CPU.
+error of that difference. Writes --out/summary.json (every run's scores, the within-group spreads and the table's
+numbers), --out/table.md and runs/<combine>_s<seed>/ (each run's config.yaml and metrics.jsonl; its checkpoint is
+deleted once evaluated). Keep --threads 1 on a shared CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -114,6 +118,24 @@ def aggregate(runs: list[dict], base: dict, components: list[str]) -> dict:
     return table
 
 
+def within_group_stats(scores: dict[str, list[float]], group: int) -> dict:
+    """scores: {component: [score]}, consecutive runs of `group` videos one group each -> the mean over groups of
+    each component's population standard deviation within its group (the spread the group advantage sees) and the
+    mean within-group Pearson correlation of the two components over the groups where both vary."""
+    a, b = (scores[k] for k in scores)
+    groups = [(a[i:i + group], b[i:i + group]) for i in range(0, len(a), group)]
+    corr = []
+    for x, y in groups:
+        sx, sy = statistics.pstdev(x), statistics.pstdev(y)
+        if sx > 0 and sy > 0:
+            mx, my = statistics.fmean(x), statistics.fmean(y)
+            corr.append(statistics.fmean([(u - mx) * (v - my) for u, v in zip(x, y)]) / (sx * sy))
+        # a group where one component is constant has no correlation
+    return {"std": {k: statistics.fmean(statistics.pstdev(v[i:i + group]) for i in range(0, len(v), group))
+                    for k, v in scores.items()},
+            "corr": statistics.fmean(corr) if corr else math.nan, "groups": len(groups)}
+
+
 def format_table(table: dict, base: dict, components: list[str]) -> str:
     """The aggregate as a markdown table (changes: mean ± standard error, median)."""
     lines = ["| combine | component | base | change (mean ± SE) | median | change in base spreads | per seed |",
@@ -187,6 +209,39 @@ class Evaluator:
                     out[k] += scored[k].double().tolist()
         return out
 
+    def group_scores(self, cfg, group: int) -> dict[str, list[float]]:
+        """{component: [score]} of the base model's training rollouts of the evaluation captions: `group` videos a
+        caption with the config's sampler, eta, SDE window (its first position) and noise sharing, as a training
+        step draws a group (noise seed: the first evaluation seed), the captions' groups one after another."""
+        import torch
+
+        from sage_grpo.generation import record_noise_seed
+        from sage_grpo.rollout import SamplerSettings, decode_latents, rollout
+        from sage_grpo.window import window_masks
+
+        r = cfg.rollout
+        settings = replace(SamplerSettings.from_config(cfg), compute_dtype=torch.float32, autocast=False,
+                           master_dtype=torch.float32)
+        sde = window_masks(r.grpo_sampling_steps, r.sde_window_start, r.sde_window_size, r.sde_window_stride)[0]
+        out: dict[str, list[float]] = {k: [] for k in self.reward.components}
+        with torch.no_grad():
+            uncond = self.cache.get([r.neg_prompt]) if settings.use_cfg else None
+            for i in range(0, len(self.records), 8):  # 8 captions x `group` videos a batch
+                recs = [rec for rec in self.records[i:i + 8] for _ in range(group)]
+                prompts = [rec.prompt for rec in recs]
+                traj = rollout(self.pipe.transformer, self.cache.get(prompts), uncond, prompts=prompts,
+                               prompt_ids=torch.tensor([rec.index for rec in recs]),
+                               generation_ids=torch.arange(group).repeat(len(recs) // group),
+                               prompt_seeds=torch.tensor([record_noise_seed(rec) for rec in recs]),
+                               latent_shape=self.shape, settings=settings,
+                               image_tokens=self.pipe.vision_num_semantic_tokens, base_seed=self.seeds[0],
+                               same_noise=r.use_same_noise, sde_steps=sde)
+                videos = decode_latents(self.pipe.vae, traj.final_latents).cpu()  # [8 * group, F, 3, H, W]
+                scored = self.reward(videos, prompts)
+                for k in out:
+                    out[k] += scored[k].double().tolist()
+        return out
+
     def trained(self, checkpoint: Path) -> dict[str, list[float]]:
         """`scores` of a run's checkpoint; the base weights are restored after."""
         from sage_grpo.models.lora import load_trained_weights
@@ -245,10 +300,15 @@ def main(argv: list[str] | None = None) -> dict:
                             "takes two rewards of one component each")
     base_scores = ev.scores()
     base = {k: {"mean": statistics.fmean(v), "std": statistics.pstdev(v)} for k, v in base_scores.items()}
+    group = cfg.data.num_generations
+    spreads = within_group_stats(ev.group_scores(cfg, group), group)
     print(f"[reward_balance] {len(COMBINES)} combinations x {args.seeds} seeds, {steps} steps each, rewards "
           f"{components}, {len(captions)} training captions, evaluation {len(records)} captions x "
           f"{args.eval_noises} noises; base " + ", ".join(f"{k} {b['mean']:.4f} (std {b['std']:.4f})"
-                                                          for k, b in base.items()), flush=True)
+                                                          for k, b in base.items())
+          + f"; within the base model's training groups ({spreads['groups']} captions x {group}): std "
+          + ", ".join(f"{k} {v:.4f}" for k, v in spreads["std"].items())
+          + f", correlation {spreads['corr']:+.2f}", flush=True)
     runs = []
     for seed in range(args.seeds):
         for combine in COMBINES:
@@ -275,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "table.md").write_text(text + "\n")
     summary = {"rewards": args.rewards, "steps": steps, "seeds": list(range(args.seeds)),
                "eval_captions": [r.prompt for r in records], "eval_noise_seeds": ev.seeds, "base": base,
+               "group_spreads": spreads,
                "base_scores": base_scores, "runs": runs, "table": table, "total_s": time.perf_counter() - t0}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"\nEach component's change on the evaluation set ({len(records)} captions x {args.eval_noises} noises, "

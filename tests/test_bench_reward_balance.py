@@ -58,6 +58,19 @@ def test_aggregate_equals_numpy_over_seeds():
     assert len(text.splitlines()) == 2 + 4 + 2 and "nan" not in text
 
 
+def test_within_group_stats_equal_numpy_per_group():
+    rng = np.random.default_rng(1)
+    a = rng.normal(0.3, 0.05, (5, 4))  # [groups, G]
+    b = -0.1 * a + rng.normal(0, 0.002, (5, 4))
+    b[2] = 0.5  # a constant component: no correlation in that group
+    got = rb.within_group_stats({"a": a.ravel().tolist(), "b": b.ravel().tolist()}, 4)
+    assert got["groups"] == 5
+    assert got["std"]["a"] == pytest.approx(a.std(axis=1).mean())
+    assert got["std"]["b"] == pytest.approx(b.std(axis=1).mean())
+    corr = [np.corrcoef(a[g], b[g])[0, 1] for g in (0, 1, 3, 4)]
+    assert got["corr"] == pytest.approx(np.mean(corr)) and got["corr"] < -0.5
+
+
 def test_one_seed_has_no_standard_error():
     one = rb.mean_se([0.25])
     assert one["mean"] == one["median"] == 0.25 and math.isnan(one["se"])
@@ -103,6 +116,8 @@ def test_quick_trains_both_combinations_and_scores_them_on_the_same_set(tmp_path
             assert run["after"][k] == pytest.approx(np.mean(run["scores"][k]))
             assert summary["table"][run["combine"]][k]["change"]["mean"] == pytest.approx(
                 run["after"][k] - np.mean(base))
+    spreads = summary["group_spreads"]
+    assert spreads["groups"] == 2 and all(spreads["std"][k] > 0 for k in comps) and -1 <= spreads["corr"] <= 1
     for run in summary["runs"]:
         run_dir = out / "runs" / f"{run['combine']}_s0"
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
