@@ -7,6 +7,10 @@
         --metrics videoalign_local,clipscore,pickscore --pretrained_model_root ckpts
     # a CSV with a `prompt` column and a `video_path` (or `video`, `path`) column
     python scripts/score_videos.py --videos eval_prompts.csv --out eval/base
+    # a VLM judge behind an OpenAI-compatible chat server (--judge_*, --reward_timeout, --reward_retries as in
+    # training)
+    python scripts/score_videos.py --videos outputs/samples/step_000100 --out eval/judge100 \\
+        --metrics vlm_judge --judge_url http://judgehost:8001
 
 Writes <out>.csv (one row per video + a final "MEAN" row) and <out>.json ({"videos": [...], "means": {...},
 "n_failed": {...}}). Columns: VQ, MQ, TA, Overall (normalised VideoAlign), CLIPScore, PickScore and any other
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import sys
@@ -34,11 +39,17 @@ from sage_grpo.config import (  # noqa: E402
     REWARD_SAMPLE_FPS,
     VIDEO_FPS,
     Config,
+    RewardConfig,
     check_values,
+    parse_bool,
 )
 from sage_grpo.errors import SageGRPOError  # noqa: E402
 
 VIDEO_COLUMNS = ("video_path", "video", "path")
+# the flags of the metrics vlm_judge and remote: the training flags of the same names (defaults and help from
+# RewardConfig)
+SERVER_FLAGS = ("judge_url", "judge_model", "judge_template", "judge_scale", "judge_frames", "judge_video",
+                "judge_concurrency", "reward_timeout", "reward_retries")
 
 
 def warn(message: str) -> None:
@@ -128,6 +139,7 @@ def build_metrics(args: argparse.Namespace) -> dict:
         pickscore_model_path=args.pickscore_model_path,
         pickscore_processor_path=args.pickscore_processor_path,
         reward_url=args.reward_url,
+        **{name: getattr(args, name) for name in SERVER_FLAGS},
     )
     if args.min_pixels:
         kwargs["min_pixels"] = args.min_pixels
@@ -210,6 +222,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "(laion/CLIP-ViT-H-14-laion2B-s32B-b79K, tokenizer and processor files only)")
     ap.add_argument("--reward_url", default="", help="for the metric `remote`: reward server URL(s) "
                     "(scripts/serve_reward.py), comma-separated; token from SAGE_REWARD_TOKEN")
+    meta = {f.name: f.metadata for f in dataclasses.fields(RewardConfig)}
+    for name in SERVER_FLAGS:
+        default = getattr(r, name)
+        kind = dict(type=type(default))
+        if isinstance(default, bool):  # --judge_video, --judge_video true, as in training
+            kind = dict(type=lambda v, n=name: parse_bool(v, f"--{n}"), nargs="?", const=True, metavar="BOOL")
+        ap.add_argument(f"--{name}", default=default, choices=meta[name]["choices"],
+                        help=f"{meta[name]['help']} (default: {default!r})".replace("--reward_model", "--metrics")
+                        .replace("%", "%%"), **kind)
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--dtype", default=r.reward_dtype, choices=DTYPES, help="reward model dtype (default: %(default)s)")
     ap.add_argument("--max_pixels", type=int, default=REWARD_MAX_PIXELS,
@@ -251,10 +272,31 @@ def check_args(args: argparse.Namespace) -> None:
         raise SageGRPOError(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise SageGRPOError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPUs")
-    metric_names(args.metrics)
+    check_server_flags(args, metric_names(args.metrics))
     out = Path(args.out)
     for path in (out.with_suffix(".csv"), out.with_suffix(".json")):
         check_output_file(path, "--out")
+
+
+def check_server_flags(args: argparse.Namespace, names: list[str]) -> None:
+    """The flags of vlm_judge and remote, as training checks them: a judge URL exactly when the judge is chosen,
+    counts >= 1, a template file that can be read, a timeout > 0."""
+    from sage_grpo.rewards.judge import check_url, load_template
+
+    at_least("--judge_frames", args.judge_frames, 1)
+    at_least("--judge_concurrency", args.judge_concurrency, 1)
+    at_least("--reward_timeout", args.reward_timeout, 0, strict=True)
+    at_least("--reward_retries", args.reward_retries, 0)
+    judged = "vlm_judge" in (n.strip().lower() for n in names)
+    if args.judge_url.strip() and not judged:
+        raise SageGRPOError(f"--judge_url is only used by the metric vlm_judge; add it to --metrics (got --metrics "
+                            f"{args.metrics})")
+    if judged:
+        if not args.judge_url.strip():
+            raise SageGRPOError("--metrics vlm_judge needs --judge_url http://host:port (an OpenAI-compatible chat "
+                                "server: vllm serve, python -m sglang.launch_server, transformers serve)")
+        check_url(args.judge_url)
+        load_template(args.judge_template, args.judge_scale)
 
 
 def run(argv: list[str] | None) -> int:

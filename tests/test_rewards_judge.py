@@ -29,6 +29,7 @@ from openai.types.chat import ChatCompletion
 from PIL import Image
 from post_train_helpers import ROOT, _args, pt
 from test_rewards_remote import _free_port
+from test_rewards_scripts import load_script
 
 from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.config import load_config, validate
@@ -43,7 +44,7 @@ from sage_grpo.rewards.judge import (
     render,
     score_from_logprobs,
 )
-from sage_grpo.video import frames_to_uint8, read_video
+from sage_grpo.video import frames_to_uint8, read_video, write_video
 
 MODEL = "fake-judge"
 
@@ -278,6 +279,39 @@ def test_at_most_judge_concurrency_requests_are_in_flight(fake):
     fake.delay = 0.3
     got = j(smooth_videos(6, 5, 16, 16), list("abcdef"))["judge"]
     assert fake.max_in_flight == 2 and torch.allclose(got, torch.full((6,), 6 / 9))
+
+
+def test_score_videos_scores_saved_videos_with_the_judge(fake, tmp_path, capsys):
+    """scripts/score_videos.py --metrics vlm_judge: the --judge_* flags reach the judge (a template file, 2
+    frames), each video's exact prompt is in its request, and the judge's score is in the tables."""
+    d = tmp_path / "vids"
+    d.mkdir()
+    for name, video in zip(("fox", "sea"), smooth_videos(2, 9, 16, 24, seed=6)):
+        write_video(d / f"{name}.mp4", video)
+        (d / f"{name}.txt").write_text(f"a {name} at dusk")
+    template = tmp_path / "judge.txt"
+    template.write_text("Rate {prompt} ({frames} frames) from 1 to 10.")
+    fake.text = "Score: 8"
+    sv = load_script("score_videos")
+    out = tmp_path / "table"
+    argv = ["--videos", str(d), "--out", str(out), "--device", "cpu"]
+    assert sv.main([*argv, "--metrics", "vlm_judge,brightness", "--judge_url", fake.url, "--judge_template",
+                    str(template), "--judge_frames", "2"]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["videos"]
+    assert [r["judge"] for r in rows] == pytest.approx([7 / 9, 7 / 9], abs=1e-6)
+    texts = [b["messages"][0]["content"][-1]["text"] for b in fake.bodies[1:]]  # [0]: the probe
+    assert texts == ["Rate a fox at dusk (2 frames) from 1 to 10.", "Rate a sea at dusk (2 frames) from 1 to 10."]
+    assert all([p["type"] for p in b["messages"][0]["content"]] == ["image_url"] * 2 + ["text"] for b in fake.bodies)
+    # checked as in training, one line before anything loads
+    for flags, message in ((["--metrics", "brightness", "--judge_url", fake.url], "--judge_url is only used by the "
+                                                                                   "metric vlm_judge"),
+                           (["--metrics", "vlm_judge"], "--metrics vlm_judge needs --judge_url"),
+                           (["--metrics", "vlm_judge", "--judge_url", fake.url, "--reward_timeout", "0"],
+                            "--reward_timeout must be > 0")):
+        capsys.readouterr()
+        assert sv.main([*argv, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
 
 
 def test_a_judge_server_that_cannot_serve_is_one_line_before_the_policy_loads(fake, tiny_model, tmp_path,
