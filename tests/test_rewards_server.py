@@ -2,8 +2,8 @@
 it is read, and /health answers while a large body is decoded; a batcher that stops fails /health and every
 request at once, and the client goes to the next replica; other hosts are served only with a token or on purpose;
 servers of one reward with other settings are not replicas. And the quiet failures a wrong client or server would
-pass unseen: a refused token retried with backoff, a missing score taken as 0, every rank and call starting at the
-first replica, a token compared by its first bytes."""
+pass unseen: a refused token or a body over the limit retried with backoff, a missing score taken as 0, every rank
+and call starting at the first replica, a token compared by its first bytes."""
 
 from __future__ import annotations
 
@@ -180,6 +180,25 @@ def test_a_refused_token_fails_the_batch_at_once_without_retries(server):
         got = remote(smooth_videos(2, 5, 16, 16, seed=3), ["a", "b"])
     assert time.monotonic() - t0 < 1.5
     assert torch.isnan(got["brightness"]).all()
+
+
+def test_a_body_over_the_limit_fails_the_batch_at_once_and_fits_in_smaller_requests(server, monkeypatch):
+    """The same body is over the server's limit on every try: one try, NaN and what to change, no 2 + 4 + 8 s of
+    backoff; and what it says to change works: --reward_batch_size 1 sends each video alone, within the limit."""
+    remote = RemoteReward([server], token=TOKEN, retries=3, backoff=2.0)
+    videos = torch.zeros(2, 3, 3, 1024, 1024)  # 75 MB, 38 MB a video: compressed to little, decompressed past 64 MiB
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"failed 1 time\(s\) on a batch of 2 .*body too large \(413: request body "
+                                            r"decompresses to more than the server's limit of 67108864 bytes\); "
+                                            r"lower --reward_batch_size or raise the server's --max_request_mb"):
+        got = remote(videos, ["a", "b"])
+    assert time.monotonic() - t0 < 2 + 4  # the first two backoffs
+    assert torch.isnan(got["brightness"]).all()
+    monkeypatch.setenv("SAGE_REWARD_TOKEN", TOKEN)
+    before = httpx.get(f"{server}/health").json()["requests"]
+    got = build_reward("remote", reward_url=server, reward_weights="", batch_size=1)(videos, ["a", "b"])
+    assert got["brightness"].tolist() == [0.0, 0.0]  # black videos
+    assert httpx.get(f"{server}/health").json()["requests"] - before == 2
 
 
 def test_a_missing_score_is_nan_not_zero(server):

@@ -9,8 +9,9 @@ prompts as UTF-8 bytes, never a pickle) compressed with zlib: lossless, so remot
 Several URLs: servers that report the same reward (components, version and the settings that change its scores:
 checkpoint, step, dtype, pixels, frame rates) are replicas, tried in turn starting from one chosen by the rank and
 the call (the load spreads over ranks and calls); servers of different rewards are combined, each contributing its
-components. A request that times out or fails is retried with exponential backoff on the next replica; what still
-fails is NaN (one warning), so the failed-reward policy (`--max_failed_reward_steps`) applies. A server that cannot
+components. A request that times out or fails is retried with exponential backoff on the next replica (a refused
+token or a body over the server's limit, 413, is not: no retry can change it); what still fails is NaN (one
+warning), so the failed-reward policy (`--max_failed_reward_steps`) applies. A server that cannot
 be reached when the run starts, refuses the token, or serves the same reward with other settings as another, is one
 error line instead.
 """
@@ -133,6 +134,15 @@ def decode_batch(body: bytes | bytearray, max_bytes: int = MAX_BODY_BYTES) -> tu
 # ------------------------------------------------------------------------------------------------ the client
 
 
+def _detail(r) -> str:
+    """The reason a server gave with an error answer (FastAPI's ``detail``), else the start of its text."""
+    try:
+        text = str(r.json()["detail"])
+    except Exception:  # noqa: BLE001 - not JSON, or no detail: whatever it sent
+        text = r.text
+    return " ".join(text.split())[:300]
+
+
 @dataclass
 class _Server:
     """One reward served by one or more replicas."""
@@ -164,11 +174,12 @@ class RemoteReward:
     runs_on_cpu = True  # it encodes CPU frames and waits on the network: the overlap scores it in a worker thread
 
     def __init__(self, urls: Sequence[str], timeout: float = 120.0, retries: int = 3, backoff: float = 1.0,
-                 token: str | None = None, rank: int = 0, video_fps: float | None = None):
+                 token: str | None = None, rank: int = 0, video_fps: float | None = None, batch_size: int = 0):
         """``urls``: server base URLs; ``timeout``: seconds per request; ``retries``: further tries after the first;
         ``backoff``: seconds before the first retry (doubled each time); ``token``: bearer token (default: the
         ``SAGE_REWARD_TOKEN`` environment variable); ``rank``: spreads ranks over replicas; ``video_fps``: the frame
-        rate of the videos this client sends, checked against a server that samples frames by time."""
+        rate of the videos this client sends, checked against a server that samples frames by time; ``batch_size``:
+        the most videos one request holds (``--reward_batch_size``), 0 = all videos of a call."""
         import httpx
 
         urls = [u.strip().rstrip("/") for u in urls if u.strip()]
@@ -176,6 +187,7 @@ class RemoteReward:
             raise SageGRPOError("--reward_model remote needs --reward_url (the server's http://host:port, several "
                                 "separated by commas)")
         self.timeout, self.retries, self.backoff, self.rank = float(timeout), int(retries), float(backoff), rank
+        self.batch_size = int(batch_size)
         token = os.environ.get(TOKEN_ENV, "") if token is None else token
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(timeout=httpx.Timeout(self.timeout), headers=self.headers)
@@ -239,7 +251,15 @@ class RemoteReward:
         return [self.client.get(f"{u}/health").json() for s in self.servers for u in s.urls]
 
     def _score(self, server: _Server, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        """One server's components for the batch, NaN when every try failed."""
+        """One server's components for the batch, in requests of at most ``batch_size`` videos (a body over the
+        server's limit is refused whole, so fewer videos per request is what makes it fit)."""
+        n = videos.shape[0]
+        step = self.batch_size if self.batch_size > 0 else max(n, 1)
+        parts = [self._post(server, videos[i : i + step], prompts[i : i + step]) for i in range(0, max(n, 1), step)]
+        return {c: torch.cat([p[c] for p in parts]) for c in server.components}  # each [n]
+
+    def _post(self, server: _Server, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """One request's components, NaN when every try failed."""
         n = videos.shape[0]
         x = apply_read(server.read_spec, videos)
         body = encode_batch(x, prompts, wire_dtype(server.read_spec))
@@ -251,6 +271,10 @@ class RemoteReward:
                 r = self.client.post(f"{url}/score", content=body, headers={"Content-Type": CONTENT_TYPE})
                 if r.status_code in (401, 403):  # a token changed mid-run: retrying cannot help
                     errors.append(f"{url}: token refused ({r.status_code})")
+                    break
+                if r.status_code == 413:  # the same body is as large on every try
+                    errors.append(f"{url}: body too large (413: {_detail(r)}); lower --reward_batch_size or raise "
+                                  "the server's --max_request_mb")
                     break
                 r.raise_for_status()
                 scores = r.json()["scores"]
@@ -266,7 +290,7 @@ class RemoteReward:
                 if attempt < self.retries:
                     time.sleep(self.backoff * 2**attempt)
         warnings.warn(f"reward server failed {len(errors)} time(s) on a batch of {n} ({errors[-1]}); its scores are "
-                      "NaN", RuntimeWarning, stacklevel=3)
+                      "NaN", RuntimeWarning, stacklevel=4)
         return {c: torch.full((n,), math.nan, dtype=torch.float32, device=videos.device) for c in server.components}
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -280,8 +304,10 @@ class RemoteReward:
 
 @register_reward("remote")
 def build_remote(reward_url: str | Sequence[str] = "", reward_timeout: float = 120.0, reward_retries: int = 3,
-                 reward_backoff: float = 1.0, video_fps: float | None = None, **_: object) -> RemoteReward:
-    """Builder of the remote reward (``reward_url``: comma-separated URLs)."""
+                 reward_backoff: float = 1.0, video_fps: float | None = None, batch_size: int = 0,
+                 **_: object) -> RemoteReward:
+    """Builder of the remote reward (``reward_url``: comma-separated URLs; ``batch_size``: most videos per
+    request)."""
     try:
         import httpx  # noqa: F401
     except ImportError:
@@ -289,4 +315,4 @@ def build_remote(reward_url: str | Sequence[str] = "", reward_timeout: float = 1
     urls = reward_url.split(",") if isinstance(reward_url, str) else list(reward_url)
     rank = int(os.environ.get("RANK", "0"))
     return RemoteReward(urls, timeout=reward_timeout, retries=reward_retries, backoff=reward_backoff, rank=rank,
-                        video_fps=video_fps)
+                        video_fps=video_fps, batch_size=batch_size)
