@@ -135,6 +135,22 @@ def test_a_batcher_that_stops_fails_health_and_requests_at_once_and_the_client_g
     torch.testing.assert_close(got["brightness"], want["brightness"], rtol=0, atol=1e-6)
 
 
+def test_a_stopped_batcher_fails_info_so_a_client_that_starts_takes_it_for_no_replica(server, dying):
+    """/info answers 503 with the reason too: a client that starts now does not take a server that scores nothing
+    more for a healthy replica (every request that starts there would spend a try on it), but says so in one line."""
+    with serve("--reward_model", dying, token=TOKEN) as (url, _):
+        assert httpx.get(f"{url}/info", headers=AUTH).status_code == 200
+        httpx.post(f"{url}/score", content=encode_batch(smooth_videos(1, 5, 16, 16), ["die"]), headers=AUTH)
+        r = httpx.get(f"{url}/info", headers=AUTH)
+        assert r.status_code == 503 and "batcher stopped (CancelledError" in r.json()["detail"]
+        assert httpx.get(f"{url}/info").status_code == 401  # the token is still checked first
+        with pytest.raises(SageGRPOError, match=rf"reward server {url} answered 503 to /info \(the reward server's "
+                                                r"batcher stopped \(CancelledError: .*\); restart it .*or leave it out "
+                                                "of --reward_url") as err:
+            RemoteReward([server, url], token=TOKEN, retries=0)
+        assert "\n" not in str(err.value)
+
+
 def test_serving_other_hosts_without_a_token_is_refused_unless_on_purpose(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "SAGE_REWARD_TOKEN"}
     r = subprocess.run([sys.executable, str(ROOT / "scripts/serve_reward.py"), "--reward_model", "brightness",

@@ -12,8 +12,8 @@ the call (the load spreads over ranks and calls); servers of different rewards a
 components. A request that times out or fails is retried with exponential backoff on the next replica (a refused
 token or a body over the server's limit, 413, is not: no retry can change it); what still fails is NaN (one
 warning), so the failed-reward policy (`--max_failed_reward_steps`) applies. A server that cannot
-be reached when the run starts, refuses the token, or serves the same reward with other settings as another, is one
-error line instead.
+be reached when the run starts, refuses the token, answers /info with an error (503: its batcher stopped), or serves
+the same reward with other settings as another, is one error line instead.
 """
 
 from __future__ import annotations
@@ -242,6 +242,10 @@ class RemoteReward:
                 err = e
                 if attempt < self.retries:
                     time.sleep(self.backoff * 2**attempt)
+        if isinstance(err, httpx.HTTPStatusError):  # it answers, but not as a server that scores (a stopped batcher)
+            raise SageGRPOError(f"reward server {url} answered {err.response.status_code} to /info "
+                                f"({_detail(err.response)}); restart it (python scripts/serve_reward.py), or leave it "
+                                "out of --reward_url") from None
         raise SageGRPOError(f"reward server {url} cannot be reached ({type(err).__name__}: {_one_line(err)}); start "
                             "it with "
                             "python scripts/serve_reward.py, or check --reward_url") from None

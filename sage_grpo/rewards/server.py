@@ -1,7 +1,7 @@
 """The reward server behind `scripts/serve_reward.py`: a FastAPI app that scores with any reward.
 
 Endpoints: ``GET /health`` (no token: for load balancers and start-up scripts; counts of requests and batches;
-503 once the batcher has stopped, when /score answers 503 at once too),
+503 once the batcher has stopped, when /info and /score answer 503 with the reason at once too),
 ``GET /info`` (components, default weights, version, settings, ``read_spec``: what `RemoteReward` needs to know) and
 ``POST /score`` (a body of `sage_grpo.rewards.remote.encode_batch`; answers ``{"scores": {component: [B]}}``,
 null for NaN). Requests that arrive while a batch is scored, or within ``batch_wait_s`` of the first, are scored
@@ -198,6 +198,8 @@ def make_app(reward, name: str, version: str, *, settings: dict | None = None, t
     @app.get("/info")
     async def info(request: Request):
         authorize(request)
+        if batcher.error:  # a client starting now must not take this server as a replica: it scores nothing more
+            return JSONResponse(status_code=503, content={"detail": batcher.error})
         return {"reward": name, "components": list(components), "default_weights": default_weights,
                 "version": version, "settings": settings or {}, "read_spec": spec, "max_batch": max_batch,
                 "max_body_bytes": max_body_bytes}
