@@ -240,7 +240,8 @@ class RewardConfig:
                                                     "frame-loading default).")
     reward_sample_fps: float = opt(REWARD_SAMPLE_FPS, "Frames per second sampled from the video for VideoAlign (81 "
                                                       "frames at 24 fps -> 6 frames).")
-    reward_batch_size: int = opt(0, "Videos per reward forward; 0 = all videos of the rank at once.")
+    reward_batch_size: int = opt(0, "Videos per reward forward (per request for the remote reward); 0 = all "
+                                    "videos of the rank at once.")
     max_failed_reward_steps: int = opt(3, "Stop, after writing a checkpoint, when this many steps in a row had no "
                                           "finite reward on any rank (such steps train nothing and are counted in "
                                           "train/failed_reward_steps); 0 = never stop.")
