@@ -23,7 +23,8 @@ Stages (each a process of the project's own entry points; per-phase peak RSS fro
               valid-token processor against diffusers' stock processor
   authors     the authors' layout (tencent/HunyuanVideo-1.5) of --authors_version at the real size, written by
               sage_grpo.models.full_size (one transformer safetensors file in their key names, the whole Qwen2.5-VL
-              with its vision tower, the glyph byt5_model.pt; I2V: vision_encoder/siglip): post_train.py one LoRA
+              with its vision tower and --authors_text_layers text layers, the glyph byt5_model.pt; I2V:
+              vision_encoder/siglip; the bucket base target_size = --size): post_train.py one LoRA
               step straight from it (I2V: a reference image per prompt), then scripts/convert_authors_checkpoint.py,
               whose output is checked tensor by tensor against the values written; runs after the diffusers
               checkpoint is deleted (unless --keep) and deletes its own folders unless --keep
@@ -280,7 +281,7 @@ def check_resources(a, stages: list[str]) -> None:
     if (a.work / "checkpoint" / ".complete").is_file():
         need_disk = 1 if a.miniature else 4
     if "authors" in stages and not a.miniature:  # after the diffusers checkpoint is deleted, or beside it (--keep)
-        authors = authors_disk_gib(a.text_layers)
+        authors = authors_disk_gib(a.authors_text_layers)
         need_disk, need_ram = need_disk + authors if a.keep else max(need_disk, authors), REAL_RAM_GIB
     a.work.mkdir(parents=True, exist_ok=True)
     disk = shutil.disk_usage(a.work).free / 2**30
@@ -466,21 +467,21 @@ def stage_authors(a, res: dict) -> None:
     root, conv, version = a.work / "authors", a.work / "authors_converted", a.authors_version
     for d in (root, conv, a.work / "run_authors"):
         shutil.rmtree(d, ignore_errors=True)
-    need = 1 if a.miniature else authors_disk_gib(a.text_layers)
+    need = 1 if a.miniature else authors_disk_gib(a.authors_text_layers)
     free = shutil.disk_usage(a.work).free / 2**30
     print(f"[real_size_cpu] authors: needs {need} GiB free disk, has {free:.0f} GiB", flush=True)
     if free < need:
-        raise SystemExit("[real_size_cpu] authors: not enough disk (fewer Qwen layers: --text_layers, or delete the "
-                         "diffusers checkpoint: run without --keep)")
+        raise SystemExit("[real_size_cpu] authors: not enough disk (fewer Qwen layers: --authors_text_layers; "
+                         "without --keep the diffusers checkpoint is deleted before this stage)")
     out: dict = {"version": version}
     res["authors"] = out
-    configs = miniature_configs(version) if a.miniature else real_configs(version, a.text_layers)
+    configs = miniature_configs(version) if a.miniature else real_configs(version, a.authors_text_layers)
     # The I2V bucket base (config only: no weight depends on it): --size, so the reference image's bucket is the
     # T2V runs' size instead of 640 x 640 (1,600 latent tokens a frame, hours a step on a CPU)
     configs["transformer"]["target_size"] = a.size
     out["target_size"] = a.size
     t0 = time.perf_counter()
-    write_authors_checkpoint(root, version, text_layers=a.text_layers, configs=configs,
+    write_authors_checkpoint(root, version, configs=configs,
                              max_shard_size="200KB" if a.miniature else "2GB",
                              log=lambda m: print(f"[real_size_cpu] {m.strip()}", flush=True))
     out.update(write_s=time.perf_counter() - t0, gib=checkpoint_bytes(root) / 2**30)
@@ -533,6 +534,8 @@ def parse(argv=None):
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--miniature", action="store_true", help="miniature configs of the same components (the test)")
     p.add_argument("--text_layers", type=int, default=28, help="Qwen text tower depth (28 = the real 7B)")
+    p.add_argument("--authors_text_layers", type=int, default=12, help="Qwen text tower depth of the authors stage: "
+                   "its layout and the converted copy are on disk together (12: 56 GiB; 28: 70 GiB)")
     p.add_argument("--blocks", type=int, default=54, help="transformer blocks at the real width (54 = the real 8.3B; "
                    "fewer: with the miniature VAE and text encoders, e.g. 8 for a 1.36B model two ranks hold on a "
                    "24 GiB host)")
