@@ -3,13 +3,30 @@ tests/conftest.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 
 from sage_grpo.models.tiny import tiny_transformer_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relpath: str, register: bool = False):
+    """A script of the repository (e.g. "scripts/bench_step.py") as a module, to call its functions and main();
+    `register`: also as sys.modules[<its name>], where dataclasses defined in it look their module up."""
+    path = ROOT / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 TINY_FRAMES, TINY_H, TINY_W = 9, 32, 48  # -> latent [4, 3, 8, 12]: 288 video tokens
 TINY_MIN_PIXELS = 28 * 28 * 4  # keeps tiny frames tiny (the real default would upscale 32x48 to ~100k pixels)

@@ -42,3 +42,19 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 def _stable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(("perf/", "mem/"))} for r in rows]
+
+
+def kill_before_rollout(monkeypatch, proc, at: int = 2):
+    """Kill the server process `proc` just before the `at`-th rollout of post_train (pt) starts -> the original
+    rollout_phase (to put back for a run that goes on)."""
+    orig, calls = pt.rollout_phase, []
+
+    def rollout_phase(c, state, *a):
+        calls.append(1)
+        if len(calls) == at:
+            proc.kill()
+            proc.wait()
+        return orig(c, state, *a)
+
+    monkeypatch.setattr(pt, "rollout_phase", rollout_phase)
+    return orig

@@ -3,30 +3,21 @@ tiny world model end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from helpers import load_script
 
 from sage_grpo.errors import SageGRPOError
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_reward_balance", ROOT / "scripts/bench_reward_balance.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_reward_balance"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rb = _load_bench()
+rb = load_script("scripts/bench_reward_balance.py", register=True)
 
 
 def test_aggregate_equals_numpy_over_seeds():

@@ -3,27 +3,18 @@ counts are deterministic and must equal the configuration's minimum. Timings are
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 from sage_grpo.recipes import minimum_forwards
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "scripts/bench_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bs = _load_bench()
+bs = load_script("scripts/bench_step.py", register=True)
 
 
 @pytest.fixture(autouse=True)

@@ -90,16 +90,12 @@ def test_authors_layout_at_miniature_size_loads_equal_to_the_diffusers_one_and_c
     """The authors' layout writer (one transformer file in their key names, the whole Qwen2.5-VL, the glyph .pt,
     SigLIP) gives every tensor the diffusers writer's values: both load equal through load_pipeline, and
     scripts/convert_authors_checkpoint.py's output holds exactly the written values (real_size_cpu's check)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
+    from helpers import load_script
     from safetensors import safe_open
 
     from sage_grpo.models.full_size import write_authors_checkpoint
     from sage_grpo.models.loading import load_pipeline
 
-    root = Path(__file__).resolve().parents[1]
     cfg = miniature_configs("480p_i2v")
     authors = write_authors_checkpoint(tmp_path / "a", "480p_i2v", configs=cfg, max_shard_size="200KB",
                                        log=lambda _: None)
@@ -124,16 +120,10 @@ def test_authors_layout_at_miniature_size_loads_equal_to_the_diffusers_one_and_c
     assert ga["shared.weight"].shape[0] > gd["shared.weight"].shape[0]
     assert all(torch.equal(ga[k], gd[k]) for k in gd if "embed" not in k and "shared" not in k)
 
-    spec = importlib.util.spec_from_file_location("convert_authors_checkpoint",
-                                                  root / "scripts/convert_authors_checkpoint.py")
-    convert = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert)
-    convert.main(["--pretrained_model_root", str(authors), "--pretrained_transformer_version", "480p_i2v",
-                  "--out", str(tmp_path / "c")])
-    spec = importlib.util.spec_from_file_location("real_size_cpu", root / "scripts/real_size_cpu.py")
-    rs = importlib.util.module_from_spec(spec)
-    sys.modules["real_size_cpu"] = rs
-    spec.loader.exec_module(rs)
+    load_script("scripts/convert_authors_checkpoint.py").main([
+        "--pretrained_model_root", str(authors), "--pretrained_transformer_version", "480p_i2v",
+        "--out", str(tmp_path / "c")])
+    rs = load_script("scripts/real_size_cpu.py", register=True)
     check = rs.check_converted(tmp_path / "c")
     assert set(check) == {"transformer", "vae", "text_encoder", "image_encoder"}
     assert all(v["unequal"] == 0 and v["tensors"] > 10 for v in check.values()), check

@@ -27,7 +27,7 @@ import torch
 from helpers import smooth_videos
 from openai.types.chat import ChatCompletion
 from PIL import Image
-from post_train_helpers import ROOT, _args, pt
+from post_train_helpers import ROOT, _args, kill_before_rollout, pt
 from test_rewards_remote import _free_port
 from test_rewards_scripts import load_script
 
@@ -452,16 +452,7 @@ def test_a_killed_judge_server_gives_nan_then_a_clean_stop_with_a_checkpoint(jud
     flags = ["--reward_model", "vlm_judge", "--reward_weights", '{"judge":1}', "--reward_retries", "0",
              "--reward_timeout", "5", "--max_steps", "4", "--max_failed_reward_steps", "2", "--judge_frames", "2"]
     with transformers_serve(judge_dir, tmp_path / "serve.log") as (url, proc):
-        orig, calls = pt.rollout_phase, []
-
-        def kill_before_the_second_step(c, state, *a):
-            calls.append(1)
-            if len(calls) == 2:
-                proc.kill()
-                proc.wait()
-            return orig(c, state, *a)
-
-        monkeypatch.setattr(pt, "rollout_phase", kill_before_the_second_step)
+        kill_before_rollout(monkeypatch, proc, at=2)
         with pytest.raises(SageGRPOError, match="no finite reward in the last 2 steps .*checkpoint-3 is saved"):
             pt.main(_args(tiny_model, tmp_path / "run", *flags, "--judge_url", url))
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")

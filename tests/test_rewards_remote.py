@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 from helpers import TINY_MIN_PIXELS, smooth_videos
-from post_train_helpers import ROOT, _args, _stable, _weights, pt
+from post_train_helpers import ROOT, _args, _stable, _weights, kill_before_rollout, pt
 
 from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.config import load_config, validate
@@ -234,16 +234,7 @@ def test_a_killed_server_gives_nan_then_a_clean_stop_with_a_checkpoint_and_a_res
     flags = ["--reward_model", "remote", "--reward_url", url, "--reward_retries", "0", "--reward_timeout", "5",
              "--max_steps", "4", "--max_failed_reward_steps", "2"]
     with serve("--reward_model", "brightness", port=port) as (_, proc):
-        orig, calls = pt.rollout_phase, []
-
-        def kill_before_the_second_step(c, state, *a):
-            calls.append(1)
-            if len(calls) == 2:
-                proc.kill()
-                proc.wait()
-            return orig(c, state, *a)
-
-        monkeypatch.setattr(pt, "rollout_phase", kill_before_the_second_step)
+        orig = kill_before_rollout(monkeypatch, proc, at=2)
         with pytest.raises(SageGRPOError, match="no finite reward in the last 2 steps .*checkpoint-3 is saved"):
             pt.main(_args(tiny_model, tmp_path, *flags))
     rows = read_metrics(tmp_path / "metrics.jsonl")
