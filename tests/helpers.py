@@ -28,6 +28,27 @@ def load_script(relpath: str, register: bool = False):
     return module
 
 
+def wait_until_healthy(proc, url: str, timeout: float, output) -> None:
+    """Poll `url`/health until it answers 200; a server process `proc` that exits first, or no answer within
+    `timeout` seconds, raises with `output()` (its log)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {output()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start within {timeout} s")
+        time.sleep(0.1)
+
+
 TINY_FRAMES, TINY_H, TINY_W = 9, 32, 48  # -> latent [4, 3, 8, 12]: 288 video tokens
 TINY_MIN_PIXELS = 28 * 28 * 4  # keeps tiny frames tiny (the real default would upscale 32x48 to ~100k pixels)
 

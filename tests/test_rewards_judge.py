@@ -20,11 +20,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import smooth_videos
+from helpers import smooth_videos, wait_until_healthy
 from openai.types.chat import ChatCompletion
 from PIL import Image
 from post_train_helpers import ROOT, _args, kill_before_rollout, pt
@@ -388,16 +387,7 @@ def transformers_serve(model: Path, log: Path, port: int | None = None):
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited: {log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("transformers serve did not start")
-            time.sleep(0.2)
+        wait_until_healthy(proc, url, 180, lambda: log.read_text()[-2000:])
         yield url, proc
     finally:
         proc.kill()

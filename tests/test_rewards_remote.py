@@ -18,7 +18,7 @@ import zlib
 import httpx
 import pytest
 import torch
-from helpers import TINY_MIN_PIXELS, smooth_videos
+from helpers import TINY_MIN_PIXELS, smooth_videos, wait_until_healthy
 from post_train_helpers import ROOT, _args, _stable, _weights, kill_before_rollout, pt
 
 from sage_grpo.checkpoint import list_checkpoints
@@ -62,18 +62,7 @@ def serve(*flags: str, token: str = "", port: int | None = None, env: dict | Non
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.1)
+        wait_until_healthy(proc, url, 60, proc.stdout.read)
         yield url, proc
     finally:
         proc.kill()
