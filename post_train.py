@@ -484,12 +484,14 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                 state.anchor_refreshed_at, state.anchor_synced = state.updates, True
             metrics: dict = {"kl/anchor_synced": int(state.anchor_synced),
                              "rollout/window_start": int(c.windows[window_of(c, state)].int().argmax())}
-            # a reward on the CPU scores each finished chunk while the next one samples (EarlyScores); else in order
-            early = EarlyScores(c) if overlaps_reward(c) else None
-            with clock("rollout"):
-                traj = rollout_phase(c, state) if early is None else rollout_phase(c, state, early)
-            with clock("reward"):
-                adv, valid, reward_metrics = reward_phase(c, traj) if early is None else reward_phase(c, traj, early)
+            # a reward on the CPU scores each finished chunk while the next one samples (EarlyScores); else in order.
+            # A rollout or reward phase that raises cancels the chunks not yet scored (EarlyScores.__exit__)
+            with EarlyScores(c) if overlaps_reward(c) else nullcontext() as early:
+                with clock("rollout"):
+                    traj = rollout_phase(c, state) if early is None else rollout_phase(c, state, early)
+                with clock("reward"):
+                    adv, valid, reward_metrics = (reward_phase(c, traj) if early is None
+                                                  else reward_phase(c, traj, early))
             metrics.update(reward_metrics)
             # no finite reward on any rank (every rank sees the gathered rewards, so all agree): nothing to learn, but
             # the round still counts toward the pending update (with no gradient), so updates fall on the same steps
@@ -677,16 +679,59 @@ class EarlyScores:
     chunk. The sp peers hold the same videos: video i of the rank is decoded and scored by sp rank i % sp_size only
     (every chunk of >= sp videos is shared evenly, chunks of one video take turns), and `collect` gathers the
     scores in the sp group. Decoding and scoring run no collective, so every sp rank makes the same transformer
-    forwards. `collect` -> the scores of all videos in rollout order, as the in-order scoring gives them."""
+    forwards. `collect` -> the scores of all videos in rollout order, as the in-order scoring gives them.
+
+    Used as a context manager: when the rollout or the reward phase raises, the chunks not yet scored are cancelled
+    and the worker is left behind without a wait. It is a daemon thread, not a ThreadPoolExecutor's: those are
+    joined when the interpreter exits, so a reward blocked for ever (a hung judge or server) would hold the failed
+    run's process for ever; a daemon thread is not waited for."""
 
     def __init__(self, c: Components):
-        from concurrent.futures import ThreadPoolExecutor
+        import queue
 
         self.c = c
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reward")  # chunks are scored in order
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (future, frames, prompts), None = no more
+        self.worker = threading.Thread(target=self._work, name="reward_0", daemon=True)  # chunks scored in order
+        self.worker.start()
         self.futures: list = []
         self.rows: list[list[int]] = []  # the rank's videos each future scores
         self.prompts: list[str] = []
+        self.closed = False
+
+    def __enter__(self) -> EarlyScores:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        if kind is not None:  # the step failed: nothing waits for what is queued or running
+            self.close(cancel=True)
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            future, frames, prompts = item
+            if not future.set_running_or_notify_cancel():  # cancelled while queued
+                continue
+            try:
+                future.set_result(self.c.reward(frames, prompts))
+            except BaseException as err:  # noqa: BLE001 - handed to `collect`, as a ThreadPoolExecutor would
+                future.set_exception(err)
+
+    def close(self, cancel: bool = False) -> None:
+        """Let the worker end once what is queued is done (`cancel`: cancel what has not started and drop its frames;
+        the running chunk, if any, is not waited for). Once; later calls do nothing."""
+        import queue
+
+        if self.closed:
+            return
+        self.closed = True
+        if cancel:
+            for f in self.futures:
+                f.cancel()
+            try:  # the frames of the cancelled chunks are not held by a worker that may never come back
+                while True:
+                    self.queue.get_nowait()
+            except queue.Empty:
+                pass
+        self.queue.put(None)
 
     def start(self, prompts: list[str]) -> None:
         self.prompts = list(prompts)
@@ -701,8 +746,12 @@ class EarlyScores:
             return
         rows = indices.cpu()[mine].tolist()
         frames = decode_latents(self.c.pipe.vae, final_latents[mine.to(final_latents.device)])  # [m, F, 3, H, W]
+        from concurrent.futures import Future
+
+        future: Future = Future()
         self.rows.append(rows)
-        self.futures.append(self.pool.submit(self.c.reward, frames.cpu(), [self.prompts[i] for i in rows]))
+        self.futures.append(future)
+        self.queue.put((future, frames.cpu(), [self.prompts[i] for i in rows]))
 
     def collect(self, names: list[str], b: int) -> torch.Tensor:
         """-> [b, K] scores of the rank's b videos (columns `names`), every chunk's, in rollout order."""
@@ -711,8 +760,10 @@ class EarlyScores:
         info = self.c.info
         try:
             parts = [f.result() for f in self.futures]
-        finally:
-            self.pool.shutdown(wait=True)
+        except BaseException:  # a chunk's reward raised: the later chunks are not waited for either
+            self.close(cancel=True)
+            raise
+        self.close()  # every chunk is scored: the worker ends at once
         mine = torch.full((b, len(names)), math.nan, device=info.device)  # [b, K], NaN = another sp rank's video
         for rows, scores in zip(self.rows, parts):
             mine[rows] = torch.stack([scores[k].float().to(info.device) for k in names], dim=1)
@@ -1093,7 +1144,7 @@ def save(c: Components, state: TrainState) -> Path:
 def write_checkpoint(c: Components, state: TrainState) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from sage_grpo.checkpoint import save_checkpoint
+    from sage_grpo.checkpoint import file_digests, save_checkpoint
     from sage_grpo.models.lora import save_lora, sharded_lora_state
     from sage_grpo.parallel.fsdp import gather_full
 
@@ -1113,6 +1164,7 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
         model_state=None if lora else get_model_state_dict(c.transformer),
         optimizer_state=get_optimizer_state_dict(c.transformer, c.optimizer.optimizers),
         train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg),
+                     "digests": file_digests(config_to_dict(c.cfg)),  # a resume compares the judge template's text
                      "task": c.pipe.sage_grpo_task},  # the export's model card names the task's pipeline
         lora_writer=(lambda d: save_lora(c.transformer, d, state=lora_state)) if lora else None,
         anchor_state=anchor_state, anchor_lora=anchor_lora, total_limit=c.cfg.checkpoint.checkpoints_total_limit,
@@ -1148,12 +1200,13 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
         set_optimizer_state_dict,
     )
 
-    from sage_grpo.checkpoint import dcp_load, exactness_diff, load_rng_state, read_train_state
+    from sage_grpo.checkpoint import dcp_load, exactness_diff, file_digests, load_rng_state, read_train_state
     from sage_grpo.models.lora import load_lora, load_lora_sharded
     from sage_grpo.parallel.fsdp import copy_full_into_shards_
 
     saved = read_train_state(path)
-    diffs = exactness_diff(saved["config"], config_to_dict(c.cfg))
+    current = config_to_dict(c.cfg)
+    diffs = exactness_diff(saved["config"], current, saved.get("digests"), file_digests(current))
     if diffs:
         print0(c.info, "resuming with settings that differ from the saved run (the continuation is not exact): "
                + "; ".join(diffs))

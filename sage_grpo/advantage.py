@@ -36,13 +36,28 @@ def group_advantages(
         if int(member.sum()) < 2:
             continue
         rg = r[member]  # [n_g]
-        if bool((rg == rg[0]).all()):  # constant group: exactly zero, not (r - mean) / eps of rounding noise
+        if _constant(rg):  # constant up to float32 rounding: zero, not (r - mean) / (std + eps) of rounding noise
             continue
         mean = rg.mean()
         std = rg.std(unbiased=False)  # population std
         adv[member] = (rg - mean) / (std + eps)
     adv = adv.clamp(-adv_clip_max, adv_clip_max)
     return adv.float(), valid
+
+
+# A component whose spread within a group is at most this many float32 epsilons of its largest magnitude counts as
+# constant in component_norm. The scores arrive as float32 (post_train.score_videos), so the same video scored in
+# another batch composition or kernel order can differ by rounding: one ulp (eps/2..eps relative) and, after a
+# float32 reduction over n terms, up to about log2(n) ulps (16 covers 65k terms). Normalising that spread would blow
+# it up to |z| ~ 1, as large as a real difference. 16 eps = 1.9e-6 relative; a real difference of 1e-4 relative
+# (~840 ulps) is still normalised, even in one video of a group of up to 500 (its std ~ 1e-4 / sqrt(G)). The scale
+# is max |x| rather than |mean|: a component centred on 0 (a signed score) would otherwise get no floor at all.
+CONSTANT_SPREAD_EPS = 16 * torch.finfo(torch.float32).eps
+
+
+def _constant(x: Tensor) -> bool:
+    """x [m] (m >= 2) is one value up to float32 rounding: population std <= CONSTANT_SPREAD_EPS * max |x|."""
+    return bool(x.std(unbiased=False) <= CONSTANT_SPREAD_EPS * x.abs().max())
 
 
 def combine_components(
@@ -62,8 +77,9 @@ def combine_components(
     normalize=False: s_i = sum_k w_k r_ik, a failed optional r_ik replaced by the group's mean of component k (so it
     moves the sample neither up nor down on k; 0 when no sample of the group has it: a constant, which the group
     advantage cancels); normalize=True (GDPO-style): s_i = sum_k w_k z_ik with z_ik = (r_ik - mean) / (std + eps),
-    population std, z = 0 for a failed optional score and for a component with fewer than two distinct values in
-    the group. Returns s [N] float64, NaN at masked samples.
+    population std, z = 0 for a failed optional score and for a component that is constant in the group up to
+    float32 rounding (population std <= CONSTANT_SPREAD_EPS * max |r|; one sample is constant). Returns s [N]
+    float64, NaN at masked samples.
     """
     if scores.ndim != 2 or weights.shape != (scores.shape[1],) or required.shape != weights.shape \
             or group_ids.shape != (scores.shape[0],):
@@ -85,7 +101,7 @@ def combine_components(
             x = col[have]  # [m]
             term = torch.zeros_like(col)
             if normalize:
-                if x.numel() >= 2 and not bool((x == x[0]).all()):  # a constant: 0, not rounding noise / eps
+                if x.numel() >= 2 and not _constant(x):  # a constant: 0, not rounding noise / (std + eps)
                     term[have] = (x - x.mean()) / (x.std(unbiased=False) + eps)
             elif x.numel():
                 term = torch.where(have, col, x.mean())

@@ -11,7 +11,7 @@
                               signal, the failed-reward limit): the rounds so far, resumed exactly
         rng_rank{r}.safetensors  torch CPU/CUDA generator states (dropout); every other draw is hash-seeded
         train_state.json      post_train's TrainState (counters, pending accumulation, KL controller, prompt
-                              sampler, anchor bookkeeping) and the config
+                              sampler, anchor bookkeeping), the config and file_digests (the judge template)
 
 Everything is written into `checkpoint-{step}.tmp/` and renamed when complete (rank 0, after a barrier), so a
 directory named `checkpoint-N` is always whole and `--resume_from_checkpoint latest` takes the newest of them.
@@ -28,12 +28,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from sage_grpo.config import Config, config_to_dict
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.files import usual_permissions
 from sage_grpo.parallel.dist import all_reduce_sum, barrier
 
 __all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save",
-           "dcp_load", "load_rng_state", "read_train_state", "exactness_diff"]
+           "dcp_load", "load_rng_state", "read_train_state", "exactness_diff", "file_digests", "EXACT_KEYS",
+           "NEUTRAL_REWARD_KEYS", "CONTENT_KEYS"]
 
 TRAIN_STATE = "train_state.json"
 
@@ -220,28 +222,74 @@ def save_checkpoint(
     return final
 
 
-# Settings whose change breaks an exact continuation (the run still resumes; the names are reported).
-_EXACT_KEYS = {
-    "model": ("dtype", "master_weight_type", "use_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
+# ------------------------------------------------------------------------- what an exact continuation keeps
+# THE list of the settings whose change makes a resumed run differ from an uninterrupted one (the run still resumes;
+# the changed names are reported). group -> keys; None = every key of the group. Groups not named here (parallel,
+# validation, checkpoint, logging) change nothing that is trained. A new flag of a listed group that changes the
+# samples, a score, the loss or the update belongs here; one of the reward group that does not belongs in
+# NEUTRAL_REWARD_KEYS: tests/test_checkpoint.py fails on a reward flag in neither, because a score-changing flag left
+# out of this list makes a resume that changes the reward report itself exact.
+EXACT_KEYS: dict[str, tuple[str, ...] | None] = {
+    "model": ("pretrained_transformer_version", "dtype", "master_weight_type", "use_lora", "lora_r", "lora_alpha",
+              "lora_dropout", "lora_target_modules", "vae_tiling"),  # vae_tiling: tiles change the decoded pixels
     "data": ("train_video_csv", "batch_size", "num_generations"),
-    "rollout": None,  # every rollout setting
+    "rollout": None,
     "reward": ("reward_model", "reward_weights", "reward_combine", "reward_optional", "reward_checkpoint_mode",
-               "reward_max_pixels", "reward_min_pixels", "reward_sample_fps"),
+               "reward_checkpoint_step", "reward_max_pixels", "reward_min_pixels", "reward_sample_fps", "reward_dtype",
+               "judge_model", "judge_template", "judge_scale", "judge_frames", "judge_video"),
     "kl": None,
     "optim": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "warmup_steps",
               "gradient_accumulation_steps", "max_grad_norm", "use_muon", "seed", "clip_range", "adv_clip_max",
               "timestep_fraction", "enable_timestep_permutation", "use_grad_balancing", "mini_batch_size_per_update",
               "updates_per_rollout"),
 }
+# Reward settings that change no score: where the weights or the servers are (a moved folder or another replica of
+# the same server), how the videos are batched, sent, retried or overlapped, and when a run gives up.
+NEUTRAL_REWARD_KEYS = ("reward_model_path", "reward_base_model_path", "clip_model_path", "pickscore_model_path",
+                       "pickscore_processor_path", "reward_url", "judge_url", "reward_batch_size", "reward_timeout",
+                       "reward_retries", "reward_overlap", "max_failed_reward_steps", "judge_concurrency",
+                       "judge_allow_http_key")
+# Exactness keys that name a file whose text is the setting: compared by the SHA-256 of the file (saved in the
+# checkpoint's train state as "digests"), so that an edited template is reported and the same file moved or reached
+# by another relative path is not. Only small files are listed (a judge template: hashing it is free).
+CONTENT_KEYS = (("reward", "judge_template"),)
 
 
-def exactness_diff(saved: dict, current: dict) -> list[str]:
-    """Names of the settings (group.key) that differ between the saved and the current resolved config and make the
-    resumed run differ from an uninterrupted one."""
+def file_digests(config: dict) -> dict[str, str]:
+    """The SHA-256 of the file each CONTENT_KEYS setting of the config dict names, by "group.key" ("" = no file set,
+    "unreadable" = set but not a readable file)."""
+    import hashlib
+
+    out = {}
+    for group, key in CONTENT_KEYS:
+        path = str(config.get(group, {}).get(key) or "")
+        digest = ""
+        if path.strip():
+            try:
+                digest = hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
+            except OSError:
+                digest = "unreadable"
+        out[f"{group}.{key}"] = digest
+    return out
+
+
+def exactness_diff(saved: dict, current: dict, saved_digests: dict | None = None,
+                   current_digests: dict | None = None) -> list[str]:
+    """Names of the settings (group.key: old -> new) that differ between the saved and the current resolved config
+    (config_to_dict layout) and make the resumed run differ from an uninterrupted one. A key missing from either
+    (a checkpoint written before the flag existed) counts as its default: the run it wrote behaved as the default
+    does. The digests (file_digests) compare CONTENT_KEYS by content when both are given; a checkpoint written
+    without them is compared by path."""
+    defaults = config_to_dict(Config())
     diffs = []
-    for group, keys in _EXACT_KEYS.items():
-        a, b = saved.get(group, {}), current.get(group, {})
-        for k in keys if keys is not None else sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                diffs.append(f"{group}.{k}: {a.get(k)!r} -> {b.get(k)!r}")
+    for group, keys in EXACT_KEYS.items():
+        a, b, d = saved.get(group, {}), current.get(group, {}), defaults.get(group, {})
+        for k in keys if keys is not None else sorted(set(a) | set(b) | set(d)):
+            old, new = a.get(k, d.get(k)), b.get(k, d.get(k))
+            name = f"{group}.{k}"
+            if (group, k) in CONTENT_KEYS and saved_digests and name in saved_digests and current_digests:
+                if saved_digests[name] != current_digests.get(name):
+                    diffs.append(f"{name}: {old!r} -> {new!r} (its content differs)")
+            elif old != new:
+                diffs.append(f"{name}: {old!r} -> {new!r}")
     return diffs

@@ -270,7 +270,9 @@ class RewardConfig:
                                             "empty = <pretrained_model_root>/CLIP-ViT-H-14-laion2B-s32B-b79K.")
     judge_url: str = opt("", "For --reward_model vlm_judge: the OpenAI-compatible chat server of the judge VLM "
                              "(vllm serve, SGLang, transformers serve), http://host:port (/v1 may follow). API "
-                             "key: the SAGE_JUDGE_API_KEY environment variable, else OPENAI_API_KEY.")
+                             "key: the SAGE_JUDGE_API_KEY environment variable; OPENAI_API_KEY only when the URL is "
+                             "https://api.openai.com; no key over plain http to a host other than this machine "
+                             "unless --judge_allow_http_key.")
     judge_model: str = opt("", "Model name the judge requests ask for (e.g. vLLM's --served-model-name); empty = "
                                "the one model the judge server lists.")
     judge_template: str = opt("", "Text file of the judge's prompt: {prompt} stands for the video's prompt, "
@@ -285,6 +287,8 @@ class RewardConfig:
     judge_video: bool = opt(False, "Send the judge the frames as one mp4 video_url part instead of one image_url "
                                    "part per frame (for servers whose model takes video).")
     judge_concurrency: int = opt(8, "Judge requests in flight at once per rank (one request per video).")
+    judge_allow_http_key: bool = opt(False, "Send SAGE_JUDGE_API_KEY to a plain-http --judge_url on another host "
+                                            "(readable by anyone on the path); off: such a URL gets no key.")
 
 
 @dataclass
@@ -755,10 +759,41 @@ def check_judge(cfg: Config) -> None:
         if value < 1:
             raise SageGRPOError(f"--{name} must be >= 1, got {value}")
     if judged:
-        from sage_grpo.rewards.judge import check_url, load_template
+        check_judge_url(r.judge_url)
+        read_judge_template(r.judge_template)
 
-        check_url(r.judge_url)
-        load_template(r.judge_template, r.judge_scale)
+
+def check_judge_url(url: str) -> str:
+    """``--judge_url`` stripped; one SageGRPOError line when it is empty, several, or not http(s)."""
+    url = url.strip()
+    if not url:
+        raise SageGRPOError("--reward_model vlm_judge needs --judge_url http://host:port (an OpenAI-compatible chat "
+                            "server: vllm serve, python -m sglang.launch_server, transformers serve)")
+    if "," in url:
+        raise SageGRPOError(f"--judge_url takes one server, got {url!r} (put several behind a load balancer)")
+    if not url.startswith(("http://", "https://")):
+        raise SageGRPOError(f"--judge_url {url!r} must start with http:// or https://")
+    return url
+
+
+def read_judge_template(path: str) -> str | None:
+    """The text of the ``--judge_template`` file, None when ``path`` is empty (the built-in template of the scale);
+    one SageGRPOError line for a file that is missing, unreadable, not UTF-8 or empty."""
+    if not path.strip():
+        return None
+    p = Path(path).expanduser()
+    hint = "a UTF-8 text file with the judging prompt, {prompt} standing for the video's prompt"
+    if not p.is_file():
+        raise SageGRPOError(f"--judge_template {path}: no such file ({hint}; relative to the working directory "
+                            f"{Path.cwd()})")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        msg = " ".join(str(err).split())
+        raise SageGRPOError(f"--judge_template {path} cannot be read ({type(err).__name__}: {msg}; {hint})") from None
+    if not text.strip():
+        raise SageGRPOError(f"--judge_template {path} is empty ({hint})")
+    return text
 
 
 def check_values(cfg: Config) -> None:

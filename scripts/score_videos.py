@@ -49,7 +49,7 @@ VIDEO_COLUMNS = ("video_path", "video", "path")
 # the flags of the metrics vlm_judge and remote: the training flags of the same names (defaults and help from
 # RewardConfig)
 SERVER_FLAGS = ("judge_url", "judge_model", "judge_template", "judge_scale", "judge_frames", "judge_video",
-                "judge_concurrency", "reward_timeout", "reward_retries")
+                "judge_concurrency", "judge_allow_http_key", "reward_timeout", "reward_retries")
 
 
 def warn(message: str) -> None:
@@ -281,7 +281,7 @@ def check_args(args: argparse.Namespace) -> None:
 def check_server_flags(args: argparse.Namespace, names: list[str]) -> None:
     """The flags of vlm_judge and remote, as training checks them: a judge URL exactly when the judge is chosen,
     counts >= 1, a template file that can be read, a timeout > 0."""
-    from sage_grpo.rewards.judge import check_url, load_template
+    from sage_grpo.config import check_judge_url, read_judge_template
 
     at_least("--judge_frames", args.judge_frames, 1)
     at_least("--judge_concurrency", args.judge_concurrency, 1)
@@ -295,8 +295,8 @@ def check_server_flags(args: argparse.Namespace, names: list[str]) -> None:
         if not args.judge_url.strip():
             raise SageGRPOError("--metrics vlm_judge needs --judge_url http://host:port (an OpenAI-compatible chat "
                                 "server: vllm serve, python -m sglang.launch_server, transformers serve)")
-        check_url(args.judge_url)
-        load_template(args.judge_template, args.judge_scale)
+        check_judge_url(args.judge_url)
+        read_judge_template(args.judge_template)
 
 
 def run(argv: list[str] | None) -> int:

@@ -62,8 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch_wait_ms", type=float, default=10.0, help="how long the first request of a batch waits "
                                                                       "for others (default: %(default)s)")
     ap.add_argument("--max_request_mb", type=int, default=MAX_BODY_BYTES >> 20,
-                    help="largest request body in MiB, compressed and decompressed: a longer one is refused (413) "
-                         "before it is read (default: %(default)s)")
+                    help="largest request body in MiB, compressed and decoded (decompressed, plus uint8 frames as "
+                         "float32): a longer one is refused (413) before it is read (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     return ap.parse_args(argv)
 

@@ -3,8 +3,11 @@ tests/conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,15 +20,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(relpath: str, register: bool = False):
-    """A script of the repository (e.g. "scripts/bench_step.py") as a module, to call its functions and main();
-    `register`: also as sys.modules[<its name>], where dataclasses defined in it look their module up."""
-    path = ROOT / relpath
+    """A script of the repository (e.g. "scripts/bench_step.py", or a bare name under scripts/: "score_videos") as a
+    module, to call its functions and main(); `register`: also as sys.modules[<its name>], where dataclasses
+    defined in it look their module up."""
+    path = ROOT / relpath if relpath.endswith(".py") else ROOT / "scripts" / f"{relpath}.py"
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     if register:
         sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until_healthy(proc, url: str, timeout: float, output) -> None:
@@ -47,6 +60,27 @@ def wait_until_healthy(proc, url: str, timeout: float, output) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server did not start within {timeout} s")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def serve(*flags: str, token: str = "", port: int | None = None, env: dict | None = None):
+    """scripts/serve_reward.py in its own process (SAGE_REWARD_TOKEN=`token`, unset when "") -> (url, process);
+    killed (by its pid) on exit."""
+    port = port or free_port()
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    e.pop("SAGE_REWARD_TOKEN", None)
+    if token:
+        e["SAGE_REWARD_TOKEN"] = token
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/serve_reward.py"), "--port", str(port),
+                             "--device", "cpu", *flags], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(proc, url, 60, proc.stdout.read)
+        yield url, proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 TINY_FRAMES, TINY_H, TINY_W = 9, 32, 48  # -> latent [4, 3, 8, 12]: 288 video tokens

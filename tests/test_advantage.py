@@ -89,12 +89,25 @@ def test_near_constant_group_does_not_blow_rounding_noise_up():
     assert adv[2:].tolist() == pytest.approx([-1.0, 1.0], abs=1e-6)  # a real spread still gives full size
 
 
+def test_a_group_that_differs_by_float32_rounding_only_gets_zero_advantages():
+    """float32 rewards one or two ulps apart (the same score from another batch composition) are one value: +-1
+    advantages for them would train rounding noise. A real difference of 1e-4 relative still gets full size."""
+    v = torch.tensor(0.7312345, dtype=torch.float32)
+    up = torch.nextafter(v, torch.tensor(2.0))
+    noisy = torch.stack([v, up, v, torch.nextafter(up, torch.tensor(2.0))]).double()
+    adv, _ = group_advantages(noisy, torch.zeros(4, dtype=torch.long))
+    assert torch.equal(adv, torch.zeros(4))
+    real = torch.stack([v, v * (1 + 1e-4), v, v * (1 + 1e-4)]).double()
+    adv, _ = group_advantages(real, torch.zeros(4, dtype=torch.long))
+    assert adv.tolist() == pytest.approx([-1.0, 1.0, -1.0, 1.0], abs=1e-3)
+
+
 # ------------------------------------------------------------------------------ combining the reward components
 
 def _combine_reference(scores, weights, required, groups, normalize, eps=1e-8):
     """Per-sample Python loops over plain lists: masked = a required weighted score failed or none is left; within
     a group's unmasked samples, sum: a failed optional score is the mean of the others; normalize: z-scores with the
-    population std, 0 for a failed optional score or a component with one distinct value."""
+    population std, 0 for a failed optional score or a component constant up to float32 rounding."""
     n, k = len(scores), len(weights)
     fin = [[math.isfinite(scores[i][j]) for j in range(k)] for i in range(n)]
     used = [w != 0 for w in weights]
@@ -113,7 +126,8 @@ def _combine_reference(scores, weights, required, groups, normalize, eps=1e-8):
             mean = sum(have) / len(have) if have else 0.0
             if normalize:
                 std = math.sqrt(sum((x - mean) ** 2 for x in have) / len(have)) if have else 0.0
-                z = 0.0 if not fin[i][j] or len(set(have)) < 2 else (scores[i][j] - mean) / (std + eps)
+                flat = len(have) < 2 or std <= 16 * 2.0 ** -23 * max(abs(x) for x in have)  # float32 rounding
+                z = 0.0 if not fin[i][j] or flat else (scores[i][j] - mean) / (std + eps)
                 s += weights[j] * z
             else:
                 s += weights[j] * (scores[i][j] if fin[i][j] else mean)
@@ -179,3 +193,21 @@ def test_combine_components_constant_component_gives_zero():
     z = 1 / (math.sqrt(2 / 3) + 1e-8)
     assert out[1].item() == 0.0  # A contributes exactly nothing, B's middle sample is its mean
     np.testing.assert_allclose(out.numpy(), [-2 * z, 0.0, 2 * z], rtol=1e-12)
+
+
+def test_combine_components_ulp_noise_is_constant_but_a_small_real_difference_is_not():
+    """Float32 scores (as post_train passes them) that differ by one or two ulps within a group are rounding noise:
+    component_norm gives them z = 0, not |z| ~ 1. A real difference of 1e-4 relative is still normalised."""
+    v = torch.tensor([0.7, -3.25, 0.02], dtype=torch.float32)  # components A, B, C: three magnitudes, one negative
+    inf = torch.full_like(v, math.inf)
+    up = torch.nextafter(v, inf)
+    noisy = torch.stack([v, up, v, torch.nextafter(up, inf)])  # [4, 3]: each component spread over 0..2 ulps
+    assert bool((noisy != noisy[0]).any(dim=0).all())  # not exactly constant: the old check let it through
+    w, req, groups = torch.tensor([1.0, 1.0, 1.0]), torch.tensor([True] * 3), torch.zeros(4, dtype=torch.long)
+    assert combine_components(noisy, w, req, groups, normalize=True).tolist() == [0.0] * 4
+    real = torch.stack([v, v + v.abs() * 1e-4, v, v + v.abs() * 1e-4])  # 1e-4 relative (~840 ulps): real
+    d = (real[1].double() - real[0].double()) / 2  # [3] each component's population std
+    z = (d / (d + 1e-8)).sum().item()  # every component: z = -+ d / (d + eps) at the lower / upper samples
+    out = combine_components(real, w, req, groups, normalize=True)
+    np.testing.assert_allclose(out.numpy(), [-z, z, -z, z], rtol=1e-6)
+    assert z > 2.9  # three components at |z| ~ 1 each

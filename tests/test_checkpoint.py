@@ -10,16 +10,21 @@ import pytest
 import torch
 
 from sage_grpo.checkpoint import (
+    CONTENT_KEYS,
+    EXACT_KEYS,
+    NEUTRAL_REWARD_KEYS,
     TRAIN_STATE,
     CheckpointWriteError,
     dcp_load,
     exactness_diff,
+    file_digests,
     list_checkpoints,
     load_rng_state,
     read_train_state,
     resolve_resume,
     save_checkpoint,
 )
+from sage_grpo.config import Config, RewardConfig, config_to_dict
 from sage_grpo.errors import SageGRPOError
 
 
@@ -111,6 +116,62 @@ def test_exactness_diff_names_the_settings_that_change_the_continuation():
     current["model"]["lora_r"] = 16
     assert exactness_diff(saved, current) == ["model.lora_r: 8 -> 16", "rollout.eta: 0.5 -> 0.3",
                                               "optim.learning_rate: 1e-05 -> 2e-05"]
+
+
+def test_exactness_diff_missing_keys_count_as_their_defaults():
+    """A checkpoint written before --reward_combine, --reward_optional and the judge flags existed resumed with
+    their defaults is exact; with another value, the change is named against the default."""
+    saved = config_to_dict(Config())
+    for k in ("reward_combine", "reward_optional", "judge_model", "judge_template", "judge_scale", "judge_frames",
+              "judge_video"):
+        del saved["reward"][k]
+    del saved["rollout"]["sde_window_start"]  # a group where every key counts
+    assert exactness_diff(saved, config_to_dict(Config())) == []
+    cfg = Config()
+    cfg.reward.reward_combine = "component_norm"
+    assert exactness_diff(saved, config_to_dict(cfg)) == ["reward.reward_combine: 'weighted_sum' -> 'component_norm'"]
+
+
+def test_exactness_diff_names_every_judge_setting_that_changes_the_score():
+    saved = config_to_dict(Config())
+    changes = {"judge_model": "other-vlm", "judge_scale": "yes_no", "judge_frames": 8, "judge_video": True,
+               "judge_template": "t.txt"}
+    for k, v in changes.items():
+        current = config_to_dict(Config())
+        current["reward"][k] = v
+        assert exactness_diff(saved, current) == [f"reward.{k}: {saved['reward'][k]!r} -> {v!r}"], k
+    current = config_to_dict(Config())  # where the server is and how many requests fly: the same scores
+    current["reward"].update(judge_url="http://other:8000", judge_concurrency=2)
+    assert exactness_diff(saved, current) == []
+
+
+def test_judge_template_is_compared_by_its_content(tmp_path):
+    """The same text at another path is exact; the same path with edited text is not; a checkpoint without digests
+    (written before them) compares the path."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("Rate {prompt} from 1 to 10.")
+    b.write_text("Rate {prompt} from 1 to 10.")
+    saved, moved = config_to_dict(Config()), config_to_dict(Config())
+    saved["reward"]["judge_template"], moved["reward"]["judge_template"] = str(a), str(b)
+    digests = file_digests(saved)
+    assert len(digests["reward.judge_template"]) == 64
+    assert exactness_diff(saved, moved, digests, file_digests(moved)) == []
+    a.write_text("Rate {prompt} from 1 to 10. Be strict.")
+    assert exactness_diff(saved, saved, digests, file_digests(saved)) == [
+        f"reward.judge_template: {str(a)!r} -> {str(a)!r} (its content differs)"]
+    assert exactness_diff(saved, moved, None, file_digests(moved)) == [
+        f"reward.judge_template: {str(a)!r} -> {str(b)!r}"]
+
+
+def test_every_reward_flag_is_classified_as_score_changing_or_not():
+    """A new reward flag must be put into EXACT_KEYS["reward"] (it changes a score) or NEUTRAL_REWARD_KEYS (it does
+    not): forgotten, a resume that changes the reward would report itself exact."""
+    import dataclasses
+
+    exact, neutral = set(EXACT_KEYS["reward"]), set(NEUTRAL_REWARD_KEYS)
+    assert not exact & neutral
+    assert {f.name for f in dataclasses.fields(RewardConfig)} == exact | neutral
+    assert all(k in EXACT_KEYS[g] for g, k in CONTENT_KEYS)
 
 
 def test_rng_state_round_trip(tmp_path):

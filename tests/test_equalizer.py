@@ -100,3 +100,23 @@ def test_equalizer_honours_a_non_default_sage_clamp():
     w = equalizer_weights("sage_grpo", SIG, eta, sage_clamp=clamp)
     assert w[0].item() == pytest.approx(torch.median(n).item() / n[0].item(), rel=1e-5)
     assert w[0].item() != pytest.approx(equalizer_weights("sage_grpo", SIG, eta)[0].item(), rel=1e-2)
+
+
+def test_cps_last_step_weight_against_the_authors_floor():
+    """docs/algorithm.md "What we do differently": cps's noise-free last step gets N_t = 1 (S_t 0.032 at T = 20,
+    shift 5, eta = 0.5); the authors' floor of the std at 1e-12 gives N_t = |d mean/d v| / 1e-12 = 2.1e11 and
+    S_t = 4.9e-13. Either way it is the largest N_t, so the median and every other weight are the same."""
+    from sage_grpo.sde import mean_sensitivity, step_variance
+
+    n = gradient_scale("cps", SIG, 0.5)
+    s = equalizer_weights("cps", SIG, 0.5)
+    assert n[-1] == 1 and s[-1].item() == pytest.approx(0.032, abs=5e-4)
+    # the authors' cps proxy, transcribed: |d mean/d v| / max(s_t, 1e-12) on every step, S = median / N
+    var = step_variance("cps", SIG[:-1], SIG[1:], 0.5)
+    authors = mean_sensitivity("cps", SIG[:-1], SIG[1:], var).abs() / var.sqrt().clamp(min=1e-12)
+    assert var[-1] == 0 and authors[-1].item() == pytest.approx(2.083e11, rel=1e-3)
+    assert (torch.median(authors) / authors[-1]).item() == pytest.approx(4.9e-13, rel=1e-2)
+    authors_n = authors[-1]
+    floored = n.clone()
+    floored[-1] = authors_n
+    assert torch.median(floored) == torch.median(n)  # the other steps' weights do not move

@@ -197,3 +197,22 @@ def test_controller_does_not_record_an_infinite_kl():
 def test_controller_start_outside_the_bounds_without_warmup_is_clipped(init, expected):
     c = AdaptiveKLController(init=init, lambda_min=1e-7, lambda_max=1e-5, target=1e-5, warmup_updates=0)
     assert c.value == expected
+
+
+def test_flow_grpo_kl_pos_is_one_over_delta_times_the_authors():
+    """docs/algorithm.md "What we do differently": the authors' KL divides the squared mean gap by 2 eta^2 sigma /
+    (1 - sigma') + 1e-12 (their flow_grpo std_dev_t, without the step size); ours by 2 (V_t + 1e-6) with the true
+    V_t. At T = 20, shift 5, eta = 0.5 ours is 96x theirs at step 0, 33.6x at step 10 and 4.8x at step 19."""
+    from sage_grpo.schedule import sigma_schedule
+    from sage_grpo.sde import step_variance
+
+    eta, s = 0.5, sigma_schedule(20, 5.0)
+    sigma, nxt = s[:-1], s[1:]
+    var = step_variance("flow_grpo", sigma, nxt, eta, sigma_max=s[1])  # [20]
+    gap = torch.full((20, 4), 0.01)  # the same mean gap at every step
+    ours = kl_position(gap, torch.zeros_like(gap), var)
+    theirs_std_sq = eta**2 * sigma / (1 - torch.where(sigma == 1, s[1], sigma))  # transcribed
+    theirs = (gap.double() ** 2).mean(dim=1) / (2 * theirs_std_sq + 1e-12)
+    ratio = (ours.double() / theirs)[[0, 10, 19]]
+    torch.testing.assert_close(ratio, torch.tensor([96.0, 33.6, 4.8], dtype=torch.float64), rtol=2e-4, atol=0)
+    torch.testing.assert_close(ours.double() / theirs, 1 / (sigma - nxt), rtol=2e-4, atol=0)  # 1 / delta throughout

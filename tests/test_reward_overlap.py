@@ -67,6 +67,71 @@ def test_rewards_overlap_when_every_one_works_on_the_cpu(rewards, overlaps):
     assert pt.overlaps_reward(SimpleNamespace(cfg=cfg, reward=reward)) is False
 
 
+def _early_components(reward):
+    """What EarlyScores reads of the Components: one rank, no sp, the CPU, ``reward``."""
+    return SimpleNamespace(info=SimpleNamespace(sp_size=1, sp_rank=0, device=torch.device("cpu")),
+                           pipe=SimpleNamespace(vae=None), reward=reward)
+
+
+def test_each_overlapped_chunk_is_scored_with_its_own_prompts(monkeypatch):
+    """Chunks of 2 of 6 videos: each chunk's reward call gets its own videos' prompts (a later chunk given the
+    step's first prompts would score its videos against the wrong texts, and brightness, which reads no prompt,
+    would not tell)."""
+    import sage_grpo.rollout
+
+    monkeypatch.setattr(sage_grpo.rollout, "decode_latents", lambda vae, latents: latents)  # "frames" = latents
+
+    def reward(frames, prompts):  # the video's number, as its frames and as its prompt say
+        return {"total": frames.flatten(1).mean(1), "prompt": torch.tensor([float(p[1:]) for p in prompts])}
+
+    early = pt.EarlyScores(_early_components(reward))
+    early.start([f"p{i}" for i in range(6)])
+    latents = torch.arange(6.0).view(6, 1, 1, 1, 1).expand(6, 2, 1, 2, 2)  # video i holds i
+    for lo in (0, 2, 4):
+        early.submit(torch.arange(lo, lo + 2), latents[lo : lo + 2])
+    got = early.collect(["prompt", "total"], 6)  # [6, K]
+    assert got.tolist() == [[float(i)] * 2 for i in range(6)]
+    early.worker.join(timeout=60)  # every chunk is scored: the worker ended
+    assert not early.worker.is_alive()
+
+
+BLOCKED = """
+import sys, threading, types, torch
+sys.path.insert(0, {root!r})
+import post_train as pt
+import sage_grpo.rollout
+sage_grpo.rollout.decode_latents = lambda vae, latents: latents
+calls = []
+def reward(frames, prompts):  # a judge or server that never answers
+    calls.append(prompts)
+    print("scoring", prompts, flush=True)
+    threading.Event().wait()
+c = types.SimpleNamespace(info=types.SimpleNamespace(sp_size=1, sp_rank=0, device=torch.device("cpu")),
+                          pipe=types.SimpleNamespace(vae=None), reward=reward)
+with pt.EarlyScores(c) as early:
+    early.start(["a", "b", "c"])
+    for i in range(3):
+        early.submit(torch.tensor([i]), torch.zeros(1, 1, 1, 2, 2))
+    while not calls:  # the first chunk is being scored, the others queued
+        threading.Event().wait(0.01)
+    raise RuntimeError("the rollout failed")
+"""
+
+
+@pytest.mark.slow  # ~9 s on 2 loaded cores: a fresh interpreter imports torch
+def test_a_failing_rollout_ends_the_process_without_waiting_for_a_blocked_reward(tmp_path):
+    """The rollout raises while the worker scores a chunk that never ends and two more are queued: the process ends
+    with the rollout's error (the queued chunks cancelled, the blocked one not waited for, at exit neither; a
+    ThreadPoolExecutor's worker is joined at exit, which here would be for ever)."""
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED.format(root=str(ROOT)))
+    # a hang is the failure: the timeout is only there to end it (the run takes a few seconds, the import of torch)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("RuntimeError: the rollout failed"), r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["scoring ['a']"]  # the queued chunks were cancelled, never scored
+
+
 @pytest.mark.slow
 def test_a_local_cpu_reward_scores_in_a_worker_thread_as_in_order(tiny_model, tmp_path, monkeypatch):
     """4 videos a step in chunks of 1, 2 steps: overlapped, each chunk is scored on CPU frames in the worker thread,

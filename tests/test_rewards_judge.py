@@ -23,12 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import smooth_videos, wait_until_healthy
-from openai.types.chat import ChatCompletion
+from helpers import free_port, load_script, smooth_videos, wait_until_healthy
 from PIL import Image
 from post_train_helpers import ROOT, _args, kill_before_rollout, pt
-from test_rewards_remote import _free_port
-from test_rewards_scripts import load_script
 
 from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.config import load_config, validate
@@ -37,11 +34,12 @@ from sage_grpo.metrics import read_metrics
 from sage_grpo.rewards import build_reward
 from sage_grpo.rewards.judge import (
     DEFAULT_TEMPLATES,
+    MAX_ANSWER_BYTES,
     VLMJudge,
+    api_key_for,
     load_template,
-    parse_score,
+    read_answer,
     render,
-    score_from_logprobs,
 )
 from sage_grpo.video import frames_to_uint8, read_video, write_video
 
@@ -62,6 +60,24 @@ def completion(text: str, logprobs: list[dict] | None = None) -> dict:
                          "logprobs": None if logprobs is None else {"content": logprobs}}]}
 
 
+def split_ten(p10: float) -> list[dict]:
+    """The answer of a judge that says 10 with probability ``p10`` and 9 otherwise, through a tokenizer that writes
+    10 as "1" then "0" (Qwen2/2.5's): "1" holds P(10) at the first position, "0" follows it."""
+    first = "1" if p10 > 0.5 else "9"
+    top = sorted([("1", max(p10, 1e-12)), ("9", max(1 - p10, 1e-12))], key=lambda c: -c[1])
+    answer = [position(first, max(p10, 1e-12) if first == "1" else 1 - p10, top)]
+    return answer + ([position("0", 1.0, [("0", 1.0)])] if first == "1" else [])
+
+
+# The judge's expected score against the score read, for the issue's table (P(10) at the first token, "9" or "1"
+# chosen): (E - 1) / 9 with E = 10 P(10) + 9 (1 - P(10)).
+TEN_TABLE = (0.0, 0.2, 0.45, 0.55, 0.9)
+
+
+def expected(p10: float) -> float:
+    return (10 * p10 + 9 * (1 - p10) - 1) / 9
+
+
 # "Score: 7", the score at the third position: 7 from " 7" and "7", 8, 3, and a candidate that is no score
 SEVEN = [position("Score", 0.9, [("Score", 0.9)]), position(":", 0.99, [(":", 0.99)]),
          position(" 7", 0.5, [(" 7", 0.5), (" 8", 0.2), ("7", 0.1), (" 3", 0.1), (" maybe", 0.05)])]
@@ -72,30 +88,109 @@ SEVEN_SCORE = ((7 * 0.6 + 8 * 0.2 + 3 * 0.1) / 0.9 - 1) / 9
 
 
 def test_the_logprob_score_is_the_expected_value_over_the_score_tokens():
-    assert score_from_logprobs(ChatCompletion.model_validate(completion("Score: 7", SEVEN)).choices[0].logprobs
-                               .content) == pytest.approx(SEVEN_SCORE, abs=1e-12)
-    # a tokenizer that writes 10 as "1" then "0": P("1") splits by the next position's P("0")
+    assert read_answer(completion("Score: 7", SEVEN)).score == pytest.approx(SEVEN_SCORE, abs=1e-12)
+    # a tokenizer that writes 10 as "1" then "0", "1" chosen: P("1") splits by the next position's P("0")
     ten = [position("1", 0.7, [("1", 0.7), ("9", 0.2), ("5", 0.1)]), position("0", 0.9, [("0", 0.9), ("!", 0.1)])]
     want = ((1 * 0.7 * 0.1 + 10 * 0.7 * 0.9 + 9 * 0.2 + 5 * 0.1) / 1.0 - 1) / 9
-    answer = ChatCompletion.model_validate(completion("10", ten))
-    assert score_from_logprobs(answer.choices[0].logprobs.content) == pytest.approx(want, abs=1e-12)
-    # one that has a token "10"
-    answer = ChatCompletion.model_validate(completion("10", [position("10", 0.5, [("10", 0.5), ("9", 0.5)])]))
-    assert score_from_logprobs(answer.choices[0].logprobs.content) == pytest.approx((9.5 - 1) / 9, abs=1e-12)
+    assert read_answer(completion("10", ten)).score == pytest.approx(want, abs=1e-12)
+    # "9" chosen, "1" a candidate: its split is not in this answer, the prefix to continue is
+    reading = read_answer(completion("Score: 9", [position("Score:", 0.9, [("Score:", 0.9)]),
+                                                  position(" 9", 0.6, [(" 9", 0.6), (" 1", 0.4)])]))
+    assert math.isnan(reading.score) and reading.split_prefix == "Score: 1"
+    assert reading.finish(0.75) == pytest.approx(((9 * 0.6 + 10 * 0.3 + 1 * 0.1) - 1) / 9, abs=1e-12)
+    assert reading.text_score == pytest.approx(8 / 9)
+    # a tokenizer with a token "10": no split
+    answer = completion("10", [position("10", 0.5, [("10", 0.5), ("9", 0.4), ("1", 0.1)])])
+    assert read_answer(answer).score == pytest.approx((0.5 * 10 + 0.4 * 9 + 0.1 - 1) / 9, abs=1e-12)
     yes = [position(" Yes", 0.6, [(" Yes", 0.6), (" No", 0.2), ("yes", 0.1), ("maybe", 0.1)])]
-    answer = ChatCompletion.model_validate(completion("Yes", yes))
-    assert score_from_logprobs(answer.choices[0].logprobs.content, "yes_no") == pytest.approx(0.7 / 0.9, abs=1e-12)
-    nothing = ChatCompletion.model_validate(completion("good", [position("good", 0.9, [("good", 0.9)])]))
-    assert score_from_logprobs(nothing.choices[0].logprobs.content) is None
+    assert read_answer(completion(" Yes", yes), "yes_no").score == pytest.approx(0.7 / 0.9, abs=1e-12)
+    reading = read_answer(completion("good", [position("good", 0.9, [("good", 0.9)])]))
+    assert math.isnan(reading.score) and "no score" in reading.problem
 
 
-def test_a_parsed_answer_is_its_first_number_in_1_to_10_or_its_first_yes_or_no():
-    for text, want in (("7", 6 / 9), ("Score: 8/10", 7 / 9), ("10", 1.0), (" 1.", 0.0), ("7.5", 6.5 / 9)):
-        assert parse_score(text) == pytest.approx(want, abs=1e-12), text
-    for text in ("0", "11", "-3", "none", ""):
-        assert math.isnan(parse_score(text)), text
-    assert parse_score("Yes, it does.", "yes_no") == 1.0 and parse_score("NO", "yes_no") == 0.0
-    assert math.isnan(parse_score("I know", "yes_no")) and math.isnan(parse_score("7", "yes_no"))
+@pytest.mark.parametrize("p10", TEN_TABLE)
+def test_a_two_token_ten_is_read_as_ten_whichever_token_is_chosen(p10):
+    """The issue's table: before, P(10) = 0.45 scored 0.489 (the "1" read as 1) where the judge means 0.939. When "1"
+    is chosen the next position splits it; when "9" is, the split is what a continuation after "1" says."""
+    reading = read_answer(completion("10" if p10 > 0.5 else "9", split_ten(p10)))
+    score = reading.score if reading.split_prefix is None else reading.finish(1.0)
+    assert reading.split_prefix in (None, "1") and (reading.split_prefix is None) == (p10 > 0.5 or p10 < 1e-3)
+    assert score == pytest.approx(expected(p10), abs=1e-9)
+
+
+def test_the_score_of_a_free_text_answer_is_the_labelled_number_or_the_last_one():
+    for text, want in (("7", 6 / 9), ("Score: 8/10", 7 / 9), ("10", 1.0), (" 1.", 0.0), ("7.5", 6.5 / 9),
+                       ("On a scale of 1 to 10, this video is a 7", 6 / 9), ("Rating (1-10): 8", 7 / 9),
+                       ("score: 7. It shows 2 cats.", 6 / 9), ("I'd give it 9 out of 10.", 8 / 9),
+                       ("**Score**: 4\nThe 2 dogs look fine.", 3 / 9), ("The 3 cats: 7/10", 6 / 9)):
+        assert read_answer(completion(text)).score == pytest.approx(want, abs=1e-12), text
+    for text in ("0", "11", "-3", "none", "", "Score: ²", "٧"):
+        assert math.isnan(read_answer(completion(text)).score), text
+    assert read_answer(completion("Yes, it does."), "yes_no").score == 1.0
+    assert read_answer(completion("NO"), "yes_no").score == 0.0
+    for text in ("I know", "7"):
+        assert math.isnan(read_answer(completion(text), "yes_no").score), text
+    # with log-probabilities, the score's token is the one of the labelled number, not the scale's "1"
+    tokens = [position(t, 0.99, [(t, 0.99)]) for t in ("On", " a", " scale", " of", " 1", " to", " 1", "0", ",")]
+    tokens += [position(" 7", 0.8, [(" 7", 0.8), (" 6", 0.2)])]
+    assert read_answer(completion("", tokens)).score == pytest.approx((7 * 0.8 + 6 * 0.2 - 1) / 9, abs=1e-12)
+
+
+BAD_ANSWERS = {
+    "no choices": {"choices": []},
+    "choices not a list": {"choices": {"0": 1}},
+    "a choice that is not an object": {"choices": [7]},
+    "no message": {"choices": [{"index": 0}]},
+    "content not text": {"choices": [{"message": {"content": 7}}]},
+    "not an object": [1, 2],
+    "a token that is no digit": completion("²", [position("²", 0.9, [("²", 0.9), ("³", 0.1)])]),
+    "tokens that are not strings": completion("", [{"token": None, "logprob": 0.0, "top_logprobs": None}]),
+}
+
+
+@pytest.mark.parametrize("name", BAD_ANSWERS)
+def test_no_answer_can_raise_and_each_unusable_one_is_nan(name):
+    reading = read_answer(BAD_ANSWERS[name])
+    assert math.isnan(reading.score) and reading.problem and reading.split_prefix is None, name
+
+
+def test_candidates_that_are_no_score_or_have_no_probability_are_left_out():
+    weird = [position("7", 0.5, [("7", 0.5), ("²", 0.3), ("8", 0.2)])]
+    weird[0]["top_logprobs"].append({"token": "9", "logprob": float("-inf")})
+    weird[0]["top_logprobs"].append({"token": "3", "logprob": 1e-9})  # above 0 by rounding: probability 1
+    assert read_answer(completion("7", weird)).score == pytest.approx(((7 * 0.5 + 8 * 0.2 + 3) / 1.7 - 1) / 9,
+                                                                      abs=1e-9)
+    # no usable probability at the score's token: the text is what is known
+    garbage = [{"token": "7", "logprob": "x", "top_logprobs": [{"token": "8", "logprob": float("nan")}]}]
+    assert read_answer(completion("", garbage)).score == pytest.approx(6 / 9, abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ the key
+
+
+def test_a_key_goes_only_where_the_user_pointed_it():
+    both = {"SAGE_JUDGE_API_KEY": "k-judge", "OPENAI_API_KEY": "k-openai"}
+    openai_only = {"OPENAI_API_KEY": "k-openai"}
+    for url, env, allow, want in (
+        ("https://judge.example.com", both, False, "k-judge"),
+        ("http://127.0.0.1:8000", both, False, "k-judge"),
+        ("http://localhost:8000/v1", both, False, "k-judge"),
+        ("http://[::1]:8000", both, False, "k-judge"),
+        ("http://judge.example.com:8000", both, False, ""),  # plain http to another host: withheld
+        ("http://10.0.0.5:8000", both, False, ""),
+        ("http://judge.example.com:8000", both, True, "k-judge"),
+        ("https://api.openai.com/v1", both, False, "k-judge"),  # the user's choice for this judge wins
+        ("https://api.openai.com/v1", openai_only, False, "k-openai"),
+        ("http://api.openai.com/v1", openai_only, False, ""),
+        ("https://api.openai.com.evil.example/v1", openai_only, False, ""),
+        ("https://judge.example.com", openai_only, False, ""),
+        ("http://127.0.0.1:8000", openai_only, False, ""),
+        ("http://127.0.0.1:8000", {}, False, ""),
+    ):
+        key, why = api_key_for(url, env, allow)
+        assert key == want, (url, env, allow)
+        assert bool(why) == (not key and bool(env)), (url, why)
+        assert "k-judge" not in why and "k-openai" not in why
 
 
 def test_the_template_is_rendered_and_a_bad_template_file_is_one_line(tmp_path):
@@ -119,17 +214,21 @@ def test_the_template_is_rendered_and_a_bad_template_file_is_one_line(tmp_path):
 
 
 class FakeJudge(ThreadingHTTPServer):
-    """An OpenAI-compatible server in a thread of the test on 127.0.0.1: GET /v1/models lists MODEL, and POST
-    /v1/chat/completions answers `text` (with `logprobs` when asked for them and set). It records each request's
-    headers and body; it can refuse log-probabilities (400), fail the next `fail` requests (500, retry at once),
-    answer every request with `status`, check a `key`, and take `delay` seconds per answer."""
+    """An OpenAI-compatible server in a thread of the test: GET /v1/models lists MODEL, and POST
+    /v1/chat/completions answers `text` (with `logprobs` when asked for them and set; a request continuing an
+    assistant message gets `after` as its logprobs). It records each request's headers and body; it can refuse
+    log-probabilities (400) or continuations (400), fail the next `fail` requests (500, retry at once), answer every
+    request with `status`, check a `key`, take `delay` seconds per answer, answer `raw` bytes instead (with or without
+    a Content-Length), and trickle its answer a byte every `trickle` seconds. ``host`` "0.0.0.0" takes requests on
+    every address of this machine."""
 
     daemon_threads = True
 
-    def __init__(self):
-        super().__init__(("127.0.0.1", 0), Handler)
+    def __init__(self, host: str = "127.0.0.1"):
+        super().__init__((host, 0), Handler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.text, self.logprobs, self.refuse_logprobs, self.fail, self.status, self.key = "7", None, False, 0, 0, ""
+        self.after, self.refuse_continue, self.raw, self.raw_length, self.trickle = None, False, None, True, 0.0
         self.delay, self.bodies, self.headers, self.in_flight, self.max_in_flight = 0.0, [], [], 0, 0
         self.lock = threading.Lock()
 
@@ -137,6 +236,20 @@ class FakeJudge(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):  # quiet
         pass
+
+    def send(self, status: int, data: bytes, length: bool = True, trickle: float = 0.0) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        if length:
+            self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if not trickle:
+            self.wfile.write(data)
+            return
+        for i in range(len(data)):
+            self.wfile.write(data[i:i + 1])
+            self.wfile.flush()
+            time.sleep(trickle)
 
     def reply(self, status: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
@@ -154,6 +267,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         srv = self.server
+        with srv.lock:
+            srv.headers.append({k.lower(): v for k, v in self.headers.items()})
         if not self.refused(srv):
             self.reply(200, {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
                                                          "owned_by": "test"}]})
@@ -161,6 +276,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         srv = self.server
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        continuing = body["messages"][-1]["role"] == "assistant"
         with srv.lock:
             srv.bodies.append(body)
             srv.headers.append({k.lower(): v for k, v in self.headers.items()})
@@ -178,25 +294,45 @@ class Handler(BaseHTTPRequestHandler):
                 self.reply(srv.status, {"error": {"message": "at most 1 image(s) may be provided in one request"}})
             elif srv.refuse_logprobs and "logprobs" in body:
                 self.reply(400, {"error": {"message": "logprobs is not supported"}})
+            elif continuing and (srv.refuse_continue or not body.get("continue_final_message")):
+                self.reply(400, {"error": {"message": "continue_final_message is not supported"}})
+            elif continuing:
+                self.reply(200, completion("0", srv.after or [position("0", 1.0, [("0", 1.0)])]))
+            elif srv.raw is not None:
+                self.send(200, srv.raw, srv.raw_length, srv.trickle)
             else:
-                self.reply(200, completion(srv.text, srv.logprobs if body.get("logprobs") else None))
+                answer = completion(srv.text, srv.logprobs if body.get("logprobs") else None)
+                self.send(200, json.dumps(answer).encode(), trickle=srv.trickle)
         finally:
             with srv.lock:
                 srv.in_flight -= 1
 
 
-@pytest.fixture()
-def fake():
-    srv = FakeJudge()
+@contextlib.contextmanager
+def fake_judge(host: str = "127.0.0.1"):
+    srv = FakeJudge(host)
     thread = threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True)  # polls: a quick shutdown
     thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.fixture()
+def fake():
+    with fake_judge() as srv:
+        yield srv
 
 
 def judge(url: str, **kw) -> VLMJudge:
     return build_reward("vlm_judge", reward_weights="", judge_url=url, **kw).rewards["vlm_judge"]
+
+
+def chats(srv: FakeJudge) -> list[dict]:
+    """The chat requests the server got that are not continuations (the probe's included)."""
+    return [b for b in srv.bodies if b["messages"][-1]["role"] != "assistant"]
 
 
 def test_the_frames_and_the_prompt_travel_in_one_user_message_with_the_key(fake, monkeypatch):
@@ -210,7 +346,7 @@ def test_the_frames_and_the_prompt_travel_in_one_user_message_with_the_key(fake,
     got = j(videos, prompts)["judge"]
     torch.testing.assert_close(got, torch.full((2,), SEVEN_SCORE), rtol=0, atol=1e-6)
     # [0]: the probe; the others in any order (concurrent): sorted by their text, as `prompts` are
-    bodies = sorted(fake.bodies[1:], key=lambda b: b["messages"][0]["content"][-1]["text"])
+    bodies = sorted(chats(fake)[1:], key=lambda b: b["messages"][0]["content"][-1]["text"])
     assert len(bodies) == 2 and all(h["authorization"] == "Bearer k-judge" for h in fake.headers)
     for body, video, prompt in zip(bodies, videos, prompts):
         assert (body["model"], body["temperature"], body["logprobs"], body["top_logprobs"]) == (MODEL, 0.0, True, 20)
@@ -222,9 +358,44 @@ def test_the_frames_and_the_prompt_travel_in_one_user_message_with_the_key(fake,
             assert url.startswith("data:image/png;base64,")
             png = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
             assert np.array_equal(png, frames_to_uint8(video[i : i + 1])[0])  # lossless
+    # OpenAI's key is OpenAI's: a judge on this machine gets none (the client's placeholder)
     monkeypatch.delenv("SAGE_JUDGE_API_KEY")
-    judge(fake.url)
-    assert fake.headers[-1]["authorization"] == "Bearer k-openai"
+    before = len(fake.headers)
+    with pytest.warns(RuntimeWarning, match="OPENAI_API_KEY is sent only to https://api.openai.com"):
+        judge(fake.url)
+    assert len(fake.headers) > before and all(h["authorization"] == "Bearer EMPTY" for h in fake.headers[before:])
+
+
+def local_address() -> str:
+    """This machine's address on its network (not loopback): the route's source address, found without sending."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # a UDP connect only picks the route; nothing is sent
+        address = s.getsockname()[0]
+    assert not address.startswith("127."), address
+    return address
+
+
+def test_plain_http_to_another_host_gets_no_key_unless_the_user_allows_it(monkeypatch):
+    """The judge reached at this machine's network address over http: not loopback, so the key stays home (the
+    request stays on this machine: the address is its own)."""
+    monkeypatch.setenv("SAGE_JUDGE_API_KEY", "k-judge")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with fake_judge("0.0.0.0") as srv:
+        url = f"http://{local_address()}:{srv.server_address[1]}"
+        with pytest.warns(RuntimeWarning, match="SAGE_JUDGE_API_KEY is not sent over plain http to .*"
+                                                "--judge_allow_http_key"):
+            judge(url)
+        assert srv.headers and all(h["authorization"] == "Bearer EMPTY" for h in srv.headers)
+        before = len(srv.headers)
+        judge(url, judge_allow_http_key=True)
+        assert all(h["authorization"] == "Bearer k-judge" for h in srv.headers[before:])
+        srv.key = "k-judge"  # a server that needs the key says why it did not get it
+        with pytest.raises(SageGRPOError, match="refused the API key .401. listing its models: SAGE_JUDGE_API_KEY is "
+                                                "not sent over plain http") as err:
+            judge(url, reward_retries=0)
+        assert "k-judge" not in str(err.value)
 
 
 def test_the_video_part_is_an_mp4_of_the_frames(fake, tmp_path):
@@ -280,6 +451,78 @@ def test_at_most_judge_concurrency_requests_are_in_flight(fake):
     assert fake.max_in_flight == 2 and torch.allclose(got, torch.full((6,), 6 / 9))
 
 
+@pytest.mark.parametrize("p10", TEN_TABLE)
+def test_a_two_token_ten_through_a_server_asks_for_the_split_after_1(fake, p10):
+    fake.text, fake.logprobs = ("10" if p10 > 0.5 else "9"), split_ten(p10)
+    fake.after = [position("0", 0.98, [("0", 0.98), (".", 0.02)])]  # the judge's P("0") after "1"
+    j = judge(fake.url)
+    assert j.continues
+    got = j(smooth_videos(1, 5, 16, 16), ["a"])["judge"].item()
+    p0 = 0.98 if 1e-3 < p10 < 0.5 else 1.0  # "1" chosen: its "0" follows, chosen
+    want = (10 * p10 * p0 + 1 * p10 * (1 - p0) + 9 * (1 - p10) - 1) / 9
+    assert got == pytest.approx(want, abs=1e-6)
+    cont = [b for b in fake.bodies[2:] if b["messages"][-1]["role"] == "assistant"]
+    assert len(cont) == (1 if 1e-3 < p10 < 0.5 else 0)
+    for b in cont:  # the same request, the answer so far continued, one token
+        assert b["messages"][-1] == {"role": "assistant", "content": "1"} and b["max_tokens"] == 1
+        assert b["continue_final_message"] is True and b["add_generation_prompt"] is False
+        assert b["messages"][:-1] == fake.bodies[-2]["messages"]
+
+
+def test_a_server_that_cannot_continue_an_answer_gives_the_answers_text(fake):
+    fake.text, fake.logprobs, fake.refuse_continue = "9", split_ten(0.3), True
+    with pytest.warns(RuntimeWarning, match="cannot continue an answer .*continue_final_message is not supported"):
+        j = judge(fake.url)
+    assert not j.continues
+    assert j(smooth_videos(1, 5, 16, 16), ["a"])["judge"].item() == pytest.approx(8 / 9, abs=1e-6)
+
+
+def test_a_trickling_answer_ends_at_the_timeout(fake):
+    j = judge(fake.url, reward_timeout=1.0, reward_retries=0)
+    fake.trickle = 0.02  # a byte every 20 ms: each read is quick, the answer takes seconds
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"failed on 1 of 1 videos \(AnswerError: an answer still coming 1 s"):
+        got = j(smooth_videos(1, 5, 16, 16), ["a"])["judge"]
+    assert math.isnan(got.item()) and time.monotonic() - t0 < 2.5  # before: ~1 s per 50 bytes of a 250-byte body
+
+
+@pytest.mark.parametrize("length", [True, False])
+def test_an_answer_over_the_size_cap_is_nan(fake, length):
+    j = judge(fake.url, reward_retries=0)
+    fake.raw, fake.raw_length = b'{"choices": [], "pad": "' + b"x" * MAX_ANSWER_BYTES + b'"}', length
+    with pytest.warns(RuntimeWarning, match="AnswerError: an answer (of more than|of [0-9,]+ bytes .more than) "
+                                            "1,048,576"):
+        assert math.isnan(j(smooth_videos(1, 5, 16, 16), ["a"])["judge"].item())
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b'{"error": {"message": "CUDA out of memory while judging"}}', "the server answered an error: CUDA out of "
+                                                                    "memory while judging"),
+    (b'{"error": "model is loading"}', "the server answered an error: model is loading"),
+    (b'{"choices": []}', "no choices"),
+    (b"<html>Bad gateway</html>", "not JSON: b'<html>Bad gateway"),
+    (b"[1, 2]", "not a JSON object"),
+    (json.dumps(completion("Score: ²")).encode(), "no score in the answer"),
+])
+def test_every_unusable_answer_is_nan_with_its_reason(fake, raw, match):
+    j = judge(fake.url, reward_retries=0)
+    fake.raw = raw
+    with pytest.warns(RuntimeWarning, match=f"failed on 1 of 1 videos .*{match}"):
+        assert math.isnan(j(smooth_videos(1, 5, 16, 16), ["a"])["judge"].item())
+
+
+def test_an_unusable_answer_to_the_probe_is_one_line_or_one_warning(fake):
+    fake.raw = b'{"error": {"message": "the model is still loading"}}'
+    with pytest.raises(SageGRPOError, match="a request with 4 frames for model 'fake-judge': the server answered an "
+                                            "error: the model is still loading") as err:
+        judge(fake.url, reward_retries=0)
+    assert "\n" not in str(err.value)
+    fake.raw = None
+    fake.text, fake.logprobs = "²", [position("²", 0.9, [("²", 0.9), ("³", 0.1)])]
+    with pytest.warns(RuntimeWarning, match="answer to a test request has no score in the answer '²'"):
+        judge(fake.url)
+
+
 def test_score_videos_scores_saved_videos_with_the_judge(fake, tmp_path, capsys):
     """scripts/score_videos.py --metrics vlm_judge: the --judge_* flags reach the judge (a template file, 2
     frames), each video's exact prompt is in its request, and the judge's score is in the tables."""
@@ -317,10 +560,10 @@ def test_a_judge_server_that_cannot_serve_is_one_line_before_the_policy_loads(fa
                                                                               monkeypatch):
     monkeypatch.delenv("SAGE_JUDGE_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     fake.key = "right"
     cases = [(dead, r"judge server http://127.0.0.1:\d+ cannot be reached listing its models \(APIConnectionError"),
-             (fake.url, r"refused the API key \(401\) listing its models: set SAGE_JUDGE_API_KEY \(or OPENAI_API_KEY")]
+             (fake.url, r"refused the API key \(401\) listing its models: set SAGE_JUDGE_API_KEY to its key")]
     for url, match in cases:
         with pytest.raises(SageGRPOError, match=match) as err:
             judge(url, reward_retries=0)
@@ -379,7 +622,7 @@ def judge_dir(tmp_path_factory) -> Path:
 def transformers_serve(model: Path, log: Path, port: int | None = None):
     """`transformers serve MODEL` on 127.0.0.1 in its own process, offline, its output in ``log`` -> (url, process);
     killed (by its pid) on exit."""
-    port = port or _free_port()
+    port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with open(log, "w") as out:
         proc = subprocess.Popen([str(Path(sys.executable).with_name("transformers")), "serve", str(model), "--device",

@@ -168,7 +168,7 @@ def test_held_out_metrics_and_score_videos_take_a_plugin(in_root, tmp_path):
     with pytest.raises(SageGRPOError, match="file nowhere.py not found"):
         parse_validation_metrics(["nowhere.py:build"], ["brightness"], ["a"])
 
-    from test_rewards_scripts import load_script
+    from helpers import load_script
 
     from sage_grpo.video import write_video
 

@@ -4,11 +4,9 @@ timeout, a wrong token in one line, concurrent clients batched together, and no 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +16,7 @@ import zlib
 import httpx
 import pytest
 import torch
-from helpers import TINY_MIN_PIXELS, smooth_videos, wait_until_healthy
+from helpers import TINY_MIN_PIXELS, free_port, load_script, serve, smooth_videos
 from post_train_helpers import ROOT, _args, _stable, _weights, kill_before_rollout, pt
 
 from sage_grpo.checkpoint import list_checkpoints
@@ -41,32 +39,6 @@ class Slow(BrightnessReward):
 def build(**kw):
     return Slow()
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(*flags: str, token: str = "", port: int | None = None, env: dict | None = None):
-    """scripts/serve_reward.py in its own process -> (url, process); killed (by its pid) on exit."""
-    port = port or _free_port()
-    e = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    e.pop("SAGE_REWARD_TOKEN", None)
-    if token:
-        e["SAGE_REWARD_TOKEN"] = token
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/serve_reward.py"), "--port", str(port),
-                             "--device", "cpu", *flags], cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(proc, url, 60, proc.stdout.read)
-        yield url, proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +162,7 @@ def test_remote_flags_are_checked_before_anything_runs():
     with pytest.raises(SageGRPOError, match="must start with http"):
         check("--reward_model", "remote", "--reward_url", "127.0.0.1:8000")
     with pytest.raises(SageGRPOError, match=r"reward server http://127.0.0.1:\d+ cannot be reached \(ConnectError"):
-        RemoteReward([f"http://127.0.0.1:{_free_port()}"], retries=0)
+        RemoteReward([f"http://127.0.0.1:{free_port()}"], retries=0)
 
 
 @pytest.mark.slow
@@ -217,7 +189,7 @@ def test_training_with_a_remote_reward_equals_training_with_the_local_reward(ser
 @pytest.mark.slow
 def test_a_killed_server_gives_nan_then_a_clean_stop_with_a_checkpoint_and_a_resume(tiny_model, tmp_path,
                                                                                     monkeypatch):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     monkeypatch.delenv("SAGE_REWARD_TOKEN", raising=False)
     flags = ["--reward_model", "remote", "--reward_url", url, "--reward_retries", "0", "--reward_timeout", "5",
@@ -311,7 +283,6 @@ def test_two_ranks_score_through_one_server_as_they_would_locally(server, tiny_m
 
 
 def test_score_videos_scores_through_the_server(server, tmp_path, monkeypatch):
-    from test_rewards_scripts import load_script
 
     from sage_grpo.video import read_video, write_video
 

@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_MIN_PIXELS, smooth_videos
+from helpers import TINY_MIN_PIXELS, load_script, smooth_videos
 
 from sage_grpo.rewards.base import score_safely
 from sage_grpo.rewards.builtin import BrightnessReward
 from sage_grpo.rewards.videoalign import VideoAlignReward
 from sage_grpo.video import read_video, write_video
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def load_script(name: str):
-    """Import scripts/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

@@ -11,24 +11,24 @@ import contextlib
 import http.client
 import json
 import os
-import select
 import socket
 import subprocess
 import sys
+import threading
 import time
+import tracemalloc
 import zlib
 
 import httpx
 import pytest
 import torch
-from helpers import smooth_videos
+from helpers import free_port, load_script, serve, smooth_videos
 from post_train_helpers import ROOT
-from test_rewards_remote import _free_port, serve
-from test_rewards_scripts import load_script
+from safetensors.torch import save as safetensors_save
 
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards import build_reward
-from sage_grpo.rewards.remote import RemoteReward, encode_batch
+from sage_grpo.rewards.remote import BodyTooLarge, RemoteReward, decode_batch, encode_batch
 
 TOKEN = "0123456789abcdef" * 4  # as long as `openssl rand -hex 32`
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -101,20 +101,70 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
 
 
 def test_health_answers_while_a_large_body_is_decoded(server):
-    """A 65 KB body that decompresses past the limit: decompressed in a worker thread (the event loop answers
-    /health meanwhile) and refused once it reaches the limit."""
+    """A 50 MB body (of 64 MiB allowed) is inflated and decoded in a worker thread, in steps that hold the GIL
+    briefly: /health, asked by a probe thread meanwhile, answers within 2 s (a 2 GiB body held it 3 to 11 s when it
+    was inflated in one call and copied by safetensors). A zlib bomb is refused at its header, without inflating."""
+    videos = torch.zeros(1, 16, 3, 512, 512)  # 50 MB of float32, compressed to 50 KB
+    body = encode_batch(videos, ["a"])
+    latencies, done = [], threading.Event()
+
+    def probe():
+        with httpx.Client(timeout=30) as client:
+            while not done.is_set():
+                t0 = time.monotonic()
+                assert client.get(f"{server}/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    try:
+        r = httpx.post(f"{server}/score", content=body, headers=AUTH, timeout=60)
+    finally:
+        done.set()
+        thread.join(timeout=60)
+    assert r.status_code == 200 and r.json()["scores"]["brightness"] == [0.0]
+    assert latencies and max(latencies) < 2.0, latencies
     z = zlib.compressobj(9)
-    bomb = b"".join([z.compress(bytes(1 << 20)) for _ in range(LIMIT_MB + 1)] + [z.flush()])
-    assert len(bomb) < 100_000
-    answered = 0
-    with httpx.Client(timeout=20) as client, post_raw(server, {**AUTH, "Content-Length": str(len(bomb))},
-                                                      [bomb]) as s:
-        while not select.select([s], [], [], 0)[0]:  # until the /score answer arrives
-            assert client.get(f"{server}/health").status_code == 200
-            answered += 1
-        status, got = answer(s)
-    assert status == 413 and "decompresses to more than the server's limit" in got["detail"]
-    assert answered >= 3, answered  # decoded on the event loop, /health would wait for the whole decode
+    bomb = b"".join([z.compress(bytes(1 << 20)) for _ in range(LIMIT_MB // 2)] + [z.flush()])  # 32 MiB of zeros
+    r = httpx.post(f"{server}/score", content=bomb, headers=AUTH)
+    assert r.status_code == 400 and "malformed request body (header" in r.json()["detail"]
+
+
+def test_the_decoded_size_counts_against_the_limit():
+    """uint8 frames become float32 on the server, 4x their size: the decompressed bytes plus that copy must fit the
+    limit, so a request holds at most its body and the limit (float frames are a view of the decompressed bytes)."""
+    frames = torch.zeros(2, 4, 3, 256, 256, dtype=torch.uint8)  # 1.5 MiB, 6 MiB as float32
+    body = encode_batch(frames, ["a", "b"], torch.uint8)
+    with pytest.raises(BodyTooLarge, match=r"decodes to \d+ bytes \(its uint8 frames as float32\), more than the "
+                                           "server's limit of 4194304 bytes"):
+        decode_batch(body, 4 << 20)  # the 1.5 MiB decompressed fit
+    got, prompts = decode_batch(body, 8 << 20)  # 1.5 + 6 MiB fit
+    assert got.dtype == torch.float32 and got.shape == frames.shape and prompts == ["a", "b"]
+    floats = encode_batch(frames.float(), ["a", "b"])  # 6 MiB decompressed: decoded as a view, nothing more
+    got, _ = decode_batch(floats, 7 << 20)
+    assert got.dtype == torch.float32 and not got.any()
+
+
+def test_a_zlib_bomb_is_inflated_only_as_far_as_its_header_reaches():
+    """Zeros that inflate to 64 MiB, alone or after a valid small request, under a 1 GiB limit: inflated in steps,
+    only the header and the tensors it announces, so no more than a step is ever held (inflated whole, the body
+    takes 64 MiB before any size or header check)."""
+    z = zlib.compressobj(9)
+    zeros = [z.compress(bytes(1 << 20)) for _ in range(64)]
+    bomb = b"".join([*zeros, z.flush()])
+    z = zlib.compressobj(9)
+    valid = safetensors_save({"frames": torch.ones(1, 2), "prompts": torch.tensor(list(b'["a"]'), dtype=torch.uint8)})
+    trailing = b"".join([z.compress(valid), *[z.compress(bytes(1 << 20)) for _ in range(64)], z.flush()])
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="malformed request body"):
+            decode_batch(bomb, 1 << 30)
+        frames, prompts = decode_batch(trailing, 1 << 30)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert frames.tolist() == [[1.0, 1.0]] and prompts == ["a"]
+    assert peak < 24 << 20, peak  # 64 MiB when inflated whole
 
 
 def test_a_batcher_that_stops_fails_health_and_requests_at_once_and_the_client_goes_to_a_replica(server, dying):
@@ -154,7 +204,7 @@ def test_a_stopped_batcher_fails_info_so_a_client_that_starts_takes_it_for_no_re
 def test_serving_other_hosts_without_a_token_is_refused_unless_on_purpose(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "SAGE_REWARD_TOKEN"}
     r = subprocess.run([sys.executable, str(ROOT / "scripts/serve_reward.py"), "--reward_model", "brightness",
-                        "--host", "0.0.0.0", "--port", str(_free_port())], capture_output=True, text=True, cwd=ROOT,
+                        "--host", "0.0.0.0", "--port", str(free_port())], capture_output=True, text=True, cwd=ROOT,
                        env={**env, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
     assert r.stderr.startswith("error: --host 0.0.0.0 lets other hosts reach the reward server, but SAGE_REWARD_TOKEN "

@@ -3,52 +3,78 @@
 Any server of the OpenAI chat API serves it (vLLM, SGLang, ``transformers serve``). For each video, one request to
 ``<judge_url>/v1/chat/completions`` holds one user message: ``--judge_frames`` evenly spaced frames as base64 PNG
 ``image_url`` parts (or, with ``--judge_video``, one mp4 ``video_url`` part), then the judging template with the
-video's prompt in it. The client is the ``openai`` package: its timeout, retries with exponential backoff (connection
-errors, 408, 409, 429, 5xx; never a refused key) and the API key of ``SAGE_JUDGE_API_KEY`` or ``OPENAI_API_KEY``.
+video's prompt in it. The client is the ``openai`` package (its retries with exponential backoff on connection
+errors, 408, 409, 429 and 5xx; never on a refused key); the answer's body is read here, so that one try of a request
+ends ``--reward_timeout`` seconds after it was sent however slowly the server writes, and an answer over
+`MAX_ANSWER_BYTES` is cut off.
 
-The score, in [0, 1] (component ``judge``):
+The API key goes only where the user pointed it (`api_key_for`): ``SAGE_JUDGE_API_KEY`` to the judge server, over
+https or to this machine (plain http to another host only with ``--judge_allow_http_key``); ``OPENAI_API_KEY`` only to
+https://api.openai.com, never to another server.
 
-* from the answer's token log-probabilities where the server returns them (asked with ``logprobs`` and
-  ``top_logprobs``): at the first answer token that is a score, the expected value over "1".."10" among the
-  returned candidates, renormalised, as (E - 1) / 9; or P(yes) / (P(yes) + P(no)) for ``--judge_scale yes_no``;
-* else from the answer's text: its first number n in [1, 10] as (n - 1) / 9 (another number is NaN), or its first
-  "yes" / "no" as 1 / 0.
+The score, in [0, 1] (component ``judge``), is read at the answer's score: the labelled number ("Score: 7",
+"Rating (1-10): 8", "7/10", "7 out of 10"), else the answer's last number (so "On a scale of 1 to 10, 7" is 7), or
+the first "yes" / "no" for ``--judge_scale yes_no``:
+
+* from the token log-probabilities where the server returns them (asked with ``logprobs`` and ``top_logprobs``): at
+  the token of that score, the expected value E over "1".."10" among the returned candidates, renormalised, as
+  (E - 1) / 9; or P(yes) / (P(yes) + P(no)). A tokenizer that writes 10 as "1" then "0" (Qwen2/2.5, Llama 2, the
+  byte tokenizers) gives the candidate "1" the probability of 1 and of 10 together; the share of 10 is P("0") after
+  that "1": read at the next position when "1" was chosen, else by a second request that continues the answer after
+  "1" (vLLM's and SGLang's ``continue_final_message``) and reads its first position. A server that cannot continue an
+  answer gives, for such a video, the score of the answer's text instead (a warning when the reward is built);
+* else from the answer's text: the number n in [1, 10] as (n - 1) / 9 (another number is NaN), or "yes" / "no" as
+  1 / 0.
 
 A server that refuses the log-probability fields (a 400 or 422 that a request without them does not get) is asked
-without them from then on. A request that still fails after the retries, or an answer with no score, is NaN (one
-warning per call), as for the other remote rewards, so the failed-reward policy (``--max_failed_reward_steps``)
-applies. When the reward is built, the server's model list and one request like the ones training sends (gray
-frames) are checked, so a server that cannot be reached, refuses the key or refuses such a request is one error
-line before the policy loads.
+without them from then on. A request that still fails after the retries, an answer with no score, an answer that
+cannot be read (an error body, no choices, not JSON, too large, too slow) is NaN, with one warning per call naming
+the last reason (the server's own message for an error body), as for the other remote rewards, so the failed-reward
+policy (``--max_failed_reward_steps``) applies. When the reward is built, the server's model list and one request
+like the ones training sends (gray frames) are checked, so a server that cannot be reached, refuses the key or
+refuses such a request is one error line before the policy loads.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import ipaddress
+import json
 import math
 import os
 import re
 import tempfile
 import threading
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
-from sage_grpo.config import JUDGE_SCALES, VIDEO_FPS, RewardConfig
+from sage_grpo.config import JUDGE_SCALES, VIDEO_FPS, RewardConfig, check_judge_url, read_judge_template
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards.base import _one_line, register_reward
 from sage_grpo.rewards.remote import apply_read
 
-__all__ = ["API_KEY_ENVS", "DEFAULT_TEMPLATES", "VLMJudge", "check_url", "load_template", "parse_score", "render",
-           "score_from_logprobs"]
+__all__ = ["DEFAULT_TEMPLATES", "JUDGE_KEY_ENV", "MAX_ANSWER_BYTES", "OPENAI_KEY_ENV", "Reading", "VLMJudge",
+           "api_key_for", "load_template", "read_answer", "render", "score_span"]
 
-API_KEY_ENVS = ("SAGE_JUDGE_API_KEY", "OPENAI_API_KEY")  # the first one set is sent as the bearer token
+JUDGE_KEY_ENV = "SAGE_JUDGE_API_KEY"  # the judge server's key: sent to --judge_url
+OPENAI_KEY_ENV = "OPENAI_API_KEY"  # OpenAI's key: sent to OpenAI's API only
+OPENAI_HOST = "api.openai.com"
 TOP_LOGPROBS = 20  # the most that OpenAI's API and vLLM's default --max-logprobs return
 MAX_TOKENS = 16  # the templates ask for a number or a word; room for a short preamble such as "Score: 7"
+# an answer of MAX_TOKENS positions with TOP_LOGPROBS candidates each is a few tens of kB; anything near a MiB is not
+# a judge's answer, and reading it whole (answers of 200 MiB were seen to take the client past 1 GiB) is not safe
+MAX_ANSWER_BYTES = 1 << 20
+# the share of the candidate "1" below which its split between 1 and a two-token 10 is not asked for: the score
+# moves by at most this much (E by at most 9 times it)
+SPLIT_MIN = 1e-3
 PROBE_SIZE = 64  # side of the gray frames of the request checked when the reward is built
 _DEFAULTS = RewardConfig()
 
@@ -72,24 +98,47 @@ DEFAULT_TEMPLATES = {
     ),
 }
 _PLACEHOLDER = re.compile(r"\{(prompt|frames)\}")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUM = r"(?<![0-9.])(-?[0-9]+(?:\.[0-9]+)?)"  # ASCII digits only: "²" or "٧" is no score; "-3" is -3, no score
+# "7/10", "7 / 10", "7 out of 10": the number before the scale's top
+_OUT_OF = re.compile(_NUM + r"\s*(?:/|out\s+of)\s*10(?![0-9])", re.IGNORECASE)
+# "Score: 7", "rating = 8", "Rating (1-10): 8", "**Score**: 9": a label, then anything but a colon or line break,
+# then ":" or "=", then the number
+_LABELLED = re.compile(r"\b(?:score|rating|grade)\b[^:=\n]{0,40}[:=][\s*]*" + _NUM, re.IGNORECASE)
+_ANY = re.compile(_NUM)
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 
 
-# ------------------------------------------------------------------------------------------------ the flags
+# ------------------------------------------------------------------------------------------------ the key
 
 
-def check_url(url: str) -> str:
-    """``--judge_url`` stripped; one SageGRPOError line when it is empty, several, or not http(s)."""
-    url = url.strip()
-    if not url:
-        raise SageGRPOError("--reward_model vlm_judge needs --judge_url http://host:port (an OpenAI-compatible chat "
-                            "server: vllm serve, python -m sglang.launch_server, transformers serve)")
-    if "," in url:
-        raise SageGRPOError(f"--judge_url takes one server, got {url!r} (put several behind a load balancer)")
-    if not url.startswith(("http://", "https://")):
-        raise SageGRPOError(f"--judge_url {url!r} must start with http:// or https://")
-    return url
+def _loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key_for(url: str, env: Mapping[str, str] = os.environ, allow_http: bool = False) -> tuple[str, str]:
+    """(the key to send to the judge at ``url``, "") or ("", why a key that is set is withheld).
+
+    ``SAGE_JUDGE_API_KEY`` is the judge's key: sent to ``url`` over https, or over plain http to this machine
+    (loopback), or to another host over plain http when ``allow_http`` (--judge_allow_http_key). ``OPENAI_API_KEY``
+    belongs to OpenAI: sent only when ``url`` is https://api.openai.com, never to another server."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    key = env.get(JUDGE_KEY_ENV, "")
+    if not key:
+        if parts.scheme == "https" and host == OPENAI_HOST:
+            return env.get(OPENAI_KEY_ENV, ""), ""
+        if env.get(OPENAI_KEY_ENV):
+            return "", f"{OPENAI_KEY_ENV} is sent only to https://{OPENAI_HOST}; set {JUDGE_KEY_ENV} to the judge's key"
+        return "", ""
+    if parts.scheme == "http" and not _loopback(host) and not allow_http:
+        return "", (f"{JUDGE_KEY_ENV} is not sent over plain http to {host} (anyone on the path could read it): use "
+                    "https, or --judge_allow_http_key on a network you trust")
+    return key, ""
 
 
 # ------------------------------------------------------------------------------------------------ the template
@@ -98,21 +147,7 @@ def check_url(url: str) -> str:
 def load_template(path: str, scale: str = "1-10") -> str:
     """The judging template: the text of the file ``path``, or the default of ``scale`` when ``path`` is empty; one
     SageGRPOError line for a file that is missing, unreadable, not UTF-8 or empty."""
-    if not path.strip():
-        return DEFAULT_TEMPLATES[scale]
-    p = Path(path).expanduser()
-    hint = "a UTF-8 text file with the judging prompt, {prompt} standing for the video's prompt"
-    if not p.is_file():
-        raise SageGRPOError(f"--judge_template {path}: no such file ({hint}; relative to the working directory "
-                            f"{Path.cwd()})")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise SageGRPOError(f"--judge_template {path} cannot be read ({type(err).__name__}: {_one_line(err)}; "
-                            f"{hint})") from None
-    if not text.strip():
-        raise SageGRPOError(f"--judge_template {path} is empty ({hint})")
-    return text
+    return read_judge_template(path) or DEFAULT_TEMPLATES[scale]
 
 
 def render(template: str, prompt: str, frames: int) -> str:
@@ -125,60 +160,128 @@ def render(template: str, prompt: str, frames: int) -> str:
 # ------------------------------------------------------------------------------------------------ the score
 
 
-def _label(token: str, scale: str) -> int | None:
-    """The score a token stands for (" 7" -> 7, "Yes" -> 1), None when it is no score of ``scale``."""
+def score_span(text: str, scale: str = "1-10") -> tuple[float, int] | None:
+    """(the score the answer ``text`` gives, the index of its first character), or None when it gives none.
+
+    1-10: the number before "/10" or "out of 10", else the first labelled one ("score: 7", "Rating (1-10): 8"),
+    else the last number (a template's scale quoted back, "1 to 10 ... 7", is not the score). yes_no: the first
+    "yes" or "no" (1 / 0)."""
+    if scale == "yes_no":
+        m = _YES_NO.search(text)
+        return None if m is None else (float(m.group(1).lower() == "yes"), m.start(1))
+    m = _OUT_OF.search(text) or _LABELLED.search(text)
+    if m is None:
+        found = list(_ANY.finditer(text))
+        m = found[-1] if found else None
+    return None if m is None else (float(m.group(1)), m.start(1))
+
+
+def _label(token: object, scale: str) -> int | None:
+    """The score a candidate token stands for (" 7" -> 7, "Yes" -> 1), None when it is no score of ``scale``."""
+    if not isinstance(token, str):
+        return None
     t = token.strip().lower()
     if scale == "yes_no":
         return {"yes": 1, "no": 0}.get(t)
-    return int(t) if t.isdigit() and t == str(int(t)) and 1 <= int(t) <= 10 else None
+    return int(t) if re.fullmatch(r"[1-9]|10", t) else None
 
 
-def _candidates(position) -> dict[str, float]:
-    """{token: probability} of one answer position: the chosen token and the returned top candidates (the chosen
-    one is usually among them: counted once)."""
-    out = {position.token: math.exp(position.logprob)}
-    for c in position.top_logprobs or ():
-        out.setdefault(c.token, math.exp(c.logprob))
+def _candidates(position: object) -> dict[str, float]:
+    """{token: probability} of one answer position (a dict of ``logprobs.content``): the chosen token and the
+    returned top candidates, the chosen one counted once. Entries that are not a string token with a finite
+    log-probability are left out."""
+    out: dict[str, float] = {}
+    if not isinstance(position, Mapping):
+        return out
+    tops = position.get("top_logprobs")
+    for c in [position, *(tops if isinstance(tops, list) else ())]:
+        if not isinstance(c, Mapping):
+            continue
+        token, lp = c.get("token"), c.get("logprob")
+        if isinstance(token, str) and isinstance(lp, (int, float)) and math.isfinite(lp):
+            out.setdefault(token, math.exp(min(float(lp), 0.0)))  # a log-probability above 0 is rounding
     return out
 
 
-def score_from_logprobs(content: Sequence, scale: str = "1-10") -> float | None:
-    """The score in [0, 1] from a chat answer's ``logprobs.content`` (positions with ``token``, ``logprob`` and
-    ``top_logprobs``), read at the first position whose chosen token is a score; None when there is none.
+@dataclass
+class Reading:
+    """What an answer says: ``score`` in [0, 1] (NaN with ``problem`` when none); when the split of a candidate "1"
+    between 1 and a two-token 10 is still to be asked for, ``split_prefix`` (the answer up to and with that "1") and
+    ``masses`` ({score: probability}, the "1" holding both), which `finish` completes with P("0") after the prefix."""
 
-    1-10: E = sum_k k p_k / sum_k p_k over the candidates "1".."10" (leading spaces ignored), as (E - 1) / 9. A
-    tokenizer that writes 10 as "1" then "0" gives "1" the probability of both: when "1" is the chosen token, the
-    next position's P("0") splits it (10 with p_1 P("0"), 1 with p_1 (1 - P("0"))); when it is not, that next
-    position is not known and all of p_1 counts as 1. yes_no: P(yes) / (P(yes) + P(no)).
-    """
-    for i, pos in enumerate(content):
-        if _label(pos.token, scale) is None:
-            continue
-        mass: dict[int, float] = {}
-        for token, p in _candidates(pos).items():
-            k = _label(token, scale)
-            if k is not None:
-                mass[k] = mass.get(k, 0.0) + p
-        if scale == "1-10" and pos.token.strip() == "1" and i + 1 < len(content):
-            p0 = sum(p for t, p in _candidates(content[i + 1]).items() if t == "0")
-            p1 = mass[1]
-            mass[1], mass[10] = p1 * (1 - p0), mass.get(10, 0.0) + p1 * p0
-        total = sum(mass.values())
-        if scale == "yes_no":
-            return mass.get(1, 0.0) / total
-        return (sum(k * p for k, p in mass.items()) / total - 1) / 9
-    return None
+    score: float
+    problem: str = ""
+    split_prefix: str | None = None
+    masses: dict[int, float] = field(default_factory=dict)
+    text_score: float = math.nan  # the score of the answer's text, for a server that cannot continue an answer
+
+    def finish(self, p0: float) -> float:
+        """The score when P("0") after ``split_prefix`` is ``p0``."""
+        return _expected({**self.masses, 1: self.masses[1] * (1 - p0), 10: self.masses.get(10, 0.0) +
+                          self.masses[1] * p0})
 
 
-def parse_score(text: str, scale: str = "1-10") -> float:
-    """The score in [0, 1] from an answer's text: its first number n as (n - 1) / 9 when 1 <= n <= 10, its first
-    "yes" / "no" (any case) as 1 / 0 for yes_no; NaN otherwise."""
+def _expected(masses: dict[int, float]) -> float:
+    """(E - 1) / 9 of the renormalised masses over 1..10."""
+    return (sum(k * p for k, p in masses.items()) / sum(masses.values()) - 1) / 9
+
+
+def _positions(choice: Mapping) -> list | None:
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+    return content if isinstance(content, list) and content else None
+
+
+def read_answer(answer: object, scale: str = "1-10") -> Reading:
+    """Read a chat completion (the parsed JSON body) into a `Reading`; nothing in ``answer`` can make it raise."""
+    if not isinstance(answer, Mapping):
+        return Reading(math.nan, "an answer that is not a JSON object")
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+        return Reading(math.nan, "an answer with no choices")
+    choice = choices[0]
+    message = choice.get("message")
+    content = message.get("content") if isinstance(message, Mapping) else None
+    text = content if isinstance(content, str) else ""
+    positions = _positions(choice)
+    tokens = [p.get("token") if isinstance(p, Mapping) else None for p in positions or ()]
+    if positions and all(isinstance(t, str) for t in tokens):
+        text = "".join(tokens)  # the positions are the answer: the score's character maps to its token
+    else:
+        positions = None
+    span = score_span(text, scale)
+    if span is None:
+        return Reading(math.nan, f"no score in the answer {text[:80]!r}")
+    value, start = span
+    text_score = value if scale == "yes_no" else (value - 1) / 9 if 1 <= value <= 10 else math.nan
+    if not math.isfinite(text_score):
+        return Reading(math.nan, f"a score outside 1..10 in the answer {text[:80]!r}")
+    if positions is None:
+        return Reading(text_score, text_score=text_score)
+    ends = [0]
+    for t in tokens:
+        ends.append(ends[-1] + len(t))
+    i = next(j for j in range(len(tokens)) if ends[j + 1] > start)  # the token holding the score's first character
+    masses: dict[int, float] = {}
+    ones: dict[str, float] = {}  # the candidates read as "1", by token
+    for token, p in _candidates(positions[i]).items():
+        k = _label(token, scale)
+        if k is not None:
+            masses[k] = masses.get(k, 0.0) + p
+            if scale == "1-10" and k == 1:
+                ones[token] = p
+    if not masses:  # the chosen token is part of a longer one ("7." as one token): the text is what is known
+        return Reading(text_score, text_score=text_score)
     if scale == "yes_no":
-        m = _YES_NO.search(text)
-        return math.nan if m is None else float(m.group(1).lower() == "yes")
-    m = _NUMBER.search(text)
-    n = math.nan if m is None else float(m.group())
-    return (n - 1) / 9 if 1 <= n <= 10 else math.nan
+        return Reading(masses.get(1, 0.0) / sum(masses.values()), text_score=text_score)
+    if 10 in masses or not ones or masses[1] / sum(masses.values()) < SPLIT_MIN:
+        return Reading(_expected(masses), text_score=text_score)  # a tokenizer with a token "10", or no real "1"
+    reading = Reading(math.nan, masses=masses, text_score=text_score)
+    if _label(tokens[i], scale) == 1 and i + 1 < len(positions):  # "1" was chosen: the next position splits it
+        reading.score = reading.finish(_candidates(positions[i + 1]).get("0", 0.0))
+        return reading
+    reading.split_prefix = text[:ends[i]] + max(ones, key=ones.get)
+    return reading
 
 
 # ------------------------------------------------------------------------------------------------ the request
@@ -205,6 +308,14 @@ def _mp4_part(frames: torch.Tensor, fps: float) -> dict:
     return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
 
 
+class AnswerError(Exception):
+    """An answer that came back but cannot be used (an error body, too large, too slow, not JSON)."""
+
+
+# vLLM's and SGLang's chat parameters that continue the last (assistant) message instead of starting a new turn
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
 class VLMJudge:
     """`Reward` scored by a VLM behind an OpenAI-compatible chat endpoint; see the module docstring."""
 
@@ -215,31 +326,43 @@ class VLMJudge:
     def __init__(self, url: str, model: str = "", template: str = DEFAULT_TEMPLATES["1-10"], scale: str = "1-10",
                  frames: int = _DEFAULTS.judge_frames, video: bool = False,
                  concurrency: int = _DEFAULTS.judge_concurrency, timeout: float = _DEFAULTS.reward_timeout,
-                 retries: int = _DEFAULTS.reward_retries, video_fps: float = VIDEO_FPS, api_key: str | None = None):
+                 retries: int = _DEFAULTS.reward_retries, video_fps: float = VIDEO_FPS,
+                 allow_http_key: bool = False, env: Mapping[str, str] | None = None):
         """``url``: the server's base URL (``/v1`` appended unless given); ``model``: the name sent with each
         request, empty = the one model the server lists; ``template``: the judging text ({prompt}, {frames});
         ``scale``: 1-10 or yes_no; ``frames``: frames sent per video; ``video``: send them as one mp4 part;
-        ``concurrency``: requests in flight at once; ``timeout`` (seconds) and ``retries`` per request; ``video_fps``:
-        the frame rate of the videos scored (the mp4's duration); ``api_key``: default the first of
-        `API_KEY_ENVS` that is set."""
+        ``concurrency``: requests in flight at once; ``timeout``: seconds one try of a request may take, sending to
+        last byte; ``retries`` per request; ``video_fps``: the frame rate of the videos scored (the mp4's duration);
+        ``allow_http_key`` and ``env`` (default the process environment): where the key comes from and may go
+        (`api_key_for`)."""
+        import httpx
         import openai
 
         if scale not in JUDGE_SCALES:
             raise SageGRPOError(f"--judge_scale must be one of {', '.join(JUDGE_SCALES)}, got {scale!r}")
         self.url = url.strip().rstrip("/")
         base = self.url if self.url.endswith("/v1") else self.url + "/v1"
-        if api_key is None:
-            api_key = next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), "")
+        api_key, self.withheld = api_key_for(self.url, os.environ if env is None else env, allow_http_key)
+        if self.withheld:
+            warnings.warn(f"no API key is sent to the judge server {self.url}: {self.withheld}", RuntimeWarning,
+                          stacklevel=2)
+        self.timeout = float(timeout)
+        self._sent = threading.local()  # when this thread's current try was sent (the httpx request hook)
+        http = httpx.Client(timeout=self.timeout, event_hooks={"request": [self._mark_sent]})
         # the client needs a key; servers started without one (vllm serve without --api-key) ignore it
-        self.client = openai.OpenAI(base_url=base, api_key=api_key or "EMPTY", timeout=float(timeout),
-                                    max_retries=int(retries))
+        self.client = openai.OpenAI(base_url=base, api_key=api_key or "EMPTY", timeout=self.timeout,
+                                    max_retries=int(retries), http_client=http)
         self.template, self.scale, self.frames, self.video = template, scale, int(frames), bool(video)
         self.concurrency, self.video_fps = int(concurrency), float(video_fps)
         self.logprobs = True  # asked for until the server refuses them
+        self.continues = True  # whether the server continues an answer (the split of a two-token 10)
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self.model = model.strip() or self._served_model()
         self._probe()
+
+    def _mark_sent(self, request) -> None:
+        self._sent.at = time.monotonic()
 
     # ---------------------------------------------------------------- checks when the reward is built
 
@@ -248,11 +371,13 @@ class VLMJudge:
         import openai
 
         if isinstance(err, (openai.AuthenticationError, openai.PermissionDeniedError)):
-            return SageGRPOError(f"judge server {self.url} refused the API key ({err.status_code}) {doing}: set "
-                                 f"{API_KEY_ENVS[0]} (or {API_KEY_ENVS[1]}) to its key")
+            why = self.withheld or f"set {JUDGE_KEY_ENV} to its key"
+            return SageGRPOError(f"judge server {self.url} refused the API key ({err.status_code}) {doing}: {why}")
         if isinstance(err, openai.APIStatusError):
             return SageGRPOError(f"judge server {self.url} answered {err.status_code} {doing}: "
                                  f"{_one_line(err)[:300]}")
+        if isinstance(err, AnswerError):
+            return SageGRPOError(f"judge server {self.url} {doing}: {_one_line(err)[:300]}")
         return SageGRPOError(f"judge server {self.url} cannot be reached {doing} ({type(err).__name__}: "
                              f"{_one_line(err)[:300]}); start it (e.g. vllm serve MODEL) or check --judge_url")
 
@@ -273,18 +398,29 @@ class VLMJudge:
     def _probe(self) -> None:
         """One request like the ones training sends (gray frames, a test prompt): a server that refuses it (the
         model's name, more images than it takes, a video part it cannot read) is one error line now, and whether it
-        returns log-probabilities is known before training."""
+        returns log-probabilities, and continues an answer, is known before training."""
         import openai
 
         gray = torch.full((self.frames, 3, PROBE_SIZE, PROBE_SIZE), 0.5)  # [n, 3, H, W]
+        messages = self._messages(gray, "a test video", self.frames / self.video_fps)
         try:
-            answer = self._ask(self._messages(gray, "a test video", self.frames / self.video_fps))
-        except openai.OpenAIError as err:
+            answer = self._ask(messages)
+        except (openai.OpenAIError, AnswerError) as err:
             raise self._fail(err, f"a request with {self.frames} frames for model {self.model!r}") from None
-        _, problem = self._score(answer)
-        if problem:
-            self._warn_once("probe", f"the judge's answer to a test request has {problem}; videos whose answers "
-                                     "have none score NaN")
+        reading = self._read(answer)
+        if reading.problem:
+            self._warn_once("probe", f"the judge's answer to a test request has {reading.problem}; videos whose "
+                                     "answers have none score NaN")
+        if self.logprobs and self.scale == "1-10" and _positions(answer["choices"][0]) is not None:
+            try:
+                self._p0(messages, "1")
+            except (openai.BadRequestError, openai.UnprocessableEntityError, AnswerError) as err:
+                self.continues = False
+                self._warn_once("continue", f"the judge server cannot continue an answer ({_one_line(err)[:200]}): "
+                                            "where the judge gives the token '1' some probability without choosing "
+                                            "it, the score is the answer's text, not its expected value")
+            except openai.OpenAIError as err:
+                raise self._fail(err, "continuing an answer after '1'") from None
 
     # ---------------------------------------------------------------- scoring
 
@@ -294,39 +430,78 @@ class VLMJudge:
         media = [_mp4_part(frames, n / seconds)] if self.video else [_png_part(f) for f in frames]
         return [{"role": "user", "content": [*media, {"type": "text", "text": render(self.template, prompt, n)}]}]
 
-    def _ask(self, messages: list[dict]):
-        """One chat completion (the client retries what can be retried); with log-probabilities while the server
-        takes them."""
+    def _post(self, **kwargs) -> dict:
+        """One chat completion (the client retries what can be retried) -> its JSON body. The body is read here, a
+        chunk at a time: a try that lasts past ``timeout`` seconds from its sending, or an answer over
+        `MAX_ANSWER_BYTES`, is an AnswerError; so is a body that is not a JSON object or holds an ``error``."""
+        kwargs = dict(model=self.model, temperature=0.0, extra_headers={"Accept-Encoding": "identity"}, **kwargs)
+        with self.client.chat.completions.with_streaming_response.create(**kwargs) as response:
+            size = response.headers.get("content-length", "")
+            if size.isdigit() and int(size) > MAX_ANSWER_BYTES:
+                raise AnswerError(f"an answer of {int(size):,} bytes (more than {MAX_ANSWER_BYTES:,})")
+            body = bytearray()
+            for chunk in response.iter_bytes():
+                body += chunk
+                if len(body) > MAX_ANSWER_BYTES:
+                    raise AnswerError(f"an answer of more than {MAX_ANSWER_BYTES:,} bytes")
+                if time.monotonic() - self._sent.at > self.timeout:
+                    raise AnswerError(f"an answer still coming {self.timeout:g} s after the request "
+                                      "(--reward_timeout)")
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise AnswerError(f"an answer that is not JSON: {bytes(body[:120])!r}") from None
+        if not isinstance(data, dict):
+            raise AnswerError(f"an answer that is not a JSON object: {bytes(body[:120])!r}")
+        if "error" in data:
+            err = data["error"]
+            message = err.get("message", err) if isinstance(err, Mapping) else err
+            raise AnswerError(f"the server answered an error: {' '.join(str(message).split())[:300]}")
+        return data
+
+    def _ask(self, messages: list[dict]) -> dict:
+        """The judge's answer to ``messages``: with log-probabilities while the server takes them."""
         import openai
 
-        kwargs = dict(model=self.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0)
         if not self.logprobs:
-            return self.client.chat.completions.create(**kwargs)
+            return self._post(messages=messages, max_tokens=MAX_TOKENS)
         try:
-            return self.client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=TOP_LOGPROBS)
+            return self._post(messages=messages, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=TOP_LOGPROBS)
         except (openai.BadRequestError, openai.UnprocessableEntityError) as err:
-            answer = self.client.chat.completions.create(**kwargs)  # raises when the request itself is refused
+            answer = self._post(messages=messages, max_tokens=MAX_TOKENS)  # raises when the request itself is refused
             self.logprobs = False
             self._warn_once("logprobs", f"the judge server refuses log-probabilities ({err.status_code}: "
-                                        f"{_one_line(err)[:200]}); scores are parsed from the answers")
+                                        f"{_one_line(err)[:200]}); scores are read from the answers' text")
             return answer
 
-    def _score(self, answer) -> tuple[float, str]:
+    def _p0(self, messages: list[dict], prefix: str) -> float:
+        """P("0") at the first position after the judge's answer ``prefix`` (continued, not a new turn)."""
+        answer = self._post(messages=[*messages, {"role": "assistant", "content": prefix}], max_tokens=1,
+                            logprobs=True, top_logprobs=TOP_LOGPROBS, extra_body=CONTINUE)
+        choices = answer.get("choices")
+        positions = _positions(choices[0]) if isinstance(choices, list) and choices and \
+            isinstance(choices[0], Mapping) else None
+        if positions is None:
+            raise AnswerError("an answer after the prefix with no log-probabilities")
+        return _candidates(positions[0]).get("0", 0.0)
+
+    def _score(self, answer: dict, messages: list[dict]) -> tuple[float, str]:
         """(the answer's score in [0, 1], "") or (NaN, what it lacks)."""
-        if not answer.choices:
-            return math.nan, "no choices"
-        choice = answer.choices[0]
-        content = getattr(getattr(choice, "logprobs", None), "content", None)
-        if content:
-            score = score_from_logprobs(content, self.scale)
-            if score is not None:
-                return score, ""
-        elif self.logprobs:
-            self._warn_once("no logprobs", "the judge server returns no log-probabilities; scores are parsed from "
+        reading = self._read(answer)
+        if reading.split_prefix is not None:
+            if not self.continues:
+                return reading.text_score, ""
+            return reading.finish(self._p0(messages, reading.split_prefix)), ""
+        return reading.score, reading.problem
+
+    def _read(self, answer: dict) -> Reading:
+        """`read_answer`, with one warning when the server returns no log-probabilities though asked for them."""
+        choices = answer.get("choices")
+        if self.logprobs and isinstance(choices, list) and choices and isinstance(choices[0], Mapping) and \
+                _positions(choices[0]) is None:
+            self._warn_once("no logprobs", "the judge server returns no log-probabilities; scores are read from "
                                            "the answers' text")
-        text = choice.message.content or ""
-        score = parse_score(text, self.scale)
-        return score, "" if math.isfinite(score) else f"no score in the answer {text[:80]!r}"
+        return read_answer(answer, self.scale)
 
     def _warn_once(self, key: str, message: str) -> None:
         with self._lock:
@@ -338,7 +513,8 @@ class VLMJudge:
     def _score_one(self, frames: torch.Tensor, prompt: str, seconds: float) -> tuple[float, str]:
         """(score, "") or (NaN, what went wrong) for one video."""
         try:
-            return self._score(self._ask(self._messages(frames, prompt, seconds)))
+            messages = self._messages(frames, prompt, seconds)
+            return self._score(self._ask(messages), messages)
         except Exception as err:  # noqa: BLE001 - network, server and answer errors all end as NaN
             return math.nan, f"{type(err).__name__}: {_one_line(err)[:200]}"
 
@@ -360,6 +536,7 @@ def build_vlm_judge(judge_url: str = _DEFAULTS.judge_url, judge_model: str = _DE
                     judge_template: str = _DEFAULTS.judge_template, judge_scale: str = _DEFAULTS.judge_scale,
                     judge_frames: int = _DEFAULTS.judge_frames, judge_video: bool = _DEFAULTS.judge_video,
                     judge_concurrency: int = _DEFAULTS.judge_concurrency,
+                    judge_allow_http_key: bool = _DEFAULTS.judge_allow_http_key,
                     reward_timeout: float = _DEFAULTS.reward_timeout, reward_retries: int = _DEFAULTS.reward_retries,
                     video_fps: float = VIDEO_FPS, **_: object) -> VLMJudge:
     """Builder of the VLM judge (the reward flags of the same names)."""
@@ -368,6 +545,7 @@ def build_vlm_judge(judge_url: str = _DEFAULTS.judge_url, judge_model: str = _DE
     except ImportError:
         raise SageGRPOError("--reward_model vlm_judge needs the openai package: pip install 'sage-grpo[judge]'") \
             from None
-    return VLMJudge(check_url(judge_url), model=judge_model, template=load_template(judge_template, judge_scale),
-                    scale=judge_scale, frames=judge_frames, video=judge_video, concurrency=judge_concurrency,
-                    timeout=reward_timeout, retries=reward_retries, video_fps=video_fps)
+    return VLMJudge(check_judge_url(judge_url), model=judge_model,
+                    template=load_template(judge_template, judge_scale), scale=judge_scale, frames=judge_frames,
+                    video=judge_video, concurrency=judge_concurrency, timeout=reward_timeout, retries=reward_retries,
+                    video_fps=video_fps, allow_http_key=judge_allow_http_key)

@@ -38,7 +38,8 @@ __all__ = ["TOKEN_ENV", "BodyTooLarge", "RemoteReward", "apply_read", "encode_ba
 TOKEN_ENV = "SAGE_REWARD_TOKEN"  # bearer token: checked by the server when set there, sent by the client when set
 CONTENT_TYPE = "application/x-safetensors+zlib"
 # the largest request body a server takes by default (serve_reward.py --max_request_mb), compressed and again
-# decompressed: a longer body is refused (413) before it is read, and decompression stops at this size. Three
+# decoded (the decompressed bytes plus the float32 copy of uint8 frames): a longer body is refused (413) before it
+# is read, a larger decoded one once its header is read, so a request holds at most its body and this much. Three
 # whole 121-frame 720p videos in float32 (1.25 GiB each) fit; VideoAlign's frames travel as uint8, far smaller.
 MAX_BODY_BYTES = 4 << 30
 
@@ -99,35 +100,102 @@ def encode_batch(x: torch.Tensor, prompts: Sequence[str], dtype: torch.dtype | N
 
 
 class BodyTooLarge(ValueError):
-    """A request body that decompresses to more than the server takes (the server answers 413)."""
+    """A request body that decompresses, or decodes, to more than the server takes (the server answers 413)."""
+
+
+# safetensors' names of the dtypes a body may hold: float frames travel as they are, uint8 ones become float32
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
+_INFLATE_STEP = 8 << 20  # the most bytes one zlib call inflates: the GIL is held for one step's copy only
+_INPUT_STEP = 1 << 20  # compressed bytes handed to zlib at a time
+_MAX_PROMPT_BYTES = 64 << 20  # the prompts' JSON: thousands of long prompts fit
+
+
+class _Inflater:
+    """Inflates a zlib body in steps of at most `_INFLATE_STEP` bytes, straight into the caller's buffers: nothing
+    is inflated that was not asked for, so a bomb is refused after its first step, never held whole."""
+
+    def __init__(self, body: bytes | bytearray):
+        self.z, self.rest = zlib.decompressobj(), memoryview(body)
+
+    def read_into(self, out: memoryview) -> None:
+        """Fill ``out`` with the next len(out) inflated bytes; ValueError when the body ends first."""
+        pos = 0
+        while pos < len(out):
+            data = self.z.unconsumed_tail
+            if not data:
+                data, self.rest = self.rest[:_INPUT_STEP], self.rest[_INPUT_STEP:]
+            if not data or self.z.eof:
+                raise ValueError("malformed request body (it ends before the tensors its header announces)")
+            try:
+                chunk = self.z.decompress(data, min(len(out) - pos, _INFLATE_STEP))
+            except zlib.error as err:
+                raise ValueError(f"malformed request body (zlib: {err})") from None
+            out[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
 
 
 def decode_batch(body: bytes | bytearray, max_bytes: int = MAX_BODY_BYTES) -> tuple[torch.Tensor, list[str]]:
     """The inverse of `encode_batch` -> (frames float32, or the sent float dtype; prompts). Raises `BodyTooLarge`
-    when the body decompresses to more than ``max_bytes`` (never holding more than ``max_bytes + 1`` of it), and
-    ValueError on anything malformed (the server answers 400)."""
-    from safetensors.torch import load
-
-    try:
-        raw = zlib.decompressobj().decompress(body, max_bytes + 1)  # a zlib bomb stops here
-    except zlib.error as err:
-        raise ValueError(f"malformed request body (zlib: {err})") from None
-    if len(raw) > max_bytes:
+    when the body decodes to more than ``max_bytes``: the decompressed bytes, plus the float32 copy of uint8 frames
+    (float frames are a view of the decompressed bytes, no copy). The sizes come from the safetensors header, checked
+    before the tensors are inflated, and the body is inflated in steps (a zlib bomb stops at its header), so a
+    request never holds more than its body and ``max_bytes``. ValueError on anything malformed (the server answers
+    400). Parsed here rather than by safetensors' `load`, which would copy every tensor once more, holding the GIL."""
+    inflater = _Inflater(body)
+    head = bytearray(8)
+    inflater.read_into(memoryview(head))
+    n = int.from_bytes(head, "little")  # the JSON header's length
+    if n > 100_000_000:  # safetensors' own limit on a header: not a safetensors body (a pickle, say), a 400
+        raise ValueError(f"malformed request body (a safetensors header of {n} bytes)")
+    if 8 + n > max_bytes:
         raise BodyTooLarge(f"request body decompresses to more than the server's limit of {max_bytes} bytes")
+    header = bytearray(n)
+    inflater.read_into(memoryview(header))
     try:
-        tensors = load(raw)
-        prompts = json.loads(bytes(tensors["prompts"].numpy()).decode())
-        frames = tensors["frames"]
+        meta = json.loads(bytes(header))
+        metas = {k: meta[k] for k in ("frames", "prompts")}
+        dtypes = {k: _DTYPES[m["dtype"]] if m["dtype"] in _DTYPES else m["dtype"] for k, m in metas.items()}
+        shapes = {k: [int(d) for d in m["shape"]] for k, m in metas.items()}
+        spans = {k: (int(m["data_offsets"][0]), int(m["data_offsets"][1])) for k, m in metas.items()}
     except Exception as err:  # noqa: BLE001 - whatever a client sent: a 400, never a crash
-        raise ValueError(f"malformed request body ({type(err).__name__}: {err})") from None
+        raise ValueError(f"malformed request body (header: {type(err).__name__}: {err})") from None
+    if not isinstance(dtypes["frames"], torch.dtype):
+        raise ValueError(f"frames must be float or uint8, got {dtypes['frames']}")
+    if dtypes["prompts"] != torch.uint8 or len(shapes["prompts"]) != 1:
+        raise ValueError("malformed request body (prompts must be uint8 bytes)")
+    if shapes["prompts"][0] > _MAX_PROMPT_BYTES:  # parsed holding the GIL: a GiB of "prompts" would stall /health
+        raise BodyTooLarge(f"request prompts of {shapes['prompts'][0]} bytes, more than the server's limit of "
+                           f"{_MAX_PROMPT_BYTES}")
+    numel = {k: math.prod(s) for k, s in shapes.items()}
+    for k, (lo, hi) in spans.items():
+        if any(d < 0 for d in shapes[k]) or not 0 <= lo <= hi or hi - lo != numel[k] * dtypes[k].itemsize:
+            raise ValueError(f"malformed request body ({k}: shape {shapes[k]}, bytes {lo}..{hi})")
+    size = max(hi for _, hi in spans.values())
+    if 8 + n + size > max_bytes:
+        raise BodyTooLarge(f"request body decompresses to more than the server's limit of {max_bytes} bytes")
+    decoded = 8 + n + size + (numel["frames"] * 4 if dtypes["frames"] == torch.uint8 else 0)
+    if decoded > max_bytes:
+        raise BodyTooLarge(f"request body decodes to {decoded} bytes (its uint8 frames as float32), more than the "
+                           f"server's limit of {max_bytes} bytes")
+    # torch.empty, not bytearray(size): that zero-fills the whole buffer while it holds the GIL (seconds a GiB)
+    data = torch.empty(size, dtype=torch.uint8)
+    inflater.read_into(memoryview(data.numpy()))
+    lo, hi = spans["prompts"]
+    try:
+        prompts = json.loads(data[lo:hi].numpy().tobytes().decode())
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"malformed request body (prompts: {type(err).__name__}: {err})") from None
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be a list of strings")
+    lo, hi = spans["frames"]
+    frames = data[lo:hi]
+    if lo % dtypes["frames"].itemsize:  # a view as a wider dtype needs an aligned start (safetensors aligns it)
+        frames = frames.clone()
+    frames = frames.view(dtypes["frames"]).view(shapes["frames"])  # a view of `data`: no copy
     if frames.ndim < 1 or frames.shape[0] != len(prompts):
         raise ValueError(f"{tuple(frames.shape)} frames for {len(prompts)} prompts")
     if frames.dtype == torch.uint8:
-        frames = frames.float()
-    elif not frames.is_floating_point():
-        raise ValueError(f"frames must be float or uint8, got {frames.dtype}")
+        frames = frames.float()  # `data` goes when this returns: the float32 copy was counted in its place
     return frames, prompts
 
 
