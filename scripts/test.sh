@@ -10,10 +10,10 @@ start=$SECONDS
 source scripts/_setup.sh "dev,lora,plot,serve,judge"
 echo "== ruff"
 ruff check .
-echo "== pytest (every CPU test: fast, slow and multi-process)"
+echo "== pytest (every CPU test: fast, slow and multi-process; the vLLM tests are scripts/vllm_tests.sh's)"
 # A torchrun test whose gloo rank aborts at process exit ("terminate called without an active exception", after its
 # results are written and the ranks passed a barrier; seen twice in about ten full runs on 2 loaded cores) runs
 # once more; any other failure fails the run.
-OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider -m "" -n auto --dist loadfile --no-loadscope-reorder \
+OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider -m "not vllm" -n auto --dist loadfile --no-loadscope-reorder \
   --durations=15 --reruns 1 --only-rerun "terminate called without an active exception"
 echo "== all tests passed; scripts/test.sh took $((SECONDS - start)) s (set-up included)"

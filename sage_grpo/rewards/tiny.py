@@ -245,10 +245,11 @@ JUDGE_SIDE, JUDGE_PATCH = 28, 14  # the judges' image side and patch: 2 x 2 patc
 LUMA = (0.299, 0.587, 0.114)  # BT.601, as the `brightness` reward
 
 
-def _tiny_llava(seed: int, patch: int = JUDGE_PATCH):
+def _tiny_llava(seed: int, patch: int = JUDGE_PATCH, heads: int = 4):
     """(random tiny LLaVA, its processor, its byte tokenizer): a CLIP vision tower of 28-pixel images in patches of
-    ``patch`` pixels, a Qwen2 language model of width 32, the byte tokenizer (digits one token each) with an
-    ``<image>`` token, a PIL image processor and a ChatML chat template."""
+    ``patch`` pixels, a Qwen2 language model of width 32 with ``heads`` attention heads (1: head size 32, the
+    smallest vLLM's CPU attention takes), the byte tokenizer (digits one token each) with an ``<image>`` token, a
+    PIL image processor and a ChatML chat template."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -269,9 +270,10 @@ def _tiny_llava(seed: int, patch: int = JUDGE_PATCH):
     cfg = LlavaConfig(
         vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                        image_size=side, patch_size=patch).to_dict(),
-        text_config=Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=4096,
-                                eos_token_id=ids("<|im_end|>"), tie_word_embeddings=False).to_dict(),
+        text_config=Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+                                num_key_value_heads=max(1, heads // 2), vocab_size=len(tok),
+                                max_position_embeddings=4096, eos_token_id=ids("<|im_end|>"),
+                                tie_word_embeddings=False).to_dict(),
         image_token_index=ids("<image>"), image_seq_length=(side // patch) ** 2, vision_feature_layer=-1,
         vision_feature_select_strategy="default", tie_word_embeddings=False,
     )
@@ -280,13 +282,22 @@ def _tiny_llava(seed: int, patch: int = JUDGE_PATCH):
 
 
 def _save_judge(model, processor, tok, out: Path) -> Path:
-    """Greedy generation config, then the model and processor in the layout ``transformers serve`` loads."""
+    """Greedy generation config, then the model and processor in the layout of the hub's LLaVA checkpoints
+    (llava-hf), which ``transformers serve`` and vLLM load: transformers 5 writes the CLIP tower's weights as
+    ``vision_tower.embeddings...``, the hub's checkpoints (and vLLM 0.32, which loads no other) name them
+    ``vision_tower.vision_model.embeddings...``; transformers reads either."""
+    from safetensors.torch import load_file, save_file
     from transformers import GenerationConfig
 
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id, do_sample=False)
     processor.save_pretrained(out)
     model.save_pretrained(out)
+    weights = out / "model.safetensors"
+    tower, hub = "vision_tower.", "vision_tower.vision_model."
+    state = {hub + k[len(tower):] if k.startswith(tower) and not k.startswith(hub) else k: v
+             for k, v in load_file(weights).items()}
+    save_file(state, weights, metadata={"format": "pt"})
     return out
 
 
@@ -498,7 +509,7 @@ def write_tiny_ten_judge(out: str | Path, seed: int = 0) -> Path:
     the end of the turn. So the answer is "9" or "1" "0", then the end. The vision tower runs on every image and the
     image tokens count in the average, but nothing of them is read."""
     out = Path(out)
-    model, processor, tok = _tiny_llava(seed)
+    model, processor, tok = _tiny_llava(seed, heads=1)  # head size 32: vLLM serves it
     ids = tok.convert_tokens_to_ids
     eos, one, zero, nine, mark = ids("<|im_end|>"), ids("1"), ids("0"), ids("9"), ids(TEN_MARKER)
     lm, big = model.model.language_model, 100.0
@@ -515,12 +526,15 @@ def write_tiny_ten_judge(out: str | Path, seed: int = 0) -> Path:
                 proj.bias.zero_()
             attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-        attn = lm.layers[0].self_attn  # query head 0 reads key/value head 0: its value dims 0 and 1 are written
+        attn = lm.layers[0].self_attn  # one head: its value dims 0 and 1 are written
         attn.v_proj.bias[0] = 1.0
         attn.v_proj.weight[1, 2] = 1.0
         attn.o_proj.weight[0, 0] = big
         attn.o_proj.weight[2, 1] = big
         lm.norm.weight.fill_(1.0)
+        proj = model.model.multi_modal_projector.linear_2  # image tokens write nothing the head or layer 0 reads
+        proj.weight[:4] = 0
+        proj.bias[:4] = 0
         head = model.lm_head.weight
         head.zero_()
         head[nine, 0] = 20.0
