@@ -44,7 +44,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sage_grpo.cli import CLIParser, at_least, check_writable_dir  # noqa: E402
+from bench_reward_balance import check_run_args, mean_se  # noqa: E402  (the same runs and statistics)
+
+from sage_grpo.cli import CLIParser, check_writable_dir  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
 
 QUICK = {"seeds": 1, "steps": 2, "eval_prompts": 4, "eval_noises": 1}
@@ -69,19 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("outputs/judge_learning"), help="output directory")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (post_train's --threads; default 1)")
     p.add_argument("--train_args", default="", help="extra post_train.py flags for every run, space-separated")
-    args = p.parse_args(argv)
-    for name, quick in QUICK.items():
-        if getattr(args, name) is None and args.quick:
-            setattr(args, name, quick)
-    args.seeds = 3 if args.seeds is None else args.seeds
-    args.eval_noises = 2 if args.eval_noises is None else args.eval_noises
-    at_least("--seeds", args.seeds, 1)
-    at_least("--eval_noises", args.eval_noises, 1)
-    at_least("--threads", args.threads, 1)
-    if args.steps is not None:
-        at_least("--steps", args.steps, 1)
-    if args.eval_prompts is not None:
-        at_least("--eval_prompts", args.eval_prompts, 1)
+    args = check_run_args(p.parse_args(argv), QUICK)
     from sage_grpo.rewards.tiny import FRAME_JUDGE_RANGE
 
     args.lo = FRAME_JUDGE_RANGE[args.reads][0] if args.lo is None else args.lo
@@ -131,13 +121,6 @@ def serve(model: Path, log: Path, timeout: float = 180.0):
 def chat_requests(log: Path) -> int:
     """The chat completions the server's log shows answered (uvicorn's access lines)."""
     return log.read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
-
-
-def mean_se(values: list[float]) -> dict:
-    """Mean and standard error of the mean (sample standard deviation / sqrt(n); NaN for one value)."""
-    n = len(values)
-    se = statistics.stdev(values) / math.sqrt(n) if n >= 2 else math.nan
-    return {"mean": statistics.fmean(values), "se": se, "n": n}
 
 
 def paired(before: list[float], after: list[float]) -> dict:

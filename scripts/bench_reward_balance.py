@@ -64,10 +64,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="post_train.py config every run starts from (default: configs/tiny_world.yaml)")
     p.add_argument("--out", type=Path, default=Path("outputs/reward_balance"), help="output directory")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (post_train's --threads; default 1)")
-    args = p.parse_args(argv)
-    for name, quick in QUICK.items():
+    args = check_run_args(p.parse_args(argv), QUICK)
+    args.rewards = [r.strip() for r in args.rewards.split(",")]
+    if len(args.rewards) != 2 or len(set(args.rewards)) != 2 or not all(args.rewards):
+        raise SageGRPOError(f"--rewards takes two different reward names joined by a comma, got {args.rewards}")
+    return args
+
+
+def check_run_args(args: argparse.Namespace, quick: dict) -> argparse.Namespace:
+    """The run flags this script and bench_judge_learning.py share: --quick's values (``quick``) where a flag is not
+    given, 3 seeds and 2 noises by default, counts >= 1 (one error line otherwise)."""
+    for name, value in quick.items():
         if getattr(args, name) is None and args.quick:
-            setattr(args, name, quick)
+            setattr(args, name, value)
     args.seeds = 3 if args.seeds is None else args.seeds
     args.eval_noises = 2 if args.eval_noises is None else args.eval_noises
     at_least("--seeds", args.seeds, 1)
@@ -77,9 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         at_least("--steps", args.steps, 1)
     if args.eval_prompts is not None:
         at_least("--eval_prompts", args.eval_prompts, 1)
-    args.rewards = [r.strip() for r in args.rewards.split(",")]
-    if len(args.rewards) != 2 or len(set(args.rewards)) != 2 or not all(args.rewards):
-        raise SageGRPOError(f"--rewards takes two different reward names joined by a comma, got {args.rewards}")
     return args
 
 

@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import free_port, smooth_videos, wait_until_healthy
+from helpers import free_port, load_script, smooth_videos, wait_until_healthy
 from PIL import Image
 
 from sage_grpo.rewards.judge import SPLIT_MIN, VLMJudge
 from sage_grpo.rewards.tiny import TEN_MARKER, write_tiny_ten_judge
 
 pytestmark = pytest.mark.vllm
+chat_requests = load_script("bench_judge_learning").chat_requests  # the answered chat completions a server logs
 
 TEN_TABLE = (0.0, 0.2, 0.45, 0.55, 0.9)  # P(10) at the first answer token
 TEMPLATE = "Rate {prompt} from 1 to 10."
@@ -111,10 +112,6 @@ def expected_score(local, prompt: str) -> float:
     p0 = float(after_one[ids("0")])
     p[10], p[1] = p[1] * p0, p[1] * (1 - p0)
     return (sum(k * q for k, q in p.items()) / sum(p.values()) - 1) / 9
-
-
-def chat_requests(log: Path) -> int:
-    return log.read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,6 @@ import contextlib
 import io
 import json
 import math
-import os
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import free_port, load_script, smooth_videos, wait_until_healthy
+from helpers import free_port, load_script, smooth_videos
 from PIL import Image
 from post_train_helpers import ROOT, _args, kill_before_rollout, pt
 
@@ -618,28 +615,10 @@ def judge_dir(tmp_path_factory) -> Path:
     return write_tiny_judge(tmp_path_factory.mktemp("tiny_judge") / "judge", answer="7")
 
 
-@contextlib.contextmanager
-def transformers_serve(model: Path, log: Path, port: int | None = None):
-    """`transformers serve MODEL` on 127.0.0.1 in its own process, offline, its output in ``log`` -> (url, process);
-    killed (by its pid) on exit."""
-    port = port or free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("transformers")), "serve", str(model), "--device",
-                                 "cpu", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(proc, url, 180, lambda: log.read_text()[-2000:])
-        yield url, proc
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def chat_requests(log: Path) -> int:
-    """The chat completions a `transformers serve` log shows answered (uvicorn's access lines)."""
-    return log.read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
+# `transformers serve` in its own process (offline, its output in a log) and the chat completions its log shows
+# answered: scripts/bench_judge_learning.py's, which trains through it
+_bench = load_script("bench_judge_learning")
+transformers_serve, chat_requests = _bench.serve, _bench.chat_requests
 
 
 @pytest.fixture(scope="module")

@@ -281,6 +281,18 @@ def _tiny_llava(seed: int, patch: int = JUDGE_PATCH, heads: int = 4):
     return LlavaForConditionalGeneration(cfg).eval(), processor, tok
 
 
+def _silence(lm) -> None:
+    """Set a Qwen2 language model's layers to write nothing (attention and MLP outputs 0) and to attend uniformly
+    (query and key projections 0), for the hand-set judges to write only what they set."""
+    for layer in lm.layers:
+        attn = layer.self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.weight.zero_()
+            proj.bias.zero_()
+        attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+
+
 def _save_judge(model, processor, tok, out: Path) -> Path:
     """Greedy generation config, then the model and processor in the layout of the hub's LLaVA checkpoints
     (llava-hf), which ``transformers serve`` and vLLM load: transformers 5 writes the CLIP tower's weights as
@@ -471,17 +483,12 @@ def write_tiny_frame_judge(out: str | Path, reads: str = "contrast", lo: float |
         # language model: uniform attention averages (feature, 1) of the image tokens onto dimensions 4 and 5
         lm.embed_tokens.weight.zero_()
         lm.embed_tokens.weight[digits, 6] = 100.0
-        for i, layer in enumerate(lm.layers):
-            attn = layer.self_attn
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
-                lin.weight.zero_()
-                lin.bias.zero_()
-            attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+        _silence(lm)
+        for layer in lm.layers:
             layer.input_layernorm.weight.fill_(1.0)
-            if i == 0:
-                attn.v_proj.weight[0, 0] = attn.v_proj.weight[1, 1] = 1.0  # kv head 0, read by query heads 0, 1
-                attn.o_proj.weight[4, 0] = attn.o_proj.weight[5, 1] = 1.0  # query head 0's output
+        attn = lm.layers[0].self_attn
+        attn.v_proj.weight[0, 0] = attn.v_proj.weight[1, 1] = 1.0  # kv head 0, read by query heads 0, 1
+        attn.o_proj.weight[4, 0] = attn.o_proj.weight[5, 1] = 1.0  # query head 0's output
         lm.norm.weight.fill_(1.0)
         t = frame_judge_centres(reads, lo, hi)
         head = model.lm_head.weight
@@ -519,13 +526,7 @@ def write_tiny_ten_judge(out: str | Path, seed: int = 0) -> Path:
         emb[[zero, nine], 1] = big  # "0" and "9": the end follows
         emb[mark, 2] = big  # the marker, averaged over the context
         emb[one, 3] = big  # "1": "0" follows
-        for layer in lm.layers:
-            attn = layer.self_attn
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-                proj.weight.zero_()
-                proj.bias.zero_()
-            attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+        _silence(lm)
         attn = lm.layers[0].self_attn  # one head: its value dims 0 and 1 are written
         attn.v_proj.bias[0] = 1.0
         attn.v_proj.weight[1, 2] = 1.0
