@@ -156,3 +156,26 @@ def attention_inputs(dtype, txt_valid=(17, 3), b5_valid=(5, 1), image=False, see
 
 def max_rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def smooth_image(path, h, w, seed):
+    """A smooth random RGB picture h x w saved at `path` (PNG) -> path."""
+    import numpy as np
+    import PIL.Image
+
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(1, 3, 4, 4, generator=g)
+    img = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[0]
+    PIL.Image.fromarray((img.permute(1, 2, 0).numpy() * 255).astype(np.uint8)).save(path)
+    return str(path)
+
+
+def i2v_prompts(folder, n=4):
+    """A prompt CSV with a different 16:9-ish image per prompt (one bucket), paths relative to the file."""
+    (folder / "imgs").mkdir(parents=True, exist_ok=True)
+    rows = ["prompt,ref_image_path"]
+    for i in range(n):
+        smooth_image(folder / "imgs" / f"{i}.png", 36 + i, 64 + 2 * i, 10 + i)
+        rows.append(f"a scene number {i},imgs/{i}.png")
+    (folder / "prompts.csv").write_text("\n".join(rows) + "\n")
+    return folder / "prompts.csv"

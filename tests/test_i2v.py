@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from helpers import i2v_prompts, smooth_image
 
 from sage_grpo.errors import SageGRPOError
 
@@ -51,23 +52,11 @@ def test_an_i2v_checkpoint_without_its_image_encoder_is_named_missing(tiny_i2v_d
 PROMPTS = ["a red ball rolls", 'a sign that says "hi"']
 
 
-def _image(path, h, w, seed):
-    """A smooth random RGB picture h x w saved at `path` (PNG) -> path."""
-    import numpy as np
-    import PIL.Image
-
-    g = torch.Generator().manual_seed(seed)
-    coarse = torch.rand(1, 3, 4, 4, generator=g)
-    img = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[0]
-    PIL.Image.fromarray((img.permute(1, 2, 0).numpy() * 255).astype(np.uint8)).save(path)
-    return str(path)
-
-
 @pytest.fixture()
 def images(tmp_path):
     """Two different 16:9-ish pictures (same bucket: 24 x 40 px on the tiny model) and a square one."""
-    return [_image(tmp_path / "a.png", 36, 64, 1), _image(tmp_path / "b.png", 45, 80, 2),
-            _image(tmp_path / "sq.png", 50, 50, 3)]
+    return [smooth_image(tmp_path / "a.png", 36, 64, 1), smooth_image(tmp_path / "b.png", 45, 80, 2),
+            smooth_image(tmp_path / "sq.png", 50, 50, 3)]
 
 
 def test_bucket_sizes_are_the_checkpoints(images):
@@ -224,7 +213,7 @@ def test_a_reference_image_is_turned_upright_by_its_exif_orientation(tiny_i2v_pi
     from sage_grpo.models.image_cond import ImageConditioningCache, open_reference_image
 
     # a phone's portrait photo: landscape pixels (36 x 64) and EXIF Orientation 6 (rotate 90 degrees clockwise)
-    landscape = PIL.Image.open(_image(tmp_path / "l.png", 36, 64, 4))
+    landscape = PIL.Image.open(smooth_image(tmp_path / "l.png", 36, 64, 4))
     exif = PIL.Image.Exif()
     exif[0x0112] = 6
     path = tmp_path / "portrait.jpg"
@@ -354,17 +343,6 @@ def test_rows_with_one_caption_and_seed_but_other_images_start_from_other_noise(
 # ------------------------------------------------------------------------------------------------ training
 
 
-def _i2v_prompts(folder, n=4):
-    """A prompt CSV with a different 16:9-ish image per prompt (one bucket), paths relative to the file."""
-    (folder / "imgs").mkdir(parents=True, exist_ok=True)
-    rows = ["prompt,ref_image_path"]
-    for i in range(n):
-        _image(folder / "imgs" / f"{i}.png", 36 + i, 64 + 2 * i, 10 + i)
-        rows.append(f"a scene number {i},imgs/{i}.png")
-    (folder / "prompts.csv").write_text("\n".join(rows) + "\n")
-    return folder / "prompts.csv"
-
-
 @pytest.mark.slow
 def test_i2v_training_starts_at_ratio_one_validates_and_resumes_exactly(tiny_i2v_dir, tmp_path):
     from post_train_helpers import _args, _stable, _weights, pt
@@ -372,7 +350,7 @@ def test_i2v_training_starts_at_ratio_one_validates_and_resumes_exactly(tiny_i2v
     from sage_grpo.checkpoint import list_checkpoints
     from sage_grpo.metrics import read_metrics
 
-    csv = _i2v_prompts(tmp_path / "data")
+    csv = i2v_prompts(tmp_path / "data")
     # two prompts (two images) per step on the one rank: each group must get its own image
     extra = ["--train_video_csv", str(csv), "--num_generations", "2", "--update_ref_model_step", "1",
              "--kl_warmup_updates", "1", "--kl_weight", "1e-2", "--kl_coef", "1e-3", "--kl_min_coef", "1e-4",
@@ -407,7 +385,7 @@ def test_i2v_training_rollout_gives_each_group_its_own_image_and_rescores_to_rat
     from sage_grpo.parallel.dist import init_distributed
     from sage_grpo.rollout import policy_step
 
-    csv = _i2v_prompts(tmp_path / "data")
+    csv = i2v_prompts(tmp_path / "data")
     cfg = load_config(_args(tiny_i2v_dir, tmp_path / "run", "--train_video_csv", str(csv), "--num_generations", "2",
                             "--grpo_sampling_steps", "2"))
     c, state = pt.setup(cfg, init_distributed(), None)
@@ -434,7 +412,7 @@ def _two_size_prompts(folder):
     rows = ["prompt,ref_image_path"]
     for i in range(4):
         h, w = (36 + i, 64 + 2 * i) if i % 2 == 0 else (50 + i, 50 + i)
-        _image(folder / "imgs" / f"{i}.png", h, w, 20 + i)
+        smooth_image(folder / "imgs" / f"{i}.png", h, w, 20 + i)
         rows.append(f"a scene number {i},imgs/{i}.png")
     (folder / "prompts.csv").write_text("\n".join(rows) + "\n")
     return folder / "prompts.csv"
@@ -625,7 +603,7 @@ def two_rank_launch(tiny_i2v_dir, tmp_path_factory):
     repo = Path(__file__).resolve().parents[1]
     root = tmp_path_factory.mktemp("i2v_two_rank")
     sizes = (("a.png", 36, 64, 1), ("b.png", 45, 80, 2), ("sq.png", 50, 50, 3))  # as the `images` fixture's
-    a, b, sq = (str(_image(root / name, h, w, seed)) for name, h, w, seed in sizes)
+    a, b, sq = (str(smooth_image(root / name, h, w, seed)) for name, h, w, seed in sizes)
     (root / "cache").mkdir()
     csv = _two_size_prompts(root / "data")
     common = ["--config", str(repo / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_i2v_dir), "--train_video_csv",
