@@ -61,7 +61,7 @@ def test_an_i2v_run_is_compared_on_its_reference_images(tiny_i2v_dir, tmp_path):
     rows the learning statistics need (they are tested above)."""
     import torch
     from post_train_helpers import _args, pt
-    from test_i2v import _i2v_prompts
+    from helpers import i2v_prompts
 
     from sage_grpo.config import load_config, torch_dtype
     from sage_grpo.data import read_prompts
@@ -73,7 +73,7 @@ def test_an_i2v_run_is_compared_on_its_reference_images(tiny_i2v_dir, tmp_path):
     from sage_grpo.rewards import build_reward_from_config
     from sage_grpo.rollout import SamplerSettings, latent_shape
 
-    csv = _i2v_prompts(tmp_path / "data", n=2)
+    csv = i2v_prompts(tmp_path / "data", n=2)
     run = tmp_path / "run"
     pt.main(_args(tiny_i2v_dir, run, "--train_video_csv", str(csv), "--num_generations", "2", "--max_steps", "1",
                   "--save_interval", "1", "--validation_num_inference_steps", "2", "--validate_video_length", "5"))
