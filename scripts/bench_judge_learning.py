@@ -132,14 +132,16 @@ def paired(before: list[float], after: list[float]) -> dict:
 
 def aggregate(base: dict[str, list[float]], runs: list[dict]) -> dict:
     """base: {component: [score per video]}; runs: {"seed", "scores": {component: [score per video]}} -> per
-    component: each seed's before / after means and paired rise, and the rise over the seeds (`mean_se` and its
-    ratio)."""
+    component: each seed's before / after means and paired rise, the rise over the seeds (`mean_se` of the seeds'
+    rises and its ratio: what varies from run to run) and the paired rise pooled over all seeds' videos (each
+    video's after - before, the same caption and noise, every seed's)."""
     table = {}
     for k in base:
         per_seed = {r["seed"]: {"before": statistics.fmean(base[k]), "after": statistics.fmean(r["scores"][k]),
                                 "rise": paired(base[k], r["scores"][k])} for r in runs}
         over = mean_se([s["rise"]["mean"] for s in per_seed.values()])
-        table[k] = {"per_seed": per_seed,
+        pooled = paired(base[k] * len(runs), [x for r in runs for x in r["scores"][k]])
+        table[k] = {"per_seed": per_seed, "pooled": pooled,
                     "rise": {**over, "std_errors": over["mean"] / over["se"] if over["se"] > 0 else math.nan}}
     return table
 
@@ -155,9 +157,10 @@ def format_table(table: dict) -> str:
             lines.append(f"| {seed} | {k} | {s['before']:.4f} | {s['after']:.4f} | {r['mean']:+.4f} "
                          f"({r['se']:.4f}, {r['std_errors']:+.1f} SE) |")
     for k in comps:
-        r = table[k]["rise"]
-        lines.append(f"| mean of {r['n']} | {k} | | | **{r['mean']:+.4f} ± {r['se']:.4f} ({r['std_errors']:+.1f} "
-                     f"SE over seeds)** |")
+        r, q = table[k]["rise"], table[k]["pooled"]
+        lines.append(f"| mean of {r['n']} | {k} | | | **{r['mean']:+.4f}**: paired SE over the {q['n']} videos "
+                     f"{q['se']:.4f} (**{q['std_errors']:+.1f} SE**); SE over the seeds {r['se']:.4f} "
+                     f"({r['std_errors']:+.2f} SE) |")
     return "\n".join(lines)
 
 

@@ -112,6 +112,9 @@ def test_the_rise_and_its_standard_errors_equal_numpy():
     means = np.array([r.mean() for r in rises])
     assert over["mean"] == pytest.approx(means.mean()) and over["se"] == pytest.approx(means.std(ddof=1) / 3 ** 0.5)
     assert over["std_errors"] == pytest.approx(over["mean"] / over["se"])
+    pooled, diffs = table["judge"]["pooled"], np.concatenate(rises)  # every seed's paired differences
+    assert pooled["n"] == 48 and pooled["mean"] == pytest.approx(diffs.mean())
+    assert pooled["se"] == pytest.approx(diffs.std(ddof=1) / 48 ** 0.5)
     assert len(bj.format_table(table).splitlines()) == 2 + 3 + 1
 
 
