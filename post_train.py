@@ -102,7 +102,8 @@ class TrainState:
 
     step: rollout rounds done. updates: optimizer updates done. accum_rounds, pending_kl_sum, pending_kl_pairs: the
     rounds accumulated into the pending update and their L_KL sum and valid pair count on this rank (the controller
-    moves with their mean when the update is taken; the accumulated gradient is the mean over the pairs so far).
+    moves with their mean when the update is taken; the accumulated gradient is the mean over the pairs so far; the
+    checkpoint keeps every data-parallel rank's pair, `pending_kl_by_dp_rank`, since rank 0 writes this state).
     anchor_synced: the anchor equals the current policy (initial, or just refreshed, and no update since);
     anchor_refreshed_at: the update of the last refresh (0 = the initial model). val_first:
     {metric: [mean, std]} over the videos of the first validation (the hacking check's baseline; `reward_total` and
@@ -1156,7 +1157,7 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
     lora_state = sharded_lora_state(c.transformer) if (fsdp and lora) else None  # collective, before rank 0 writes
     # a stop inside an accumulation (signal, failed-reward limit): the gradients of the rounds so far, so that the
     # resumed run adds the next rounds to them exactly as an uninterrupted run would
-    gradients = pending_gradients(c.transformer) if state.accum_rounds else None
+    gradients = pending_gradients(c) if state.accum_rounds else None
     return save_checkpoint(
         c.cfg.checkpoint.output_dir, state.step, rank=c.info.rank, gradient_state=gradients or None,
         # a LoRA run's trained state is its adapter (lora/): a merged copy of the 8.3B base would cost 16.6 GB of
@@ -1164,6 +1165,7 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
         model_state=None if lora else get_model_state_dict(c.transformer),
         optimizer_state=get_optimizer_state_dict(c.transformer, c.optimizer.optimizers),
         train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg),
+                     "pending_kl_by_dp_rank": pending_kl_by_dp_rank(c, state),
                      "digests": file_digests(config_to_dict(c.cfg)),  # a resume compares the judge template's text
                      "task": c.pipe.sage_grpo_task},  # the export's model card names the task's pipeline
         lora_writer=(lambda d: save_lora(c.transformer, d, state=lora_state)) if lora else None,
@@ -1171,24 +1173,60 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
     )
 
 
-def pending_gradients(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The gradients accumulated into the pending update, by parameter name (this rank's shards under FSDP2).
-    Parameters without a gradient are left out: the optimizer skips them, and a zero would not be skipped."""
-    return {n: p.grad for n, p in transformer.named_parameters() if p.requires_grad and p.grad is not None}
+def pending_gradients(c: Components) -> dict[str, torch.Tensor]:
+    """The gradients accumulated into the pending update, by parameter name, as the layout-free mean gradient so far
+    (what the optimizer would see after `sync_gradients`): under FSDP2 this rank's shards of it (reduce-scattered in
+    backward), in one process the gradients themselves, on several ranks without FSDP2 the sum over every rank
+    divided by dp (collective). Parameters without a gradient are left out: the optimizer skips them, and a zero
+    would not be skipped (without FSDP2 the sync gives every parameter one, so all are kept there)."""
+    from sage_grpo.parallel.dist import all_reduce_sum
+
+    named = [(n, p) for n, p in c.transformer.named_parameters() if p.requires_grad]
+    if not c.info.distributed or uses_fsdp(c.cfg, c.info):
+        return {n: p.grad for n, p in named if p.grad is not None}
+    return {n: all_reduce_sum(p.grad.clone() if p.grad is not None else torch.zeros_like(p)).div_(c.info.dp_size)
+            for n, p in named}
 
 
-def load_pending_gradients(transformer: torch.nn.Module, path: Path) -> None:
-    """Restore `pending_gradients` from a checkpoint's gradients/ (DCP, resharded to this run's layout)."""
+def load_pending_gradients(c: Components, path: Path) -> None:
+    """Restore `pending_gradients` from a checkpoint's gradients/ (DCP, resharded to this run's layout). On several
+    ranks without FSDP2 rank 0 takes dp x the mean and the others zeros, so that the sync's sum / dp gives it back."""
     import torch.distributed.checkpoint as dcp
 
     from sage_grpo.checkpoint import dcp_load
 
-    params = dict(transformer.named_parameters())
+    params = dict(c.transformer.named_parameters())
     names = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     grads = {n: torch.zeros_like(params[n]) for n in names}
     dcp_load(grads, path, "pending gradients")
+    replicated = c.info.distributed and not uses_fsdp(c.cfg, c.info)
     for n, g in grads.items():
-        params[n].grad = g
+        params[n].grad = (g.mul_(c.info.dp_size) if c.info.is_main else g.zero_()) if replicated else g
+
+
+def pending_kl_by_dp_rank(c: Components, state: TrainState) -> list[list[float]]:
+    """[[L_KL sum, valid pairs] of the pending update] per data-parallel rank (collective): the train state is
+    written by rank 0, so each rank's own share is saved here (`spread_pending_kl` gives it back)."""
+    from sage_grpo.parallel.dist import all_gather_cat
+
+    mine = torch.tensor([[state.pending_kl_sum, float(state.pending_kl_pairs)]], dtype=torch.float64,
+                        device=c.info.device)
+    return all_gather_cat(mine, group=c.info.dp_group).cpu().tolist()
+
+
+def spread_pending_kl(c: Components, state: TrainState, rows: list | None) -> None:
+    """Each rank's pending L_KL sum and pair count from `pending_kl_by_dp_rank`: its own on the same number of
+    data-parallel ranks; on another, data-parallel rank 0 takes the totals and the others zero (the update uses their
+    sum over the ranks only). None (a checkpoint before this): rank 0's values as saved, on every rank."""
+    if rows is None:
+        return
+    if len(rows) == c.info.dp_size:
+        total_sum, total_pairs = rows[c.info.dp_rank]
+    elif c.info.dp_rank == 0:
+        total_sum, total_pairs = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    else:
+        total_sum, total_pairs = 0.0, 0
+    state.pending_kl_sum, state.pending_kl_pairs = float(total_sum), int(total_pairs)
 
 
 def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
@@ -1200,17 +1238,27 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
         set_optimizer_state_dict,
     )
 
-    from sage_grpo.checkpoint import dcp_load, exactness_diff, file_digests, load_rng_state, read_train_state
+    from sage_grpo.checkpoint import (
+        dcp_load,
+        exactness_diff,
+        file_digests,
+        load_rng_state,
+        read_train_state,
+        saved_layout,
+    )
     from sage_grpo.models.lora import load_lora, load_lora_sharded
     from sage_grpo.parallel.fsdp import copy_full_into_shards_
 
     saved = read_train_state(path)
     current = config_to_dict(c.cfg)
-    diffs = exactness_diff(saved["config"], current, saved.get("digests"), file_digests(current))
+    layout = saved_layout(saved)
+    diffs = exactness_diff(saved["config"], current, saved.get("digests"), file_digests(current),
+                           saved_dp=layout["dp"] if layout else c.info.dp_size, current_dp=c.info.dp_size)
     if diffs:
         print0(c.info, "resuming with settings that differ from the saved run (the continuation is not exact): "
                + "; ".join(diffs))
     state.load_state_dict(saved)
+    spread_pending_kl(c, state, saved.get("pending_kl_by_dp_rank"))
     if c.cfg.model.use_lora:
         (load_lora_sharded if uses_fsdp(c.cfg, c.info) else load_lora)(c.transformer, path / "lora")
     else:
@@ -1228,8 +1276,8 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
     if a.adapter is not None and not initial:
         copy_full_into_shards_(a.adapter, load_file(path / "anchor_lora.safetensors"))  # plain tensors: a copy
     if (path / "gradients").is_dir():
-        load_pending_gradients(c.transformer, path / "gradients")
-    load_rng_state(path, c.info.rank)
+        load_pending_gradients(c, path / "gradients")
+    load_rng_state(path, c.info.rank, seed=c.cfg.optim.seed, step=state.step)
     print0(c.info, f"resumed from {path} at step {state.step} ({state.updates} optimizer updates)")
 
 
@@ -1257,6 +1305,8 @@ def main(argv: list[str] | None = None) -> Path:
         resume = agreed_resume(cfg, info)
         if ck.resume_from_checkpoint and resume is None:
             print0(info, f"no checkpoint in {ck.output_dir}: starting from step 0")
+        if resume is not None:
+            report_layout_change(cfg, info, resume)
         if resume is not None and read_train_state(resume)["step"] >= cfg.optim.max_steps:
             print0(info, f"{resume.name} is already at --max_steps {cfg.optim.max_steps}: nothing to train (raise "
                    "--max_steps to continue)")
@@ -1278,6 +1328,27 @@ def main(argv: list[str] | None = None) -> Path:
         logger.close()
         plot_curves(c.out / "metrics.jsonl", c.out / "curves.png")
     return c.out
+
+
+def report_layout_change(cfg: Config, info: DistInfo, path: Path) -> None:
+    """Say, before any model loads, how this launch's layout differs from the one `path` was written on (nothing
+    when it is the same), and which ranks' RNG files are not read or which ranks seed theirs anew."""
+    from sage_grpo.checkpoint import layout_change, read_train_state
+
+    saved = read_train_state(path)
+    line = layout_change(saved, config_to_dict(cfg), info.world_size, path.name)
+    if line is None:
+        return
+    old, now = int(saved["world_size"]), info.world_size
+
+    def span(a: int, b: int) -> str:  # ranks a..b-1
+        return str(a) if b == a + 1 else f"{a}..{b - 1}"
+
+    if old > now:
+        line += f"; rng_rank{span(now, old)} not read (no such rank now; nothing depends on the RNG state)"
+    elif old < now:
+        line += f"; rank {span(old, now)} new: RNG seeded from (seed, step, rank)"
+    print0(info, line)
 
 
 def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> None:
@@ -1333,10 +1404,18 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
 def check_resume_fits(cfg: Config, path: Path) -> None:
     """A full fine-tuning checkpoint resumed with --use_lora (or a LoRA one without it) is refused here, before any
     model loads: otherwise the load fails only once the models are up, in a loader's words (a full run's checkpoint
-    has no lora/ adapter; a LoRA run's optimizer state holds the adapter's parameters, not the transformer's)."""
+    has no lora/ adapter; a LoRA run's optimizer state holds the adapter's parameters, not the transformer's). So is
+    a checkpoint inside an accumulation resumed with --gradient_accumulation_steps no greater than its pending rounds
+    (the update would never be taken)."""
     from sage_grpo.checkpoint import read_train_state
 
-    saved = bool(read_train_state(path)["config"]["model"]["use_lora"])
+    state = read_train_state(path)
+    saved = bool(state["config"]["model"]["use_lora"])
+    pending, accum = int(state.get("accum_rounds", 0)), cfg.optim.gradient_accumulation_steps
+    if pending and pending >= accum:  # the pending update would never be taken (it is taken at accum rounds)
+        raise SageGRPOError(f"{path} holds {pending} accumulated round(s) of an update; --gradient_accumulation_steps "
+                            f"{accum} would never take it: resume with --gradient_accumulation_steps > {pending} "
+                            f"(the saved run's is {state['config']['optim']['gradient_accumulation_steps']})")
     if saved != cfg.model.use_lora:
         def kind(lora: bool) -> str:
             return "a LoRA run" if lora else "a full fine-tuning run"

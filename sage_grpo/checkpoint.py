@@ -9,13 +9,18 @@
                               (LoRA moving anchor); absent when the anchor is the initial model (rebuilt exactly)
         gradients/            DCP {name: gradient} of a checkpoint written inside a gradient accumulation (a stop
                               signal, the failed-reward limit): the rounds so far, resumed exactly
-        rng_rank{r}.safetensors  torch CPU/CUDA generator states (dropout); every other draw is hash-seeded
+        rng_rank{r}.safetensors  torch CPU/CUDA generator states (dropout); every other draw is hash-seeded. A rank
+                              with no file (a resume on more ranks) seeds them from (seed, step, rank)
         train_state.json      post_train's TrainState (counters, pending accumulation, KL controller, prompt
                               sampler, anchor bookkeeping), the config and file_digests (the judge template)
 
 Everything is written into `checkpoint-{step}.tmp/` and renamed when complete (rank 0, after a barrier), so a
 directory named `checkpoint-N` is always whole and `--resume_from_checkpoint latest` takes the newest of them.
 Saving is collective: every rank calls `save_checkpoint` (the authors' rank-0-only final save hangs).
+
+A checkpoint resumes on any valid layout (world size, --sp_size, --dp_replicate): the DCP parts are resharded on load,
+the train state is the same for every rank, and `layout_change` says what changed (docs/scaling.md, "Continuing on
+another number of GPUs").
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from sage_grpo.parallel.dist import all_reduce_sum, barrier
 
 __all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save",
            "dcp_load", "load_rng_state", "read_train_state", "exactness_diff", "file_digests", "EXACT_KEYS",
-           "NEUTRAL_REWARD_KEYS", "CONTENT_KEYS"]
+           "NEUTRAL_REWARD_KEYS", "CONTENT_KEYS", "saved_layout", "layout_change"]
 
 TRAIN_STATE = "train_state.json"
 
@@ -133,14 +138,68 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def load_rng_state(path: Path, rank: int) -> None:
+def load_rng_state(path: Path, rank: int, seed: int | None = None, step: int = 0) -> bool:
+    """Restore this rank's generators from rng_rank{rank} -> whether the file was there. A rank the saving run did
+    not have (a resume on more ranks) has none: with `seed` given its generators are seeded from (seed, step, rank),
+    the same on every launch; without, they are left as they are. Nothing a run computes depends on these states
+    (dropout is refused; every other draw is hash-seeded), so neither choice changes a result; files of ranks that
+    no longer exist are not read."""
     f = path / f"rng_rank{rank}.safetensors"
     if not f.is_file():
-        return  # saved by a different world size: the hash-seeded draws do not need it
+        if seed is not None:
+            from sage_grpo.seeding import derive_seed
+
+            torch.manual_seed(derive_seed(seed, step, rank, 0x52A6))  # every device's generator
+        return False
     state = load_file(f)
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    return True
+
+
+def saved_layout(state: dict) -> dict | None:
+    """The layout a checkpoint's train state was written on -> {world_size, sp_size, dp_replicate, dp, batch_size,
+    videos (per round, all ranks), prompts (per step)}; None for a train state that predates "world_size"."""
+    if "world_size" not in state:
+        return None
+    return layout_of(state["config"], int(state["world_size"]))
+
+
+def layout_of(config: dict, world_size: int) -> dict:
+    """A resolved config (config_to_dict layout) run on `world_size` processes -> its layout (see saved_layout)."""
+    par, data = config.get("parallel", {}), config.get("data", {})
+    sp, b, g = int(par.get("sp_size", 1)), int(data.get("batch_size", 1)), int(data.get("num_generations", 1))
+    dp = world_size // sp
+    return {"world_size": world_size, "sp_size": sp, "dp_replicate": int(par.get("dp_replicate", 1)), "dp": dp,
+            "batch_size": b, "videos": b * dp, "prompts": b * dp // g}
+
+
+def layout_change(saved_state: dict, current: dict, world_size: int, name: str = "the checkpoint") -> str | None:
+    """One line saying how this launch's layout differs from the one `saved_state` was written on, and what that
+    changes; None when it is the same (or the checkpoint does not record it). The same videos per round continue the
+    run exactly up to the reduction order of the new layout; other videos per round continue it with more or fewer
+    prompts per step (reported, not exact, like any EXACT_KEYS change)."""
+    old, new = saved_layout(saved_state), layout_of(current, world_size)
+    if old is None:
+        return None
+    keys = ("world_size", "sp_size", "dp_replicate", "batch_size")
+    if all(old[k] == new[k] for k in keys):
+        return None
+    labels = {"world_size": "world size", "sp_size": "sp_size", "dp_replicate": "dp_replicate",
+              "batch_size": "batch_size per rank"}
+    changed = ", ".join(f"{labels[k]} {old[k]} -> {new[k]}" for k in keys if old[k] != new[k])
+    line = f"{name} was written on another layout: {changed} (data-parallel ranks {old['dp']} -> {new['dp']}); "
+    if old["videos"] == new["videos"]:
+        return line + (f"the same {new['videos']} videos ({new['prompts']} prompts) per step: weights, optimizer "
+                       "state, anchor and pending gradients are resharded, counters, KL controller and prompt sampler "
+                       "continue; exact up to the new layout's reduction order")
+    g = new["videos"] // max(new["prompts"], 1)
+    hint = (f"; pass --batch_size {old['videos'] // new['dp']} to keep them" if old["videos"] % new["dp"] == 0
+            and (old["videos"] // new["dp"]) * new["dp"] % g == 0 else "")
+    return line + (f"NOT the same batch: {old['videos']} -> {new['videos']} videos ({old['prompts']} -> "
+                   f"{new['prompts']} prompts) per step, so the prompt sampler takes {new['prompts']} prompts per "
+                   f"step from where it stopped and the run continues, not exactly{hint}")
 
 
 def save_checkpoint(
@@ -274,12 +333,14 @@ def file_digests(config: dict) -> dict[str, str]:
 
 
 def exactness_diff(saved: dict, current: dict, saved_digests: dict | None = None,
-                   current_digests: dict | None = None) -> list[str]:
+                   current_digests: dict | None = None, *, saved_dp: int = 1, current_dp: int = 1) -> list[str]:
     """Names of the settings (group.key: old -> new) that differ between the saved and the current resolved config
     (config_to_dict layout) and make the resumed run differ from an uninterrupted one. A key missing from either
     (a checkpoint written before the flag existed) counts as its default: the run it wrote behaved as the default
     does. The digests (file_digests) compare CONTENT_KEYS by content when both are given; a checkpoint written
-    without them is compared by path."""
+    without them is compared by path. `data.batch_size` is per data-parallel rank: what must stay is the videos per
+    step, batch_size x dp (saved_dp, current_dp: the data-parallel ranks of each run), so a resume on another
+    number of ranks with the same videos per step is exact."""
     defaults = config_to_dict(Config())
     diffs = []
     for group, keys in EXACT_KEYS.items():
@@ -287,7 +348,11 @@ def exactness_diff(saved: dict, current: dict, saved_digests: dict | None = None
         for k in keys if keys is not None else sorted(set(a) | set(b) | set(d)):
             old, new = a.get(k, d.get(k)), b.get(k, d.get(k))
             name = f"{group}.{k}"
-            if (group, k) in CONTENT_KEYS and saved_digests and name in saved_digests and current_digests:
+            if (group, k) == ("data", "batch_size") and saved_dp != current_dp:
+                if old * saved_dp != new * current_dp:
+                    diffs.append(f"{name}: {old!r} -> {new!r} (videos per step {old * saved_dp} -> "
+                                 f"{new * current_dp} on {saved_dp} -> {current_dp} data-parallel ranks)")
+            elif (group, k) in CONTENT_KEYS and saved_digests and name in saved_digests and current_digests:
                 if saved_digests[name] != current_digests.get(name):
                     diffs.append(f"{name}: {old!r} -> {new!r} (its content differs)")
             elif old != new:

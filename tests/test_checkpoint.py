@@ -1,5 +1,6 @@
 """sage_grpo/checkpoint.py in one process: atomic writes (tmp, then rename), `latest`, pruning to the total limit,
-resume resolution, the exactness report, the RNG round trip, and a crafted RNG file that is refused unexecuted."""
+resume resolution, the exactness report, the layout report of a resume on another number of ranks, the RNG round
+trip (and the RNG of a rank the saving run did not have), and a crafted RNG file that is refused unexecuted."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sage_grpo.checkpoint import (
     dcp_load,
     exactness_diff,
     file_digests,
+    layout_change,
     list_checkpoints,
     load_rng_state,
     read_train_state,
@@ -118,6 +120,34 @@ def test_exactness_diff_names_the_settings_that_change_the_continuation():
                                               "optim.learning_rate: 1e-05 -> 2e-05"]
 
 
+def _state(world_size, sp=1, batch_size=2, replicate=1, g=4):
+    cfg = config_to_dict(Config())
+    cfg["parallel"].update(sp_size=sp, dp_replicate=replicate)
+    cfg["data"].update(batch_size=batch_size, num_generations=g)
+    return {"world_size": world_size, "config": cfg}
+
+
+def test_a_resume_on_another_layout_says_what_changed():
+    """The same layout says nothing; the same videos per step on other ranks is exact up to the reduction order
+    (and not an exactness difference); other videos per step are named with the batch size that keeps them."""
+    saved = _state(8, sp=2, batch_size=2)  # dp 4: 8 videos, 2 prompts per step
+    assert layout_change(saved, saved["config"], 8) is None
+    assert layout_change({"config": saved["config"]}, _state(4)["config"], 4) is None  # predates "world_size"
+    same = _state(4, sp=2, batch_size=4)["config"]
+    line = layout_change(saved, same, 4, "checkpoint-6")
+    assert line.startswith("checkpoint-6 was written on another layout: world size 8 -> 4, batch_size per rank 2 -> 4 "
+                           "(data-parallel ranks 4 -> 2); the same 8 videos (2 prompts) per step")
+    assert "exact up to the new layout's reduction order" in line
+    assert exactness_diff(saved["config"], same, saved_dp=4, current_dp=2) == []
+    assert "sp_size 2 -> 1, dp_replicate 1 -> 2" in layout_change(saved, _state(4, replicate=2)["config"], 4)
+    fewer = _state(4, sp=2, batch_size=2)["config"]  # the same flags on half the GPUs: half the videos
+    line = layout_change(saved, fewer, 4)
+    assert "NOT the same batch: 8 -> 4 videos (2 -> 1 prompts) per step" in line
+    assert line.endswith("pass --batch_size 4 to keep them")
+    assert exactness_diff(saved["config"], fewer, saved_dp=4, current_dp=2) == [
+        "data.batch_size: 2 -> 2 (videos per step 8 -> 4 on 4 -> 2 data-parallel ranks)"]
+
+
 def test_exactness_diff_missing_keys_count_as_their_defaults():
     """A checkpoint written before --reward_combine, --reward_optional and the judge flags existed resumed with
     their defaults is exact; with another value, the change is named against the default."""
@@ -183,8 +213,17 @@ def test_rng_state_round_trip(tmp_path):
     assert torch.equal(torch.rand(4), want)
     torch.manual_seed(7)
     before = torch.get_rng_state()
-    load_rng_state(path, rank=3)  # saved with another world size: no file for this rank, the state is kept
+    assert not load_rng_state(path, rank=3)  # saved with another world size: no file for this rank, the state is kept
     assert torch.equal(torch.get_rng_state(), before)
+    # given the run's seed, a rank the saving run did not have seeds from (seed, step, rank): the same every launch,
+    # another per rank
+    states = []
+    for rank in (3, 3, 4):
+        torch.manual_seed(rank * 11)
+        assert not load_rng_state(path, rank=rank, seed=42, step=5)
+        states.append(torch.get_rng_state())
+    assert torch.equal(states[0], states[1]) and not torch.equal(states[0], states[2])
+    assert not torch.equal(states[0], before)
 
 
 class _Payload:

@@ -655,6 +655,34 @@ def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_pa
             pt.main(args + (["--use_lora"] if saved_lora else []))
 
 
+def test_a_pending_update_that_could_never_be_taken_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """A checkpoint written inside an accumulation (3 of 4 rounds) resumed with --gradient_accumulation_steps 2:
+    the update is taken when the pending rounds reach it, which they never would; refused in one line before setup.
+    With 4 (or more) it gets through."""
+    from sage_grpo.checkpoint import TRAIN_STATE
+    from sage_grpo.config import Config, config_to_dict
+
+    class Loaded(Exception):
+        pass
+
+    def setup(*a, **kw):
+        raise Loaded
+
+    monkeypatch.setattr(pt, "setup", setup)
+    cfg = config_to_dict(Config())
+    cfg["optim"]["gradient_accumulation_steps"] = 4
+    (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint-3" / TRAIN_STATE).write_text(json.dumps({"step": 3, "accum_rounds": 3,
+                                                                             "config": cfg}))
+    args = _args("unused", tmp_path / "run", "--max_steps", "8", "--resume_from_checkpoint", "latest")
+    with pytest.raises(SageGRPOError, match=r"checkpoint-3 holds 3 accumulated round\(s\) of an update; "
+                       r"--gradient_accumulation_steps 2 would never take it: resume with "
+                       r"--gradient_accumulation_steps > 3 \(the saved run's is 4\)"):
+        pt.main([*args, "--gradient_accumulation_steps", "2"])
+    with pytest.raises(Loaded):
+        pt.main([*args, "--gradient_accumulation_steps", "4"])
+
+
 def test_threads_flag_sets_torchs_threads_before_anything_loads(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
