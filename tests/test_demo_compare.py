@@ -60,8 +60,8 @@ def test_an_i2v_run_is_compared_on_its_reference_images(tiny_i2v_dir, tmp_path):
     summary reports the first-frame fidelity of both. The run is one saved step; its metrics are repeated to the 20
     rows the learning statistics need (they are tested above)."""
     import torch
-    from post_train_helpers import _args, pt
     from helpers import i2v_prompts
+    from post_train_helpers import _args, pt
 
     from sage_grpo.config import load_config, torch_dtype
     from sage_grpo.data import read_prompts
