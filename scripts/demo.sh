@@ -9,12 +9,13 @@
 #  4. GRPO training (post_train.py, configs/tiny_world.yaml) of the world model against world_size (the share of the
 #     frame the object covers) inside the calibrated trust region, validated on held-out captions with the hacking
 #     check; then before/after videos of 32 training captions with fixed seeds, a frame strip of the first 4, the
-#     paired change of the reward in standard errors and the held-out metrics (summary.json);
+#     paired change of the reward in standard errors and the held-out metrics (summary.json), and a verdict: whether
+#     that change lies inside the range the demo was measured to print, and what the hacking check said;
 #  5. image-to-video: GRPO (post_train.py, configs/tiny_world_i2v_motion.yaml) teaches the world model's I2V checkpoint
 #     to move a small object the caption's way from a first frame with the object at the centre, without CFG (the
 #     base model does so in about a quarter of held-out videos), reward world_motion, validated with the hacking check
 #     on the held-out colour-shape pairs; then before/after on 32 training prompts with the same first frames and
-#     noise (strip, paired change, direction share and first-frame fidelity in summary.json);
+#     noise (strip, paired change, direction share and first-frame fidelity in summary.json; the same verdict);
 #  6. the world model's quality on held-out captions (scripts/eval_tiny.py): a frame grid and the detectors' shares.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -45,11 +46,13 @@ cat "$out/scores.csv"
 echo "== 4. GRPO training of the world model (configs/tiny_world.yaml, world_size reward) -> $out/train"
 rm -rf "$out/train"
 python post_train.py --config configs/tiny_world.yaml --output_dir "$out/train"
-python scripts/demo_compare.py --run "$out/train" --out "$out/before_after" --prompts 32 --strip_prompts 4
+python scripts/demo_compare.py --run "$out/train" --out "$out/before_after" --prompts 32 --strip_prompts 4 \
+  --expect t2v
 echo "== 5. image-to-video: GRPO teaches motion direction (configs/tiny_world_i2v_motion.yaml) -> $out/i2v_train"
 rm -rf "$out/i2v_train"
 python post_train.py --config configs/tiny_world_i2v_motion.yaml --output_dir "$out/i2v_train"
-python scripts/demo_compare.py --run "$out/i2v_train" --out "$out/i2v_before_after" --prompts 32 --strip_prompts 4
+python scripts/demo_compare.py --run "$out/i2v_train" --out "$out/i2v_before_after" --prompts 32 \
+  --strip_prompts 4 --expect i2v
 echo "== 6. the world model on 12 held-out captions (scripts/eval_tiny.py) -> $out/world_eval"
 python scripts/eval_tiny.py --num_captions 12 --out "$out/world_eval"
 echo "== all demo steps done; outputs in $out"
@@ -61,3 +64,7 @@ echo "   frame strip:  $out/before_after/strip.png (before / after rows per prom
 echo "   summary:      $out/before_after/summary.json (paired_std_errors: the reward's rise on fixed seeds)"
 echo "   I2V motion:   $out/i2v_train/curves.png, $out/i2v_before_after/strip.png and summary.json"
 echo "   world model:  $out/world_eval/grid.png and eval.md"
+echo "== verdicts (the ranges and the hacking check as measured: docs/world_model.md#what-bash-scriptsdemosh-shows)"
+for s in "$out/before_after/summary.json" "$out/i2v_before_after/summary.json"; do
+  python -c 'import json, sys; s = json.load(open(sys.argv[1])); print("  ", s["verdict"]); print("   hacking check:", s["hacking_check"], "(measured:", s["hacking_expected"] + ")")' "$s"
+done

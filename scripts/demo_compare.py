@@ -2,10 +2,15 @@
 """Before/after of a training run: the same prompts and seeds sampled (ODE, the validation settings of the run's
 config) with the base weights and with the run's last checkpoint, scored by the run's reward, written as mp4s and a
 side-by-side frame strip, the paired change of that reward (after - before on the same prompt and noise, its mean
-over the prompts in standard errors); and the learning statistics of metrics.jsonl (mean rollout reward of the first
-and last 10 steps, their difference in standard errors).
+over the prompts in standard errors); the learning statistics of metrics.jsonl (mean rollout reward of the first
+and last 10 steps, their difference in standard errors); and what the run's hacking check said (train_state.json of
+the last checkpoint, the shifts from metrics.jsonl).
 
     python scripts/demo_compare.py --run outputs/tiny_run --out outputs/demo/before_after
+
+With --expect t2v|i2v (scripts/demo.sh) it also prints a verdict: whether the paired change lies inside the range
+that `bash scripts/demo.sh` was measured to print (EXPECTED below, docs/world_model.md#what-bash-scriptsdemosh-shows),
+and the hacking check's outcome beside the measured one.
 """
 
 from __future__ import annotations
@@ -25,6 +30,63 @@ def _mean_var(x: list[float]) -> tuple[float, float]:
     """Mean and sample variance (n - 1) of at least two numbers."""
     m = sum(x) / len(x)
     return m, sum((v - m) ** 2 for v in x) / (len(x) - 1)
+
+
+# What `bash scripts/demo.sh` was measured to print (docs/world_model.md#what-bash-scriptsdemosh-shows): the paired
+# change of the trained reward on the 32 training captions, in standard errors, over training seeds and machines,
+# widened by one standard error each side (the statistic's own noise); a run outside the range is unexpected.
+EXPECTED = {
+    "t2v": {"config": "configs/tiny_world.yaml", "reward": "world_size", "range": (3.2, 5.5),
+            "measured": "+4.27, +4.33, +4.50 in 3 runs: seeds 42 and 1 at one thread and seed 42 at two, 2-core CPUs",
+            "hacking": "silent in all 3; background cleanliness -0.6 to -1.6 spreads by step 40 with the reward "
+                       "under the 1-spread gate"},
+    "i2v": {"config": "configs/tiny_world_i2v_motion.yaml", "reward": "world_motion", "range": (4.5, 8.2),
+            "measured": "+5.56, +7.20, +7.20 in 3 runs: seeds 1 and 42 at one thread and seed 42 at two, 2-core CPUs",
+            "hacking": "seed 42 fires at step 30 on world_background_cleanliness (-1.11 spreads); seed 1 silent"},
+}
+DOCS = "docs/world_model.md#what-bash-scriptsdemosh-shows"
+
+
+def verdict(kind: str, std_errors: float) -> str:
+    """One line: is `std_errors` (the paired change) inside the documented range of demo part `kind`?"""
+    e = EXPECTED[kind]
+    lo, hi = e["range"]
+    head = f"{kind}: {e['reward']} paired change {std_errors:+.2f} standard errors"
+    rng = f"the documented range [{lo:.1f}, {hi:.1f}] ({e['measured']})"
+    if lo <= std_errors <= hi:  # NaN compares False
+        return f"expected: {head}, inside {rng}"
+    return f"UNEXPECTED: {head}, outside {rng}: see {DOCS}"
+
+
+def hacking_summary(run: Path, checkpoint: Path) -> dict:
+    """What the run's hacking check said: {metric: step of its warning} from the last checkpoint's train_state.json
+    (post_train validates before it saves), each with its shift in spreads at that step from metrics.jsonl, and a
+    line for people ("silent over the validations at steps 0, 10, ..." or "fired at step 30 on METRIC (-1.11
+    spreads)"), followed by how near the gates the last validation came (the reward's rise, the largest fall)."""
+    state = json.loads((checkpoint / "train_state.json").read_text())
+    warned = {k: int(s) for k, s in (state.get("hacking_warned") or {}).items()}
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    validated = [r["step"] for r in rows if "val/hacking_warnings" in r and "step" in r]
+    shifts = {}
+    for metric, step in warned.items():
+        at = [r.get(f"val_shift/{metric}") for r in rows if r.get("step") == step]
+        shifts[metric] = next((float(v) for v in at if v is not None), math.nan)
+    if warned:
+        line = "fired " + ", ".join(f"at step {s} on {m} ({shifts[m]:+.2f} spreads)"
+                                    for m, s in sorted(warned.items(), key=lambda x: x[1]))
+    else:
+        seen = f" over the validations at steps {', '.join(map(str, validated))}" if validated else ""
+        line = f"silent{seen}"
+    last = next((r for r in reversed(rows) if "val/hacking_warnings" in r), None)
+    if last is not None:  # how near the gates the last validation came: the reward's rise, the largest fall
+        falls = {k[len("val_shift/"):]: v for k, v in last.items()
+                 if k.startswith("val_shift/") and k != "val_shift/reward_total" and v is not None and v < 0}
+        near = [f"held-out reward {last.get('val_shift/reward_total', math.nan):+.2f} spreads at step {last['step']}"]
+        if falls:
+            worst = min(falls, key=falls.get)
+            near.append(f"largest fall {worst} {falls[worst]:+.2f}")
+        line += f" ({'; '.join(near)})"
+    return {"hacking_warned": warned, "hacking_shift": shifts, "hacking_check": line}
 
 
 def learning_stats(metrics_path: Path, window: int = 10) -> dict:
@@ -62,6 +124,10 @@ def main(argv=None) -> dict:
                    help="how many prompts to compare (the first of the run's data.train_video_csv)")
     p.add_argument("--strip_prompts", type=int, default=4,
                    help="how many of those prompts the frame strip shows (all are scored and written as mp4s)")
+    p.add_argument("--expect", choices=sorted(EXPECTED), default=None,
+                   help="a run of scripts/demo.sh's part (t2v: configs/tiny_world.yaml, i2v: "
+                        "configs/tiny_world_i2v_motion.yaml): also print whether the paired change lies inside "
+                        "the range the demo was measured to print, and the hacking check beside the measured one")
     args = p.parse_args(argv)
     if args.prompts < 1 or args.strip_prompts < 1:
         raise SageGRPOError(f"--prompts and --strip_prompts must be >= 1, got {args.prompts} and {args.strip_prompts}")
@@ -126,8 +192,15 @@ def main(argv=None) -> dict:
     result.update(_world_metrics(frames, [r.prompt for r in records]))
     if images is not None:
         result.update(_first_frame_fidelity(frames, records))
+    result.update(hacking_summary(run, ckpts[-1][1]))
+    if args.expect:
+        result["verdict"] = verdict(args.expect, result["paired_std_errors"])
+        result["hacking_expected"] = EXPECTED[args.expect]["hacking"]
     (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
+    if args.expect:
+        print(result["verdict"])
+        print(f"hacking check: {result['hacking_check']} (measured: {result['hacking_expected']})")
     return result
 
 

@@ -1,4 +1,5 @@
-"""scripts/demo_compare.py's statistics against numpy: the rollout windows and the paired before/after change."""
+"""scripts/demo_compare.py's statistics against numpy (the rollout windows and the paired before/after change), its
+verdict against the documented range and its reading of the run's hacking check."""
 
 from __future__ import annotations
 
@@ -45,6 +46,63 @@ def test_learning_stats_compare_the_first_and_last_windows(tmp_path):
     assert got["std_errors"] == pytest.approx((last.mean() - first.mean()) / se)
     with pytest.raises(SageGRPOError, match="at least 40"):
         demo_compare.learning_stats(path, window=20)
+
+
+def test_the_documented_ranges_are_measured_ones():
+    for kind, e in demo_compare.EXPECTED.items():
+        lo, hi = e["range"]
+        assert 0 < lo < hi, kind  # a demo run that does not raise its reward is never expected
+        assert e["measured"] and e["hacking"], kind
+
+
+@pytest.mark.parametrize("value, word", [(3.0, "expected: "), (2.0, "expected: "), (5.0, "expected: "),
+                                         (1.99, "UNEXPECTED: "), (5.01, "UNEXPECTED: "), (-3.0, "UNEXPECTED: "),
+                                         (math.nan, "UNEXPECTED: "), (math.inf, "UNEXPECTED: ")])
+def test_the_verdict_says_whether_a_run_is_inside_the_documented_range(monkeypatch, value, word):
+    monkeypatch.setitem(demo_compare.EXPECTED, "t2v", {**demo_compare.EXPECTED["t2v"], "range": (2.0, 5.0)})
+    line = demo_compare.verdict("t2v", value)
+    assert line.startswith(word), line
+    assert "[2.0, 5.0]" in line and "world_size" in line
+    assert ("docs/world_model.md#" in line) == (word == "UNEXPECTED: ")
+
+
+def _run_with_validations(tmp_path, warned: dict) -> Path:
+    run = tmp_path / "run"
+    ckpt = run / "checkpoint-40"
+    ckpt.mkdir(parents=True)
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 40, "hacking_warned": warned}))
+    rows = []
+    for step in range(41):
+        rows.append({"step": step, "reward/total_mean": 0.1})
+        if step % 10 == 0:
+            shift = -0.3 * step / 10  # the background falls 0.3 spreads a validation: -0.9 at step 30
+            rows[-1].update({"val_shift/reward_total": 0.25 * step / 10, "val_shift/world_object_persistence": 0.1,
+                             "val_shift/world_background_cleanliness": shift,
+                             "val/hacking_warnings": int(bool(warned) and step >= 30)})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_the_hacking_summary_reads_a_silent_run(tmp_path):
+    run = _run_with_validations(tmp_path, {})
+    got = demo_compare.hacking_summary(run, run / "checkpoint-40")
+    assert got["hacking_warned"] == {}
+    assert got["hacking_check"] == ("silent over the validations at steps 0, 10, 20, 30, 40 (held-out reward +1.00 "
+                                    "spreads at step 40; largest fall world_background_cleanliness -1.20)")
+
+
+def test_the_hacking_summary_names_the_step_and_metric_of_a_warning(tmp_path):
+    run = _run_with_validations(tmp_path, {"world_background_cleanliness": 30})
+    got = demo_compare.hacking_summary(run, run / "checkpoint-40")
+    assert got["hacking_warned"] == {"world_background_cleanliness": 30}
+    assert got["hacking_shift"]["world_background_cleanliness"] == pytest.approx(-0.9)
+    assert got["hacking_check"].startswith("fired at step 30 on world_background_cleanliness (-0.90 spreads) (")
+
+
+def test_expect_takes_only_the_demo_parts(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        demo_compare.main(["--run", str(tmp_path), "--out", str(tmp_path / "o"), "--expect", "x"])
+    assert "invalid choice" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags", [["--prompts", "0"], ["--strip_prompts", "0"]])
