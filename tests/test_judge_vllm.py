@@ -10,6 +10,7 @@ model name is the served one, the frames reach the model, and the continuation a
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -51,14 +52,14 @@ def vllm(ten_dir, tmp_path_factory):
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
            "--enforce-eager", "--max-num-seqs", "4", "--distributed-executor-backend", "uni", "--max-logprobs", "20",
            "--limit-mm-per-prompt", f'{{"image": {FRAMES}}}']
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # a session of its own: vLLM's engine core is a child process that outlives a kill
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(proc, url, 600, lambda: log.read_text()[-3000:])
         yield url, log
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
