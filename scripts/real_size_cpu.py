@@ -16,8 +16,9 @@ Stages (each a process of the project's own entry points; per-phase peak RSS fro
   resume      a second run resumed from the first run's checkpoint-1 for its step 2: its adapter must equal the first
               run's step-2 adapter bitwise
   export      scripts/export_checkpoint.py to the peft and ComfyUI LoRA formats, then generate.py with the peft export
-  fsdp        post_train.py under torchrun, 2 gloo ranks, FSDP2: the sharded meta-device load's per-rank peak RSS and
-              one LoRA step against the one-process step 1
+  fsdp        post_train.py under torchrun, 2 gloo ranks, FSDP2: the sharded meta-device load's per-rank peak RSS,
+              what is alive on each rank at each phase's end (tensors by owner, memory by mapping, malloc's free
+              bytes) and how far the ranks differ, and one LoRA step against the one-process step 1
   planner     scripts/plan_memory.py for the same settings next to the measured peaks
   block       scripts/bench_attention.py: one real-width block, forward + backward at the rollout's token count, the
               valid-token processor against diffusers' stock processor
@@ -81,6 +82,84 @@ def rss_bytes() -> tuple[int, int]:
     return total, anon
 
 
+def live_tensor_bytes() -> dict[str, int]:
+    """Bytes of the distinct storages that live Python tensors hold, by owner: parameters (a DTensor's local shard
+    counted), their gradients, any other tensor. Storages reachable only from C++ (autograd's saved tensors) are not
+    seen; a storage counts once, under the first owner found in that order."""
+    import gc
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    seen: set[int] = set()
+    out = {"parameters": 0, "gradients": 0, "other tensors": 0}
+
+    def count(t, kind: str) -> None:
+        t = local(t)
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        if st.data_ptr() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            out[kind] += st.nbytes()
+
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    params = [t for t in tensors if isinstance(t, torch.nn.Parameter)]
+    for t in params:
+        count(t, "parameters")
+    for t in params:
+        if t.grad is not None:
+            count(t.grad, "gradients")
+    for t in tensors:
+        count(t, "other tensors")
+    return out
+
+
+def mapped_bytes() -> dict[str, int]:
+    """Resident bytes of this process by where they live (/proc/self/smaps): anonymous memory in the heap, in
+    anonymous mappings (large allocations, thread arenas), in file mappings (private pages written: copy-on-write),
+    file pages of safetensors files and of other files; and glibc's free bytes held in its arenas (mallinfo2)."""
+    import ctypes
+
+    out = {"heap": 0, "anonymous mappings": 0, "written file pages": 0, "safetensors file pages": 0,
+           "other file pages": 0}
+    path, rss = "", 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if not head:
+                continue
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's header line
+                path = head[5] if len(head) > 5 else ""
+            elif head[0] == "Rss:":
+                rss = int(head[1]) * 1024
+            elif head[0] == "Anonymous:":
+                anon = int(head[1]) * 1024
+                if path == "[heap]":
+                    out["heap"] += anon
+                elif path.startswith("/"):
+                    out["written file pages"] += anon
+                    key = "safetensors file pages" if path.endswith(".safetensors") else "other file pages"
+                    out[key] += rss - anon
+                else:
+                    out["anonymous mappings"] += anon
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = Mallinfo2
+        out["malloc free in arenas"] = int(libc.mallinfo2().fordblks)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return out
+
+
 class PhaseMeter:
     """Peak RSS and seconds per named phase of this process: a thread samples /proc/self/statm every `every` s and
     charges the sample to the innermost open phase (nested phases: the inner one)."""
@@ -93,6 +172,7 @@ class PhaseMeter:
         self.peak_anon: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         self.order: list[str] = []
+        self.at_end: dict[str, dict] = {}  # phase -> what is alive when it ends (tensors by owner, mappings), GiB
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -121,6 +201,7 @@ class PhaseMeter:
         finally:
             self._sample()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.at_end[name] = {k: v / 2**30 for k, v in {**live_tensor_bytes(), **mapped_bytes()}.items()}
             self.stack.pop()
             if self.path is not None:
                 self.path.write_text(json.dumps(self.report(), indent=1) + "\n")
@@ -131,7 +212,8 @@ class PhaseMeter:
 
         return {"phases": [{"phase": n, "peak_rss_gib": self.peak.get(n, 0) / 2**30,
                             "peak_anon_gib": self.peak_anon.get(n, 0) / 2**30,
-                            "seconds": self.seconds.get(n, 0.0)} for n in self.order],
+                            "seconds": self.seconds.get(n, 0.0), "at_end_gib": self.at_end.get(n, {})}
+                           for n in self.order],
                 "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -243,6 +325,25 @@ def metered(a, name: str, argv: list[str], torchrun: int = 0) -> dict:
     return out
 
 
+TENSOR_OWNERS = ("parameters", "gradients", "other tensors")
+
+
+def rank_asymmetry(ranks: list[dict]) -> dict:
+    """Per phase both ranks reached: the live tensor bytes (`live_tensor_bytes`, summed) and the peak anonymous
+    memory of each rank (GiB), and the largest rank's excess over the smallest as a fraction of the smallest."""
+    phases = [{p["phase"]: p for p in r.get("phases", [])} for r in ranks]
+    out = {}
+    for name in phases[0] if phases else {}:
+        if not all(name in ph and ph[name].get("at_end_gib") for ph in phases):
+            continue
+        tensors = [sum(ph[name]["at_end_gib"][k] for k in TENSOR_OWNERS) for ph in phases]
+        anon = [ph[name]["peak_anon_gib"] for ph in phases]
+        out[name] = {"tensors_gib": tensors, "anon_gib": anon,
+                     "tensors_excess": max(tensors) / max(min(tensors), 1e-9) - 1,
+                     "anon_excess": max(anon) / max(min(anon), 1e-9) - 1}
+    return out
+
+
 def adapter(run_dir: Path, step: int):
     """{name: tensor} of the LoRA adapter the run saved at `step`."""
     from sage_grpo.models.lora import read_adapter
@@ -277,7 +378,8 @@ def check_resources(a, stages: list[str]) -> None:
     """Free disk and RAM against what the stages need: one line, before anything is written."""
     need_disk, need_ram = (1, 2) if a.miniature else (REAL_DISK_GIB, REAL_RAM_GIB)
     if not a.miniature and a.blocks != 54:
-        need_disk, need_ram = 4, 8
+        need_disk = int(1.5 + 0.3 * a.blocks + (2.4 if a.real_vae else 0)) + 1  # 0.28 GiB a block, VAE 2.35
+        need_ram = 8
     if (a.work / "checkpoint" / ".complete").is_file():
         need_disk = 1 if a.miniature else 4
     if "authors" in stages and not a.miniature:  # after the diffusers checkpoint is deleted, or beside it (--keep)
@@ -314,8 +416,11 @@ def stage_checkpoint(a, res: dict) -> None:
         configs = miniature_configs()
     elif a.blocks != 54:  # real width, fewer blocks; the miniature VAE and text encoders (whose widths it takes)
         configs = miniature_configs()
+        latent = {} if a.real_vae else {"in_channels": 9, "out_channels": 4}  # the real ones: 2 x 32 + 1, 32
         configs["transformer"] = dict(real_configs()["transformer"], num_layers=a.blocks, text_embed_dim=64,
-                                      text_embed_2_dim=32, image_embed_dim=32, in_channels=9, out_channels=4)
+                                      text_embed_2_dim=32, image_embed_dim=32, **latent)
+        if a.real_vae:
+            configs["vae"] = real_configs()["vae"]
     write_full_size_checkpoint(ck, "480p_t2v", text_layers=a.text_layers, configs=configs,
                                max_shard_size="200KB" if a.miniature else "2GB",
                                log=lambda m: print(f"[real_size_cpu] {m.strip()}", flush=True))
@@ -389,6 +494,7 @@ def stage_fsdp(a, res: dict) -> None:
     # 15.5 GiB bf16 transformer during the rollout, and two of them do not fit a 24 GiB host (measured: killed)
     r = metered(a, "fsdp", train_args(a, a.work / "checkpoint", out, 1, "--enable_fsdp", "True", "--batch_size", "1",
                                       "--rollout_reshard_after_forward", "True", "--threads", "1"), torchrun=2)
+    r["rank_asymmetry"] = rank_asymmetry(r["ranks"])
     res["fsdp"] = r
     if "failed" in r:
         return
@@ -525,6 +631,17 @@ def table(res: dict) -> str:
     authors = res.get("authors", {})
     rows(f"authors' layout {authors.get('version', '')}", authors.get("train", {}).get("phases", []))
     rows("convert_authors_checkpoint", authors.get("convert", {}).get("phases", []))
+    ranks = res.get("fsdp", {}).get("ranks", [])
+    if ranks:
+        keys = [*TENSOR_OWNERS, "heap", "anonymous mappings", "written file pages", "safetensors file pages",
+                "malloc free in arenas"]
+        lines += ["", "What is alive at each phase's end on each FSDP2 rank (GiB):", "",
+                  "| rank | phase | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+        for r, rank in enumerate(ranks):
+            for p in rank.get("phases", []):
+                if p.get("at_end_gib"):
+                    cells = " | ".join(f"{p['at_end_gib'].get(k, 0):.2f}" for k in keys)
+                    lines.append(f"| {r} | {p['phase']} | {cells} |")
     return "\n".join(lines)
 
 
@@ -539,6 +656,8 @@ def parse(argv=None):
     p.add_argument("--blocks", type=int, default=54, help="transformer blocks at the real width (54 = the real 8.3B; "
                    "fewer: with the miniature VAE and text encoders, e.g. 8 for a 1.36B model two ranks hold on a "
                    "24 GiB host)")
+    p.add_argument("--real_vae", action="store_true", help="with --blocks below 54: the real VAE (1.26B) instead "
+                   "of the miniature one")
     p.add_argument("--frames", type=int, default=5, help="video frames (5 -> 2 latent frames)")
     p.add_argument("--size", type=int, default=64, help="video height and width in pixels (64 -> 4 x 4 latent)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the one-process runs")

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_miniature_run_trains_resumes_bitwise_exports_and_generates(tmp_path):
     work = tmp_path / "rs"
     p = subprocess.run([sys.executable, str(ROOT / "scripts/real_size_cpu.py"), "--miniature", "--work", str(work),
-                        "--threads", "1", "--stages", "train,resume,export,planner"],
+                        "--threads", "1", "--stages", "train,resume,export,fsdp,planner"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "needs 1 GiB free disk" in p.stdout  # the resource line comes first
@@ -30,5 +30,14 @@ def test_miniature_run_trains_resumes_bitwise_exports_and_generates(tmp_path):
     assert "adapter_model.safetensors" in res["export"]["peft_files"] and res["export"]["comfy_files"]
     assert res["export"]["videos"] and (work / "export" / res["export"]["videos"][0]).stat().st_size > 0
     assert res["planner"]["terms_gib"]["policy weights"] > 0
+    # two FSDP2 ranks: the LoRA step equals the one-process step, and neither rank holds what the other does not
+    # (an extra gathered block, or state kept on rank 0 alone, shows as live tensor bytes on one rank only)
+    fsdp = res["fsdp"]
+    assert fsdp["max_abs_diff_vs_one_process"] <= 1e-6 * fsdp["adapter_max_abs"], fsdp
+    sym = fsdp["rank_asymmetry"]
+    assert {"load policy", "rollout", "reward", "update"} <= set(sym), sym
+    for phase, row in sym.items():
+        assert min(row["tensors_gib"]) > 0 and row["tensors_excess"] <= 0.05, (phase, row)
+    assert "What is alive at each phase's end on each FSDP2 rank" in p.stdout
     assert not (work / "checkpoint").exists()  # deleted without --keep
     assert "| train | update |" in p.stdout  # the table
