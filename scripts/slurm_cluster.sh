@@ -17,6 +17,14 @@ mkdir -p "$2"
 dir=$(cd "$2" && pwd)
 
 stop() {
+  if [ -f "$dir/slurmctld.pid" ]; then  # cancel what still runs, so that no job outlives its cluster
+    export SLURM_CONF=$dir/slurm.conf
+    jobs=$(squeue -h -o %i 2>/dev/null || true)
+    if [ -n "$jobs" ]; then
+      scancel $jobs 2>/dev/null || true
+      for _ in $(seq 300); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.1; done
+    fi
+  fi
   for name in slurmd slurmctld munged; do
     if [ -f "$dir/$name.pid" ]; then
       pid=$(cat "$dir/$name.pid")
