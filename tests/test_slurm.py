@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import free_port
 
 from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.metrics import read_metrics
@@ -51,7 +52,8 @@ def _args(model: Path, out: Path, *extra: str) -> list[str]:
 
 def _sbatch(env: dict, log: Path, nproc: int, args: list[str]) -> str:
     r = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--gpus-per-node=0", "--output", str(log),
-                        "run_post_train_slurm.sh", *args], cwd=ROOT, env={**env, "NPROC_PER_NODE": str(nproc)},
+                        "run_post_train_slurm.sh", *args], cwd=ROOT,
+                       env={**env, "NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
