@@ -1,6 +1,6 @@
 """A checkpoint continued on another layout (world size, --sp_size, --dp_replicate) with the same videos per step
 ends where the uninterrupted run does, up to the reduction order of the new layout (docs/scaling.md, "Continuing on
-another number of GPUs"). One torchrun launch (2 gloo ranks) between one-process runs covers five cases, each checked
+another number of GPUs"). One torchrun launch (2 gloo ranks) between one-process runs covers six cases, each checked
 against the uninterrupted run of the layout it was saved on:
 
 - full: full fine-tuning, AdamW, FSDP2 on 2 ranks (dp 2, 2 videos each), 4 steps; the moving anchor is refreshed at
@@ -17,17 +17,20 @@ against the uninterrupted run of the layout it was saved on:
 - pending_2to1: the same stop in round 3 of a run on 2 FSDP2 ranks (both ranks signalled, as torchrun forwards a
   stop), continued in one process for round 4: the two ranks' pending L_KL sums and their resharded gradients meet on
   one rank.
+- pending_replicated: the same on 2 ranks without FSDP2 (each rank holds the whole model and its own pending
+  gradient; the checkpoint holds their synced mean).
 
-Tolerance. The continued step computes the same sums in another order (FSDP2's reduce-scatter, the gradient sum over
-the sp group, another micro-batch split): float32 roundings of ~1e-7 relative. Measured, the weights after the
-continued step differ from the uninterrupted run's by at most 1.2e-7 (AdamW cases: full and hsdp 1.5e-8, pending
-6.3e-8, pending_2to1 1.2e-7), where that step moved them 3.0e-3 (Adam's early steps are ~lr = 3e-3 per weight); the
-bound is 2e-6, 17x the largest and still 1500x below one step. Muon (lora) runs its Newton-Schulz in bf16, so those
-~1e-7 input differences flip a few bf16 roundings: measured 7.9e-6 of a 3.7e-3 step, bound 1e-4 (13x). Metrics
-(reward, KL, KL coefficient) and the KL controller's history: relative 1e-5; the gradient norm 1e-4. Breaking the
-continuation fails them: the optimizer state not loaded (full, lora), the refreshed anchor not loaded (full), the
-pending gradients not loaded or rank 0's pending L_KL taken on every rank (pending), the layout line dropped (lora),
-the first rank's pending L_KL taken for the total (pending_2to1: the KL history's last entry 0.0 against 0.073).
+Tolerance. The continued step computes the same sums in another order (FSDP2's reduce-scatter, the gradient sum over the
+sp group, another micro-batch split): float32 roundings of ~1e-7 relative. Measured, the weights after the continued
+step differ from the uninterrupted run's by at most 1.2e-7 (AdamW cases: full and hsdp 1.5e-8, pending 6.3e-8,
+pending_2to1 1.2e-7, pending_replicated 4.1e-8), where that step moved them 3.0e-3 (Adam's early steps are ~lr = 3e-3
+per weight); the bound is 2e-6, 17x the largest and still 1500x below one step. Muon (lora) runs its Newton-Schulz in
+bf16, so those ~1e-7 input differences flip a few bf16 roundings: measured 7.9e-6 of a 3.7e-3 step, bound 1e-4 (13x).
+Metrics (reward, KL, KL coefficient) and the KL controller's history: relative 1e-5; the gradient norm 1e-4. Breaking
+the continuation fails them: the optimizer state not loaded (full, lora), the refreshed anchor not loaded (full), the
+pending gradients not loaded or rank 0's pending L_KL taken on every rank (pending), the layout line dropped (lora), the
+first rank's pending L_KL taken for the total (pending_2to1: the KL history's last entry 0.0 against 0.073), each rank's
+own gradient saved instead of their synced mean (pending_replicated: gradient norm 0.0251 against 0.0175).
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ CASES = {
     "hsdp": (ADAMW, [*FSDP2, "--dp_replicate", "2"], ["--batch_size", "4"]),
     "pending": (PENDING, FSDP2, ["--batch_size", "4"]),
     "pending_2to1": (PENDING, FSDP2, ["--batch_size", "4"]),
+    "pending_replicated": (PENDING, ["--batch_size", "2"], ["--batch_size", "4"]),
 }
 STEP = 3  # the checkpoint each continuation starts from
 # what the continuation's layout line says changed
@@ -74,7 +78,9 @@ CHANGED = {
     "hsdp": "world size 2 -> 1, dp_replicate 2 -> 1, batch_size per rank 2 -> 4 (data-parallel ranks 2 -> 1)",
     "pending": "world size 1 -> 2, batch_size per rank 4 -> 2 (data-parallel ranks 1 -> 2)",
     "pending_2to1": "world size 2 -> 1, batch_size per rank 2 -> 4 (data-parallel ranks 2 -> 1)",
+    "pending_replicated": "world size 2 -> 1, batch_size per rank 2 -> 4 (data-parallel ranks 2 -> 1)",
 }
+STOPPED = ("pending_2to1", "pending_replicated")  # stopped inside an accumulation on 2 ranks, continued in one process
 
 
 def _torchrun(spec, runs: list[list[str]]) -> str:
@@ -121,20 +127,22 @@ def layout_runs(tiny_model, tmp_path_factory):
     _check_pending(path)
 
     runs: list = [_common(tiny_model, root / c / "straight", *CASES[c][0], *CASES[c][1])
-                  for c in ("full", "lora", "hsdp", "pending_2to1")]
-    every, two, _ = CASES["pending_2to1"]
-    runs.append({"argv": _common(tiny_model, root / "pending_2to1" / "run", *every, *two), "sigterm_in_step": 2})
+                  for c in ("full", "lora", "hsdp", *STOPPED)]
+    for case in STOPPED:
+        every, two, _ = CASES[case]
+        runs.append({"argv": _common(tiny_model, root / case / "run", *every, *two), "sigterm_in_step": 2})
     every, two, _ = CASES["pending"]
     runs.append(_common(tiny_model, root / "pending" / "run", *every, *two, "--resume_from_checkpoint", "latest"))
     launch = _torchrun(root / "launch.json", runs)
-    assert launch.count(f"stopped by SIGTERM after step {STEP}") == 1  # rank 0's line of the 2-rank stop
-    [(step, path)] = list_checkpoints(root / "pending_2to1" / "run")
-    _check_pending(path)
-    assert len(read_train_state(path)["pending_kl_by_dp_rank"]) == 2
+    assert launch.count(f"stopped by SIGTERM after step {STEP}") == 2  # rank 0's line of each 2-rank stop
+    for case in STOPPED:
+        [(step, path)] = list_checkpoints(root / case / "run")
+        _check_pending(path)
+        assert len(read_train_state(path)["pending_kl_by_dp_rank"]) == 2
     logs = {"pending": launch}
-    for case in ("full", "lora", "hsdp", "pending_2to1"):
+    for case in ("full", "lora", "hsdp", *STOPPED):
         every, _, one = CASES[case]
-        if case != "pending_2to1":
+        if case not in STOPPED:
             _continue_from(root / case / "straight", STEP, root / case / "run")
             refreshed = read_train_state(root / case / "run" / f"checkpoint-{STEP}")["anchor_refreshed_at"]
             assert refreshed, case  # the continuation starts from a refreshed anchor
