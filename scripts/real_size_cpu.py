@@ -164,8 +164,9 @@ class PhaseMeter:
     """Peak RSS and seconds per named phase of this process: a thread samples /proc/self/statm every `every` s and
     charges the sample to the innermost open phase (nested phases: the inner one)."""
 
-    def __init__(self, every: float = 0.02, path: Path | None = None):
+    def __init__(self, every: float = 0.02, path: Path | None = None, probe: bool = False):
         self.every = every
+        self.probe = probe  # also record what is alive at each phase's end (a scan of every live object)
         self.path = path  # the report, rewritten at the end of every phase: a run killed later still leaves it
         self.stack: list[str] = ["start"]
         self.peak: dict[str, int] = {}
@@ -201,7 +202,8 @@ class PhaseMeter:
         finally:
             self._sample()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-            self.at_end[name] = {k: v / 2**30 for k, v in {**live_tensor_bytes(), **mapped_bytes()}.items()}
+            if self.probe:
+                self.at_end[name] = {k: v / 2**30 for k, v in {**live_tensor_bytes(), **mapped_bytes()}.items()}
             self.stack.pop()
             if self.path is not None:
                 self.path.write_text(json.dumps(self.report(), indent=1) + "\n")
@@ -234,7 +236,7 @@ def run_metered(report: Path, argv: list[str]) -> None:
 
     rank = os.environ.get("RANK")
     path = report if rank is None else report.with_name(f"{report.stem}.rank{rank}.json")
-    meter = PhaseMeter(path=path).start()
+    meter = PhaseMeter(path=path, probe=rank is not None).start()  # ranks: the fsdp stage compares them
     script = Path(argv[0])
     spec = importlib.util.spec_from_file_location(script.stem, ROOT / script)
     mod = importlib.util.module_from_spec(spec)

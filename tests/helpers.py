@@ -99,6 +99,19 @@ def smooth_videos(b: int = 3, f: int = 9, h: int = 32, w: int = 48, seed: int = 
     return 0.5 + 0.4 * torch.sin(arg)  # [B, F, 3, H, W]
 
 
+def sigterm_in_step(backward, step: int):
+    """post_train's `backward_phase` wrapped to send this process SIGTERM in the backward pass while `state.step` is
+    `step` (inside the accumulation round of step `step` + 1), as a stop arriving mid-update would."""
+    import signal
+
+    def phase(c, state, *a, **k):
+        if state.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return backward(c, state, *a, **k)
+
+    return phase
+
+
 def signal_after_steps(cmd: list[str], metrics: Path, steps: int, sig: int, **popen) -> tuple[int, str]:
     """Start `cmd`, send `sig` once `metrics` (a run's metrics.jsonl) has `steps` rows, wait -> (exit code, output)."""
     import subprocess

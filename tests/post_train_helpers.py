@@ -30,10 +30,14 @@ def _args(model, out, *extra):
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
     """The trained transformer of the newest checkpoint, as a plain state dict (a LoRA run's adapter merged)."""
+    return checkpoint_weights(list_checkpoints(out)[-1][1])
+
+
+def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The trained transformer of the checkpoint at `path`, as a plain state dict (a LoRA run's adapter merged)."""
     from sage_grpo.models.loading import load_pipeline
     from sage_grpo.models.lora import load_trained_weights
 
-    step, path = list_checkpoints(out)[-1]
     cfg = json.loads((path / "train_state.json").read_text())["config"]
     pipe = load_pipeline(model_path=cfg["model"]["model_path"], dtype="fp32", load_text_encoders=False)
     load_trained_weights(pipe.transformer, path)

@@ -35,13 +35,12 @@ own gradient saved instead of their synced mean (pending_replicated: gradient no
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
+from helpers import sigterm_in_step
 from post_train_helpers import ROOT, _stable, _weights, pt
 
 from sage_grpo.checkpoint import list_checkpoints, read_train_state
@@ -112,15 +111,8 @@ def layout_runs(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     every, _, one = CASES["pending"]
     pt.main(_common(tiny_model, root / "pending" / "straight", *every, *one))
-    backward = pt.backward_phase
-
-    def signalled(c, state, *a, **k):  # a stop signal during round 3 (state.step 2), inside the second update
-        if state.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return backward(c, state, *a, **k)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pt, "backward_phase", signalled)
+    with pytest.MonkeyPatch.context() as mp:  # a stop signal in round 3 (state.step 2), inside the second update
+        mp.setattr(pt, "backward_phase", sigterm_in_step(pt.backward_phase, 2))
         stopped = _run_captured(_common(tiny_model, root / "pending" / "run", *every, *one))
     assert "stopped by SIGTERM after step 3" in stopped
     [(step, path)] = list_checkpoints(root / "pending" / "run")

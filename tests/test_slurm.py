@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import free_port
+from post_train_helpers import checkpoint_weights
 
 from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.metrics import read_metrics
@@ -78,15 +79,6 @@ def _steps(out: Path) -> list[int]:
     return [r["step"] for r in read_metrics(m)] if m.exists() else []
 
 
-def _trained(path: Path) -> dict[str, torch.Tensor]:
-    from sage_grpo.models.loading import load_pipeline
-    from sage_grpo.models.lora import load_trained_weights
-
-    pipe = load_pipeline(model_path=str(path.parents[1] / "hv"), dtype="fp32", load_text_encoders=False)
-    load_trained_weights(pipe.transformer, path)
-    return pipe.transformer.state_dict()
-
-
 def test_a_requeued_job_continues_exactly_and_a_job_with_fewer_processes_finishes_it(slurm, tmp_path):
     from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
 
@@ -115,8 +107,8 @@ def test_a_requeued_job_continues_exactly_and_a_job_with_fewer_processes_finishe
     assert f"resumed from {run / f'checkpoint-{a}'} at step {a}" in text
     assert f"stopped by SIGTERM after step {b}; checkpoint-{b} is saved" in text and "Traceback" not in text
     assert _steps(run) == list(range(1, b + 1))
-    at_b = _trained(straight / f"checkpoint-{b}")
-    got = _trained(stopped)
+    at_b = checkpoint_weights(straight / f"checkpoint-{b}")
+    got = checkpoint_weights(stopped)
     assert all(torch.equal(got[k], at_b[k]) for k in at_b), "the requeued run left the uninterrupted one"
 
     # job 2, 1 process per node with the same 4 videos per step: continues checkpoint-b for one step
@@ -128,8 +120,8 @@ def test_a_requeued_job_continues_exactly_and_a_job_with_fewer_processes_finishe
     assert (f"checkpoint-{b} was written on another layout: world size 2 -> 1, batch_size per rank 2 -> 4 "
             "(data-parallel ranks 2 -> 1); the same 4 videos (1 prompts) per step") in text, text[-3000:]
     assert _steps(run) == list(range(1, b + 2))
-    want = _trained(straight / f"checkpoint-{b + 1}")
-    got = _trained(list_checkpoints(run)[-1][1])
+    want = checkpoint_weights(straight / f"checkpoint-{b + 1}")
+    got = checkpoint_weights(list_checkpoints(run)[-1][1])
     moved = max(float((want[k] - at_b[k]).abs().max()) for k in want)
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
     print(f"continued on 1 process: weights within {diff:.2e} of the uninterrupted run (step {b + 1} moved them "

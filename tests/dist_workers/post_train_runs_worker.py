@@ -9,13 +9,13 @@ each run builds its own device mesh on it; the group is destroyed once, after th
 come back from destroy_process_group + init_process_group in one torchrun worker: the third init hangs)."""
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from helpers import sigterm_in_step  # noqa: E402
 
 import post_train as pt  # noqa: E402
 import sage_grpo.parallel.dist as dist_mod  # noqa: E402
@@ -23,21 +23,10 @@ import sage_grpo.parallel.dist as dist_mod  # noqa: E402
 destroy = dist_mod.destroy
 dist_mod.destroy = lambda: None  # main() imports it from the module at call time
 backward = pt.backward_phase
-
-
-def signalled_in(step: int):
-    def phase(c, state, *a, **k):
-        if state.step == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return backward(c, state, *a, **k)
-
-    return phase
-
-
 try:
     for run in json.loads(Path(sys.argv[1]).read_text()):
         argv, step = (run["argv"], run["sigterm_in_step"]) if isinstance(run, dict) else (run, None)
-        pt.backward_phase = backward if step is None else signalled_in(step)
+        pt.backward_phase = backward if step is None else sigterm_in_step(backward, step)
         pt.main(argv)
         dist_mod.barrier()  # every rank done with this run before any starts the next
 finally:
