@@ -28,8 +28,9 @@ Where each number comes from
   1,985 encoder tokens, a [B, 1, S, S] mask per block), which is what gpu_facts.md measured.
 - VAE decode: scaled by video volume from the one H100 measurement (352x624x81: 30.0 GiB untiled, 9.0 GiB tiled).
   post_train.py tiles the decode unless `--vae_tiling False` (the config flag; the planner follows it).
-- Reward forward, text-encoder forward, no-grad working sets, backward working set, CUDA context: estimates, marked
-  `est` in the table; not measured on a GPU.
+- The no-grad forward's and the checkpointed backward's working sets: fractions of one block's saved activations,
+  fitted to one H200's peaks at the real size (BACKWARD_BLOCKS, NO_GRAD_BLOCKS).
+- Reward forward, text-encoder forward, CUDA context: estimates, marked `est` in the table; not measured on a GPU.
 
 Sharding model (FSDP2, sage_grpo/models/parallelize.py): parameters, gradients, optimizer state and the full-fine-tuning
 anchor are sharded over dp_shard * sp ranks (HSDP replicates that over dp_replicate). A forward holds two unsharded
@@ -115,6 +116,16 @@ GPU_FACTS = {
     "vae_decode_gib": {False: 30.0, True: 9.0},  # one 352x624x81 latent
     "vae_decode_pixels": 81 * 352 * 624,
 }
+# Working sets in units of one block's saved activations with grad ("activations: one block, full"), fitted on an
+# H200 (scripts/gpu_check.py --stage lora,full --steps 1: 480p_t2v at 81x352x624, CFG 6, valid-token attention;
+# 54 blocks LoRA on bf16, 45 blocks full fine-tuning on fp32 master weights under bf16 autocast).
+# - The update's recompute and backward of one checkpointed block: 1.14 measured under LoRA. Under full fine-tuning
+#   the peak implies 0.47: either its other update terms are planned 2.9 GiB high or its backward holds less.
+# - A no-grad forward's transient tensors (rollout, anchor): 0.55 (LoRA) and 0.53 (full).
+# Both are rounded up here: the plans land +0.3 % to +2.3 % over those peaks. The factor 2 used before planned the
+# LoRA update 11 % high.
+BACKWARD_BLOCKS = 1.2
+NO_GRAD_BLOCKS = 0.6
 # Estimates (not measured on a GPU).
 REWARD_GIB_PER_VIDEO = 0.5  # VideoAlign no-grad working set per video (3,024 vision patches, ~1.5k LM tokens)
 ENCODE_GIB = 1.0  # Qwen2.5-VL-7B forward over one 1,108-token prompt with output_hidden_states (29 x 1108 x 3584 bf16)
@@ -397,11 +408,11 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t["unsharded model (rollout, kept gathered)"] = total * gathered if keep_rollout else 0.0
     t["activations: one block, full"] = block_full
     t["activations: one block, checkpointed"] = block_ckpt
-    if m.enable_gradient_checkpointing:
-        t["activations (update)"] = L * block_ckpt + 2 * block_full  # + recompute and backward working set (est)
-    else:
-        t["activations (update)"] = L * block_full + block_full  # + backward working set (est)
-    t["no-grad working set (est)"] = block_full  # rollout / anchor forwards: one block's tensors at a time
+    if m.enable_gradient_checkpointing:  # every block's input, one block recomputed and its backward
+        t["activations (update)"] = L * block_ckpt + BACKWARD_BLOCKS * block_full
+    else:  # every block's saved tensors and one block's backward
+        t["activations (update)"] = L * block_full + (BACKWARD_BLOCKS - 1) * block_full
+    t["no-grad working set"] = NO_GRAD_BLOCKS * block_full  # rollout / anchor forwards: one block's transients
     scale = (r.sample_n_frames * r.height * r.width) / GPU_FACTS["vae_decode_pixels"]
     t["vae decode"] = GPU_FACTS["vae_decode_gib"][m.vae_tiling] * GIB * scale
     t["decoded frames"] = B * r.sample_n_frames * 3 * r.height * r.width * 4
@@ -429,12 +440,12 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
             + t["image encoder before offload"] + t["text encoder forward (est)"],
             "rollout": base + t["text encoders after offload"] + t["trajectory"]
             + (t["unsharded model (rollout, kept gathered)"] if keep_rollout else t["unsharded blocks (fwd)"])
-            + t["no-grad working set (est)"] + grads_idle,
+            + t["no-grad working set"] + grads_idle,
             "decode+reward": base + t["text encoders after offload"] + t["trajectory"] + grads_idle
             + max(t["vae decode"], t["decoded frames"] + t["reward forward (est)"]),
             "anchor": base - t["anchor (resident)"] + t["anchor (on GPU in its phase)"]
             + t["text encoders after offload"] + t["trajectory"] + t["unsharded blocks (fwd)"]
-            + t["no-grad working set (est)"] + grads_idle,
+            + t["no-grad working set"] + grads_idle,
             "update": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
             + t["unsharded blocks (fwd)"] + t["unsharded block grad (bwd)"] + t["activations (update)"],
             "optimizer step": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]

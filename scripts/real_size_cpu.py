@@ -18,7 +18,8 @@ Stages (each a process of the project's own entry points; per-phase peak RSS fro
   export      scripts/export_checkpoint.py to the peft and ComfyUI LoRA formats, then generate.py with the peft export
   fsdp        post_train.py under torchrun, 2 gloo ranks, FSDP2: the sharded meta-device load's per-rank peak RSS,
               what is alive on each rank at each phase's end (tensors by owner, memory by mapping, malloc's free
-              bytes) and how far the ranks differ, and one LoRA step against the one-process step 1
+              bytes) and how far the ranks differ, and one LoRA step against the one-process step 1 (when the train
+              stage ran in --work; alone, it measures the ranks only)
   planner     scripts/plan_memory.py for the same settings next to the measured peaks
   block       scripts/bench_attention.py: one real-width block, forward + backward at the rollout's token count, the
               valid-token processor against diffusers' stock processor
@@ -498,7 +499,7 @@ def stage_fsdp(a, res: dict) -> None:
                                       "--rollout_reshard_after_forward", "True", "--threads", "1"), torchrun=2)
     r["rank_asymmetry"] = rank_asymmetry(r["ranks"])
     res["fsdp"] = r
-    if "failed" in r:
+    if "failed" in r or not (a.work / "run_a" / "checkpoint-1").is_dir():
         return
     sharded, one = adapter(out, 1), adapter(a.work / "run_a", 1)
     diff, scale = max_abs_diff(sharded, one)
@@ -685,8 +686,8 @@ def main(argv=None) -> None:
     a.work = a.work.resolve()
     if set(stages) & {"train", "resume", "export", "fsdp"}:
         stages.append("checkpoint")  # written when missing, else reused
-    if set(stages) & {"resume", "export", "fsdp"} and not (a.work / "run_a" / "checkpoint-2").is_dir():
-        stages.append("train")  # what they compare against
+    if set(stages) & {"resume", "export"} and not (a.work / "run_a" / "checkpoint-2").is_dir():
+        stages.append("train")  # what they compare against (fsdp compares when it is there, else measures the ranks)
     check_resources(a, stages)
     (a.work / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     res: dict = {"machine": {"cpus": os.cpu_count()}, "miniature": a.miniature, "text_layers": a.text_layers}
