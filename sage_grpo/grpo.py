@@ -102,7 +102,11 @@ class UpdateStats:
         self.masked_pairs += other.masked_pairs
         for k, v in other.sums.items():
             self.sums[k] = self.sums.get(k, 0.0) + v
-        self.ratio_min, self.ratio_max = min(self.ratio_min, other.ratio_min), max(self.ratio_max, other.ratio_max)
+        # a NaN ratio stays NaN: builtin min/max keep the first argument when a comparison with NaN is False
+        nan = math.isnan(self.ratio_min) or math.isnan(other.ratio_min)
+        self.ratio_min = math.nan if nan else min(self.ratio_min, other.ratio_min)
+        nan = math.isnan(self.ratio_max) or math.isnan(other.ratio_max)
+        self.ratio_max = math.nan if nan else max(self.ratio_max, other.ratio_max)
 
     def summary(self) -> dict[str, float]:
         """Per-pair means of the summed statistics, plus ratio extremes (nan when no pair was trained)."""

@@ -84,10 +84,10 @@ DEFAULT_VERSION, IMAGE_HW = "480p_t2v", {"real": (1080, 1920), "tiny": (1080, 10
 
 def compare_phases(measured: dict, planned: dict, tolerance: float, forwards: dict | None = None) -> list[dict]:
     """Measured peak GiB per PhaseClock phase against the planner's phases (PHASE_MAP) -> one row per phase:
-    verdict PASS when |planned - measured| <= tolerance x measured, FAIL otherwise, "not measured" when the run
-    did not measure the phase (no CUDA allocator, or the phase did not run), "not run" when `forwards` (transformer
-    forwards per phase, summed over the measured steps) says a forward phase did none: its peak is then only what
-    stays resident (the anchor phase of a run's first step, whose anchor is the rollout's policy)."""
+    verdict PASS when |planned - measured| <= tolerance x measured, FAIL otherwise, "not measured" when no peak was
+    recorded (no CUDA allocator, or no such phase), "not run" when `forwards` (transformer forwards inside each
+    phase, summed over the measured steps) says a forward phase did none: its peak is then only what stays resident
+    (the anchor phase of a run's first step, whose anchor is the rollout's policy)."""
     rows = []
     for phase, plan_phase in PHASE_MAP.items():
         m, p = measured.get(phase), planned.get(plan_phase)
@@ -113,9 +113,11 @@ RATIO_TOLERANCE = 1e-6
 def ratio_verdict(ratio_min: float, ratio_max: float) -> dict:
     """The first update's ratios (step 1 re-scores the rollout before any optimizer update) -> exact (every ratio
     exactly 1), deviation (max |ratio - 1|) and verdict: PASS within RATIO_TOLERANCE, FAIL otherwise."""
+    if ratio_min is None or ratio_max is None or not (math.isfinite(ratio_min) and math.isfinite(ratio_max)):
+        return {"exact": False, "deviation": math.nan, "verdict": "FAIL"}  # no ratio logged, or a NaN / inf one
     deviation = max(abs(ratio_min - 1.0), abs(ratio_max - 1.0))
-    ok = math.isfinite(deviation) and deviation <= RATIO_TOLERANCE
-    return {"exact": ratio_min == 1.0 == ratio_max, "deviation": deviation, "verdict": "PASS" if ok else "FAIL"}
+    return {"exact": ratio_min == 1.0 == ratio_max, "deviation": deviation,
+            "verdict": "PASS" if deviation <= RATIO_TOLERANCE else "FAIL"}
 
 
 def part_verdict(planned_gib: float, measured_gib: float, tensors: int, tolerance: float) -> str:
@@ -468,6 +470,8 @@ def measured_run(ck: Check, stage: str, kind: str, blocks: int, flags: list[str]
     """Train ck.a.steps steps of post_train.py instrumented (bench_step.measure) and compare with the plan."""
     import bench_step
 
+    from sage_grpo.config import load_config
+
     model_dir = ck.model_dir(kind, blocks)
     argv = ck.post_train_argv(model_dir, f"{stage}_{blocks}", flags)
     tcfg = ck.tcfg(blocks)
@@ -477,6 +481,9 @@ def measured_run(ck: Check, stage: str, kind: str, blocks: int, flags: list[str]
     wall = time.perf_counter() - t0
     measured = res["peak_gpu_gib_by_phase"]
     forwards = {ph: sum(s["counts"].get(ph, 0) for s in res["per_step"]) for ph in ("rollout", "anchor", "update")}
+    if load_config(argv, prog="gpu_check.py").kl.kl_compute_mode == "training_phase":
+        # the anchor's forwards (counted under their own tag) run inside the update phase, none in the anchor phase
+        forwards = {**forwards, "update": forwards["update"] + forwards["anchor"], "anchor": 0}
     rows = compare_phases(measured, pl["phases_gib"], ck.a.tolerance, forwards)
     first = res["per_step"][0]
     videos = res["batch_size"]
@@ -600,13 +607,17 @@ def read_reports(out: Path) -> dict:
 
 
 def host_line(reports: dict) -> str:
-    host = next(iter(reports.values()))["host"]
+    """The machine of the reports (the first one's: a folder holds one machine's stages)."""
+    first = next(iter(reports.values()))
+    host = first["host"]
     return (f"GPU: {host.get('gpu') or NOT_MEASURED}; torch {host.get('torch')}, diffusers {host.get('diffusers')}"
-            f"{' (--tiny: CPU, tiny model)' if next(iter(reports.values()))['results'].get('tiny') else ''}.")
+            f"{' (--tiny: CPU, tiny model)' if first['results'].get('tiny') else ''}.")
 
 
 def ratio_text(fr: dict) -> str:
-    return "exactly 1" if fr["min"] == 1.0 == fr["max"] else f"{fr['min']:.9g} to {fr['max']:.9g}"
+    if fr.get("exact", fr["min"] == 1.0 == fr["max"]):  # reports written before "exact" was recorded: the same test
+        return "exactly 1"
+    return "not logged" if fr["min"] is None or fr["max"] is None else f"{fr['min']:.9g} to {fr['max']:.9g}"
 
 
 def render_markdown(out: Path) -> str:
@@ -683,19 +694,18 @@ def render_summary(out: Path) -> str:
     for stage, name in (("lora", "LoRA"), ("full", "full fine-tuning")):
         r = res.get(stage)
         if r is None:
-            lines.append(f"| {name}, 81x352x624 | rollout / decode+reward / anchor / update / optimizer | "
-                         + " | ".join([NOT_MEASURED] * 4) + " |")
+            lines.append(f"| {name} | {' / '.join(PHASE_MAP.values())} | " + " | ".join([NOT_MEASURED] * 4) + " |")
             continue
         per_video = r["seconds_per_phase_per_video"]
-        cells = [[row["plan_phase"], "-" if row["verdict"] == "not run" else _f(per_video.get(row["phase"]), "{:.1f}"),
-                  _f(row["measured_gib"], "{:.1f}"), _f(row["planned_gib"], "{:.1f}"), row["verdict"]]
-                 for row in r["plan_comparison"]]
-        lines.append(f"| {name}, {r['blocks']} blocks, {'x'.join(map(str, r['geometry']))} | "
+        cells = [[row["plan_phase"], _f(per_video.get(row["phase"]), "{:.1f}"), _f(row["measured_gib"], "{:.1f}"),
+                  _f(row["planned_gib"], "{:.1f}"), row["verdict"]] for row in r["plan_comparison"]]
+        lines.append(f"| {name}, {r['version']} {'x'.join(map(str, r['geometry']))}, {r['blocks']} blocks | "
                      + " | ".join(" / ".join(column) for column in zip(*cells)) + " |")
     c = res.get("compile")
-    lines.append(f"| `--compile` vs eager (LoRA, {c['blocks'] if c else 8} blocks) | seconds per phase, compiled / "
-                 "eager | " + (", ".join(f"{k} {v:.2f}" for k, v in c["compiled_over_eager"].items()) if c
-                               else NOT_MEASURED) + " | | | |")
+    depth = f", {c['blocks']} blocks" if c else ""
+    lines.append(f"| `--compile` vs eager (LoRA{depth}) | seconds per phase, compiled / eager | "
+                 + (", ".join(f"{k} {v:.2f}" for k, v in c["compiled_over_eager"].items()) if c else NOT_MEASURED)
+                 + " | | | |")
     rc = res.get("recipes")
     lines.append("| cheaper-step recipes (LoRA) | step seconds / the paper recipe's | " + (
         ", ".join(f"{k} {x['step_s_over_paper']:.2f}" for k, x in rc["recipes"].items()) if rc else NOT_MEASURED)
@@ -706,7 +716,8 @@ def render_summary(out: Path) -> str:
                  f"{', '.join(ratios) or NOT_MEASURED} | | | |")
     a = res.get("attention")
     if a:
-        b2 = next((x for x in a["bench_attention"]["rows"] if x["batch"] == 2 and x["part"] == "block_ckpt"), None)
+        b2 = next((x for x in a["bench_attention"]["rows"]
+                   if (x["batch"], x["part"], x["impl"]) == (2, "block_ckpt", "ours")), None)
         speed = f"; CFG pair, fwd+bwd with checkpointing {b2['fwdbwd_ratio']:.2f} of diffusers' time" if b2 else ""
         att = ", ".join(f"{k} {v}" for k, v in a["verdicts"].items()) + speed
     lines.append("| valid-token vs diffusers' attention (bf16, real size) | equal to bf16 rounding | "
@@ -812,6 +823,9 @@ def main(argv=None) -> int:
             verdicts[f"{stage}/first_update_ratio"] = res["first_update_ratio"]["verdict"]
         if stage == "attention":
             verdicts.update({f"attention/{k}": v for k, v in res.items()})
+        if stage == "build":
+            verdicts.update({f"build/{row['part']}": row["verdict"] for row in res["parts"]})
+            verdicts["build/planner_count"] = "PASS" if res["planner_counts_transformer_exactly"] else "FAIL"
         print(f"[gpu_check] {stage} done in {time.perf_counter() - t0:.1f} s", flush=True)
     md = render_markdown(ck.out)
     print(md)

@@ -120,9 +120,9 @@ GPU_FACTS = {
 # H200 (scripts/gpu_check.py --stage lora,full --steps 1: 480p_t2v at 81x352x624, CFG 6, valid-token attention;
 # 54 blocks LoRA on bf16, 45 blocks full fine-tuning on fp32 master weights under bf16 autocast).
 # - The update's recompute and backward of one checkpointed block: 1.14 measured under LoRA. Under full fine-tuning
-#   the peak implies 0.47: either its other update terms are planned 2.9 GiB high or its backward holds less.
+#   the peak implies 0.47: either its other update terms are planned about 3 GiB high or its backward holds less.
 # - A no-grad forward's transient tensors (rollout, anchor): 0.55 (LoRA) and 0.53 (full).
-# Both are rounded up here: the plans land +0.3 % to +2.3 % over those peaks. The factor 2 used before planned the
+# Both are rounded up here: the plans land +0.3 % to +2.4 % over those peaks. The factor 2 used before planned the
 # LoRA update 11 % high.
 BACKWARD_BLOCKS = 1.2
 NO_GRAD_BLOCKS = 0.6
@@ -410,7 +410,8 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t["activations: one block, checkpointed"] = block_ckpt
     if m.enable_gradient_checkpointing:  # every block's input, one block recomputed and its backward
         t["activations (update)"] = L * block_ckpt + BACKWARD_BLOCKS * block_full
-    else:  # every block's saved tensors and one block's backward
+    else:  # every block's saved tensors and the backward's transients: the checkpointed case less its recomputed
+        # block (an estimate: this case was not measured on a GPU)
         t["activations (update)"] = L * block_full + (BACKWARD_BLOCKS - 1) * block_full
     t["no-grad working set"] = NO_GRAD_BLOCKS * block_full  # rollout / anchor forwards: one block's transients
     scale = (r.sample_n_frames * r.height * r.width) / GPU_FACTS["vae_decode_pixels"]

@@ -54,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 STAGES = ("checkpoint", "train", "resume", "export", "fsdp", "planner", "block", "authors")
+# what the checkpoint and the runs in --work depend on: a later invocation reuses and compares with them
+SETTINGS = ("miniature", "blocks", "real_vae", "text_layers", "frames", "size", "cfg_scale")
 PROMPTS = ("a red ball rolls across the grass", "a cat sleeps on a sunny windowsill")
 # What the real-size stages need (measured: the checkpoint is 31.4 GiB; the one-process training peak ~18 GiB)
 REAL_DISK_GIB, REAL_RAM_GIB = 36, 22
@@ -684,16 +686,24 @@ def main(argv=None) -> None:
     if unknown:
         raise SystemExit(f"[real_size_cpu] unknown stage(s) {unknown}; valid: {','.join(STAGES)}")
     a.work = a.work.resolve()
+    # the stages reuse the checkpoint in --work and compare with its runs: those of other settings would mislead
+    settings = {k: getattr(a, k) for k in SETTINGS}
+    report = a.work / "real_size_cpu.json"
+    earlier = json.loads(report.read_text()) if report.is_file() else {}
+    other = {k: v for k, v in earlier.get("settings", settings).items() if settings.get(k) != v}
+    if other:
+        raise SystemExit(f"[real_size_cpu] {a.work} holds a checkpoint and runs made with other settings ("
+                         + ", ".join(f"{k} {v} where this run has {settings.get(k)}" for k, v in other.items())
+                         + "): pass another --work, or delete that folder")
     if set(stages) & {"train", "resume", "export", "fsdp"}:
         stages.append("checkpoint")  # written when missing, else reused
     if set(stages) & {"resume", "export"} and not (a.work / "run_a" / "checkpoint-2").is_dir():
         stages.append("train")  # what they compare against (fsdp compares when it is there, else measures the ranks)
     check_resources(a, stages)
     (a.work / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    res: dict = {"machine": {"cpus": os.cpu_count()}, "miniature": a.miniature, "text_layers": a.text_layers}
-    report = a.work / "real_size_cpu.json"
-    if report.is_file():
-        res.update({k: v for k, v in json.loads(report.read_text()).items() if k not in res})
+    res: dict = {"machine": {"cpus": os.cpu_count()}, "miniature": a.miniature, "text_layers": a.text_layers,
+                 "settings": settings}
+    res.update({k: v for k, v in earlier.items() if k not in res})
     for stage in STAGES:
         if stage == "authors" and not a.keep:  # its disk: the diffusers checkpoint is done with by now
             shutil.rmtree(a.work / "checkpoint", ignore_errors=True)

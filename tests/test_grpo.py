@@ -134,6 +134,25 @@ def test_stats_are_pair_means_and_clipping_shows():
     assert "kl/pos" not in s and math.isfinite(s["train/loss"])
 
 
+def test_a_nan_ratio_survives_the_merge_of_micro_batches():
+    """A micro-batch whose ratios are NaN, merged before or after a finite one, leaves NaN extremes (builtin min and
+    max dropped it when it came second: min(inf, nan) is inf), so the first-update check cannot read 1 over a NaN."""
+    from sage_grpo.grpo import UpdateStats
+
+    finite, broken = UpdateStats(pairs=2, ratio_min=1.0, ratio_max=1.0), UpdateStats(pairs=2, ratio_min=math.nan,
+                                                                                     ratio_max=math.nan)
+    for order in ((broken, finite), (finite, broken)):
+        total = UpdateStats()
+        for part in order:
+            total.merge(part)
+        s = total.summary()
+        assert math.isnan(s["train/ratio_min"]) and math.isnan(s["train/ratio_max"])
+    total = UpdateStats()
+    total.merge(UpdateStats(pairs=1, ratio_min=0.9, ratio_max=1.1))
+    total.merge(UpdateStats(pairs=1, ratio_min=0.95, ratio_max=1.2))
+    assert (total.summary()["train/ratio_min"], total.summary()["train/ratio_max"]) == (0.9, 1.2)
+
+
 def test_anchor_equal_to_policy_needs_no_forward_and_gives_the_same_gradient():
     policy, _, sigmas, latents, lps, adv, valid = _setup()
     anchor = VelocityMLP(D, hidden=16, depth=2)

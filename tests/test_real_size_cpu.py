@@ -41,3 +41,27 @@ def test_miniature_run_trains_resumes_bitwise_exports_and_generates(tmp_path):
     assert "What is alive at each phase's end on each FSDP2 rank" in p.stdout
     assert not (work / "checkpoint").exists()  # deleted without --keep
     assert "| train | update |" in p.stdout  # the table
+
+
+def test_a_work_folder_of_other_settings_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """The stages reuse --work's checkpoint and compare with its runs; a folder written with other settings (here 8
+    blocks, now 54) is refused in one line that names the difference, before any stage."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import load_script
+
+    rs = load_script("real_size_cpu")
+    work = tmp_path / "rs"
+    work.mkdir()
+    settings = {k: getattr(rs.parse(["--work", str(work)]), k) for k in rs.SETTINGS}
+    (work / "real_size_cpu.json").write_text(json.dumps({"settings": {**settings, "blocks": 8}}))
+    with pytest.raises(SystemExit, match=r"other settings \(blocks 8 where this run has 54\): pass another --work"):
+        rs.main(["--work", str(work), "--stages", "fsdp"])
+    assert sorted(p.name for p in work.iterdir()) == ["real_size_cpu.json"]  # nothing written
+    (work / "real_size_cpu.json").write_text(json.dumps({"settings": settings}))  # the same settings: accepted
+
+    def stop(a, stages):  # the next step after the check: stop there (the real one would write the 8.3B checkpoint)
+        raise SystemExit("reached the resource check")
+
+    monkeypatch.setattr(rs, "check_resources", stop)
+    with pytest.raises(SystemExit, match="reached the resource check"):
+        rs.main(["--work", str(work), "--stages", "fsdp"])
