@@ -443,11 +443,15 @@ def summarise(cfg, c, meter: Meter, steps: list[dict], train_s: float, setup_s: 
             "update_other": phase_s["update"] - sec.get("update/fwd", 0.0) - sec.get("update/bwd", 0.0),
         }
         # anchor forwards in training_phase mode run inside backward_phase under the "anchor" tag
-        if cfg.kl.kl_compute_mode == "training_phase":
+        in_update = cfg.kl.kl_compute_mode == "training_phase"
+        if in_update:
             remainder["update_other"] -= sec.get("anchor/fwd", 0.0)
             remainder["anchor+plan"] += sec.get("anchor/fwd", 0.0)
+        phase_forwards = {"rollout": counted["rollout"], "anchor": 0 if in_update else counted["anchor"],
+                          "update": counted["update"] + (counted["anchor"] if in_update else 0)}
         per_step.append({
-            "step": rec["step"], "counts": counted, "minimum": {k: mn[k] for k in counted}, "other_forwards": other,
+            "step": rec["step"], "counts": counted, "phase_forwards": phase_forwards,  # per tag; inside each phase
+            "minimum": {k: mn[k] for k in counted}, "other_forwards": other,
             "at_minimum": all(counted[k] == mn[k] for k in counted) and not other,
             "anchor_synced": m.get("kl/anchor_synced"), "updates_after": m.get("train/updates"),
             "step_s": m.get("perf/step_s"), "iteration_s": rec["iteration_s"], "phase_s": phase_s,

@@ -470,8 +470,6 @@ def measured_run(ck: Check, stage: str, kind: str, blocks: int, flags: list[str]
     """Train ck.a.steps steps of post_train.py instrumented (bench_step.measure) and compare with the plan."""
     import bench_step
 
-    from sage_grpo.config import load_config
-
     model_dir = ck.model_dir(kind, blocks)
     argv = ck.post_train_argv(model_dir, f"{stage}_{blocks}", flags)
     tcfg = ck.tcfg(blocks)
@@ -480,10 +478,7 @@ def measured_run(ck: Check, stage: str, kind: str, blocks: int, flags: list[str]
     res = bench_step.measure(argv, ck.a.steps, pipeline_repeats=0, quiet=not ck.a.verbose)
     wall = time.perf_counter() - t0
     measured = res["peak_gpu_gib_by_phase"]
-    forwards = {ph: sum(s["counts"].get(ph, 0) for s in res["per_step"]) for ph in ("rollout", "anchor", "update")}
-    if load_config(argv, prog="gpu_check.py").kl.kl_compute_mode == "training_phase":
-        # the anchor's forwards (counted under their own tag) run inside the update phase, none in the anchor phase
-        forwards = {**forwards, "update": forwards["update"] + forwards["anchor"], "anchor": 0}
+    forwards = {ph: sum(s["phase_forwards"][ph] for s in res["per_step"]) for ph in ("rollout", "anchor", "update")}
     rows = compare_phases(measured, pl["phases_gib"], ck.a.tolerance, forwards)
     first = res["per_step"][0]
     videos = res["batch_size"]

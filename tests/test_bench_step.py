@@ -76,6 +76,9 @@ def test_counts_at_minimum_training_phase_anchor_and_fraction(tiny_model, tmp_pa
     assert [s["counts"]["update"] for s in res["per_step"]] == [4 * 2] * 2
     assert [s["counts"]["anchor"] for s in res["per_step"]] == [0, 4 * 2]
     assert [s["counts"]["rollout"] for s in res["per_step"]] == [4 * 4] * 2
+    # by phase: those anchor forwards run inside the update phase (gpu_check judges the anchor phase "not run")
+    assert [s["phase_forwards"] for s in res["per_step"]] == [{"rollout": 16, "anchor": 0, "update": 8},
+                                                              {"rollout": 16, "anchor": 0, "update": 16}]
     assert res["per_step"][0]["ratio_min"] == res["per_step"][0]["ratio_max"] == 1.0  # no CFG: the first update
 
 
