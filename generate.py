@@ -30,6 +30,7 @@ from pathlib import Path
 from sage_grpo.cli import CLIParser, check_output_file, check_writable_dir, quiet_libraries, show_progress
 from sage_grpo.config import DTYPES, parse_bool, parse_size
 from sage_grpo.errors import SageGRPOError, run_cli
+from sage_grpo.hostmem import free_host_memory_eagerly
 from sage_grpo.sde import SAMPLERS
 
 MAX_SEED = 2**63 - 1  # seeds are hashed as signed 64-bit integers
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
     check_reference_images(records, "--image / the prompt file")  # every image decodes, before any model loads
     quiet_libraries(args.verbose)
+    free_host_memory_eagerly()  # as post_train.py: every rank's host returns what it frees (sage_grpo.hostmem)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.sp_size:

@@ -1289,11 +1289,13 @@ def main(argv: list[str] | None = None) -> Path:
 
     from sage_grpo.checkpoint import clear_run, read_train_state
     from sage_grpo.cli import quiet_libraries
+    from sage_grpo.hostmem import free_host_memory_eagerly
     from sage_grpo.metrics import MetricsLogger, plot_curves
     from sage_grpo.parallel.dist import barrier, destroy, init_distributed
 
     cfg = load_config(argv, prog="post_train.py", description=__doc__)
     quiet_libraries(cfg.logging.verbose)
+    free_host_memory_eagerly()  # else the ranks' hosts keep different amounts of freed memory (sage_grpo.hostmem)
     if cfg.logging.threads:
         torch.set_num_threads(cfg.logging.threads)
     local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's processes per node
