@@ -5,7 +5,7 @@ freed it raises that threshold to the block's size (up to 32 MiB). After the fir
 (the weights of a gathered FSDP2 block, a real-width model's activations on the CPU) come from the heap, and what is
 freed below the heap's top stays with the process. How much stays depends on the order in which threads free, so it
 differs between ranks that run the same code: at the real 8.3B width on two FSDP2 CPU ranks, one rank's heap kept
-3.3 GiB free (glibc's own count) through the rollout and that rank ran out of host memory first.
+3.4 GiB free (glibc's own count) through the rollout and that rank ran out of host memory first.
 
 A fixed threshold turns the raising off: every allocation from the threshold up is its own mapping, unmapped when
 freed. torch's CPU allocator calls malloc and has no such switch (torch.cpu has no call to release memory), so this
