@@ -133,6 +133,40 @@ def test_the_readme_is_a_front_page():
     assert len(lines) <= 250, len(lines)
 
 
+def status_cells(text: str) -> list[str]:
+    """The cells of the README's status table, links rendered as their text."""
+    table = text[text.index("## Status: what ran where"):text.index("## Measured on a GPU")]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    return [re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", cell).strip() for row in rows
+            for cell in row.strip("| ").split(" | ")]
+
+
+def denials_of_a_gpu_run(text: str) -> list[str]:
+    """Sentences that say nothing ran on a GPU ("no run ... on a GPU", "none of ... on a GPU")."""
+    sentences = re.split(r"(?<=[.;:])\s", re.sub(r"\s+", " ", text))
+    return [s for s in sentences if re.search(r"\b(no run|none|nothing)\b", s, re.I) and re.search(r"\bon a GPU\b", s)]
+
+
+def test_the_front_page_says_once_what_ran_on_a_gpu():
+    """README.md says in one sentence what ran where and keeps each status cell to a line (details live in docs/).
+    Seen failing when the opening and the quick start said that nothing had run on a GPU while the GPU block showed
+    the H200 run, and when the world model's status cell ran to ten lines."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("<!-- gpu_check:begin -->"):text.index("<!-- gpu_check:end -->")]
+    if "GPU: " in block:  # a measured GPU block
+        assert denials_of_a_gpu_run(text) == []
+    long = [cell for cell in status_cells(text) if len(cell) > 100]
+    assert long == [], long
+
+
+def test_the_front_page_checks_find_what_they_should():
+    assert denials_of_a_gpu_run("Fine. No run with the real weights or on a GPU has happened yet. Not yet timed on a "
+                                "GPU.") == ["No run with the real weights or on a GPU has happened yet."]
+    text = ("## Status: what ran where\n| part | CPU |\n|---|---|\n| [a](b.md) | " + "x" * 101 + " |\n"
+            "## Measured on a GPU\n")
+    assert status_cells(text) == ["part", "CPU", "a", "x" * 101]
+
+
 # Words about how the project was made, not about the product; absolute paths of one machine.
 INTERNAL = re.compile(r"this stop|the issue|issue's|(?<!torchrun )\bagents\b|\bsessions?\b|last digit|of this project|"
                       r"/work/|/home/|/root/", re.I)
