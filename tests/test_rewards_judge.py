@@ -718,6 +718,21 @@ def test_a_judge_server_that_cannot_serve_is_one_line_before_the_policy_loads(fa
                       "--judge_url", dead, "--reward_retries", "0"))
 
 
+@pytest.mark.slow
+def test_a_resume_against_a_server_of_another_model_is_named(fake, tiny_model, tmp_path, capsys):
+    """--judge_model "" takes the model the server lists: the checkpoint records it, and a resume against a server
+    that lists another is not reported exact."""
+    flags = ["--reward_model", "vlm_judge", "--reward_weights", '{"judge":1}', "--judge_url", fake.url,
+             "--judge_frames", "2", "--save_interval", "1"]
+    pt.main(_args(tiny_model, tmp_path, *flags, "--max_steps", "1"))
+    state = json.loads((list_checkpoints(tmp_path)[-1][1] / "train_state.json").read_text())
+    assert state["resolved"] == {"reward.judge_model": MODEL}
+    capsys.readouterr()
+    fake.model = "another-judge"
+    pt.main(_args(tiny_model, tmp_path, *flags, "--max_steps", "2", "--resume_from_checkpoint", "latest"))
+    assert "reward.judge_model: '' -> '' (used: 'fake-judge' -> 'another-judge')" in capsys.readouterr().out
+
+
 def test_judge_flags_are_checked_before_anything_runs(tmp_path):
     def check(*argv):
         validate(load_config(["--config", str(ROOT / "configs/tiny_cpu.yaml"), *argv]), world_size=1)
