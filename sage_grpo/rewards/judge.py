@@ -477,8 +477,9 @@ class VLMJudge:
     def _post(self, **kwargs) -> dict:
         """One chat completion (the client retries what can be retried) -> its JSON body. The body is read here, a
         chunk at a time: a try whose answer is still coming ``timeout`` seconds after its sending (the client's
-        deadline, `deadline_client`; one whose headers are is a timeout the client retries), or an answer over
-        ``max_answer_bytes``, is an AnswerError; so is a body that is not a JSON object or holds an ``error``."""
+        deadline, `deadline_client`; headers still coming then are a timeout, which the client retries), or an
+        answer over ``max_answer_bytes``, is an AnswerError; so is a body that is not a JSON object or holds an
+        ``error``."""
         import httpx
 
         cap = self.max_answer_bytes
