@@ -1145,7 +1145,7 @@ def save(c: Components, state: TrainState) -> Path:
 def write_checkpoint(c: Components, state: TrainState) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from sage_grpo.checkpoint import file_digests, save_checkpoint
+    from sage_grpo.checkpoint import file_digests, resolved_settings, save_checkpoint
     from sage_grpo.models.lora import save_lora, sharded_lora_state
     from sage_grpo.parallel.fsdp import gather_full
 
@@ -1167,6 +1167,7 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
         train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg),
                      "pending_kl_by_dp_rank": pending_kl_by_dp_rank(c, state),
                      "digests": file_digests(config_to_dict(c.cfg)),  # a resume compares the judge template's text
+                     "resolved": resolved_settings(c.reward),  # and the judge's model as asked for
                      "task": c.pipe.sage_grpo_task},  # the export's model card names the task's pipeline
         lora_writer=(lambda d: save_lora(c.transformer, d, state=lora_state)) if lora else None,
         anchor_state=anchor_state, anchor_lora=anchor_lora, total_limit=c.cfg.checkpoint.checkpoints_total_limit,
@@ -1244,6 +1245,7 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
         file_digests,
         load_rng_state,
         read_train_state,
+        resolved_settings,
         saved_layout,
     )
     from sage_grpo.models.lora import load_lora, load_lora_sharded
@@ -1253,7 +1255,8 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
     current = config_to_dict(c.cfg)
     layout = saved_layout(saved)
     diffs = exactness_diff(saved["config"], current, saved.get("digests"), file_digests(current),
-                           saved_dp=layout["dp"] if layout else c.info.dp_size, current_dp=c.info.dp_size)
+                           saved_dp=layout["dp"] if layout else c.info.dp_size, current_dp=c.info.dp_size,
+                           saved_resolved=saved.get("resolved"), current_resolved=resolved_settings(c.reward))
     if diffs:
         print0(c.info, "resuming with settings that differ from the saved run (the continuation is not exact): "
                + "; ".join(diffs))

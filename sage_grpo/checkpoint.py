@@ -39,8 +39,8 @@ from sage_grpo.files import usual_permissions
 from sage_grpo.parallel.dist import all_reduce_sum, barrier
 
 __all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save",
-           "dcp_load", "load_rng_state", "read_train_state", "exactness_diff", "file_digests", "EXACT_KEYS",
-           "NEUTRAL_REWARD_KEYS", "CONTENT_KEYS", "saved_layout", "layout_change"]
+           "dcp_load", "load_rng_state", "read_train_state", "exactness_diff", "file_digests", "resolved_settings",
+           "EXACT_KEYS", "NEUTRAL_REWARD_KEYS", "CONTENT_KEYS", "RESOLVED_KEYS", "saved_layout", "layout_change"]
 
 TRAIN_STATE = "train_state.json"
 
@@ -295,7 +295,7 @@ EXACT_KEYS: dict[str, tuple[str, ...] | None] = {
     "rollout": None,
     "reward": ("reward_model", "reward_weights", "reward_combine", "reward_optional", "reward_checkpoint_mode",
                "reward_checkpoint_step", "reward_max_pixels", "reward_min_pixels", "reward_sample_fps", "reward_dtype",
-               "judge_model", "judge_template", "judge_scale", "judge_frames", "judge_video"),
+               "judge_model", "judge_template", "judge_scale", "judge_frames", "judge_video", "judge_max_tokens"),
     "kl": None,
     "optim": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "warmup_steps",
               "gradient_accumulation_steps", "max_grad_norm", "use_muon", "seed", "clip_range", "adv_clip_max",
@@ -312,6 +312,10 @@ NEUTRAL_REWARD_KEYS = ("reward_model_path", "reward_base_model_path", "clip_mode
 # checkpoint's train state as "digests"), so that an edited template is reported and the same file moved or reached
 # by another relative path is not. Only small files are listed (a judge template: hashing it is free).
 CONTENT_KEYS = (("reward", "judge_template"),)
+# Exactness keys whose value the run resolves when it starts: --judge_model "" asks for the one model the judge
+# server lists. The value used (saved in the checkpoint's train state as "resolved") is compared, so that another
+# model served under the same flags is reported, and naming the model the server listed is exact.
+RESOLVED_KEYS = (("reward", "judge_model"),)
 
 
 def file_digests(config: dict) -> dict[str, str]:
@@ -332,15 +336,25 @@ def file_digests(config: dict) -> dict[str, str]:
     return out
 
 
+def resolved_settings(reward) -> dict[str, str]:
+    """The value each RESOLVED_KEYS setting took in a run whose reward (a CompositeReward) is ``reward``, by
+    "group.key": the model its judge asks for (--judge_model, or the one its server lists); {} without a judge."""
+    judge = getattr(reward, "rewards", {}).get("vlm_judge")
+    return {} if judge is None else {"reward.judge_model": judge.model}
+
+
 def exactness_diff(saved: dict, current: dict, saved_digests: dict | None = None,
-                   current_digests: dict | None = None, *, saved_dp: int = 1, current_dp: int = 1) -> list[str]:
+                   current_digests: dict | None = None, *, saved_dp: int = 1, current_dp: int = 1,
+                   saved_resolved: dict | None = None, current_resolved: dict | None = None) -> list[str]:
     """Names of the settings (group.key: old -> new) that differ between the saved and the current resolved config
     (config_to_dict layout) and make the resumed run differ from an uninterrupted one. A key missing from either
     (a checkpoint written before the flag existed) counts as its default: the run it wrote behaved as the default
     does. The digests (file_digests) compare CONTENT_KEYS by content when both are given; a checkpoint written
     without them is compared by path. `data.batch_size` is per data-parallel rank: what must stay is the videos per
     step, batch_size x dp (saved_dp, current_dp: the data-parallel ranks of each run), so a resume on another
-    number of ranks with the same videos per step is exact."""
+    number of ranks with the same videos per step is exact. The resolved values (resolved_settings) compare
+    RESOLVED_KEYS by the value used when both runs recorded one; a checkpoint written without them compares the
+    flag."""
     defaults = config_to_dict(Config())
     diffs = []
     for group, keys in EXACT_KEYS.items():
@@ -355,6 +369,10 @@ def exactness_diff(saved: dict, current: dict, saved_digests: dict | None = None
             elif (group, k) in CONTENT_KEYS and saved_digests and name in saved_digests and current_digests:
                 if saved_digests[name] != current_digests.get(name):
                     diffs.append(f"{name}: {old!r} -> {new!r} (its content differs)")
+            elif (group, k) in RESOLVED_KEYS and name in (saved_resolved or {}) and name in (current_resolved or {}):
+                if saved_resolved[name] != current_resolved[name]:
+                    diffs.append(f"{name}: {old!r} -> {new!r} (used: {saved_resolved[name]!r} -> "
+                                 f"{current_resolved[name]!r})")
             elif old != new:
                 diffs.append(f"{name}: {old!r} -> {new!r}")
     return diffs

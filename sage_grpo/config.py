@@ -287,6 +287,10 @@ class RewardConfig:
     judge_video: bool = opt(False, "Send the judge the frames as one mp4 video_url part instead of one image_url "
                                    "part per frame (for servers whose model takes video).")
     judge_concurrency: int = opt(8, "Judge requests in flight at once per rank (one request per video).")
+    judge_max_tokens: int = opt(16, "Tokens the judge may answer: room for a number or a word and a short preamble "
+                                    "(\"Score: 7\"). An answer cut off there scores NaN (the start-up check stops "
+                                    "with this flag); a reasoning judge, which thinks before it answers "
+                                    "(<think>...</think>, the score read after it), needs hundreds to thousands.")
     judge_allow_http_key: bool = opt(False, "Send SAGE_JUDGE_API_KEY to a plain-http --judge_url on another host "
                                             "(readable by anyone on the path); off: such a URL gets no key.")
 
@@ -755,7 +759,8 @@ def check_judge(cfg: Config) -> None:
     if r.judge_url.strip() and not judged:
         raise SageGRPOError("--judge_url is only used by the vlm_judge reward (in --reward_model or "
                             f"--validation_metrics), got --reward_model {r.reward_model}")
-    for name, value in (("judge_frames", r.judge_frames), ("judge_concurrency", r.judge_concurrency)):
+    for name, value in (("judge_frames", r.judge_frames), ("judge_concurrency", r.judge_concurrency),
+                        ("judge_max_tokens", r.judge_max_tokens)):
         if value < 1:
             raise SageGRPOError(f"--{name} must be >= 1, got {value}")
     if judged:

@@ -49,7 +49,7 @@ VIDEO_COLUMNS = ("video_path", "video", "path")
 # the flags of the metrics vlm_judge and remote: the training flags of the same names (defaults and help from
 # RewardConfig)
 SERVER_FLAGS = ("judge_url", "judge_model", "judge_template", "judge_scale", "judge_frames", "judge_video",
-                "judge_concurrency", "judge_allow_http_key", "reward_timeout", "reward_retries")
+                "judge_concurrency", "judge_max_tokens", "judge_allow_http_key", "reward_timeout", "reward_retries")
 
 
 def warn(message: str) -> None:
@@ -285,6 +285,7 @@ def check_server_flags(args: argparse.Namespace, names: list[str]) -> None:
 
     at_least("--judge_frames", args.judge_frames, 1)
     at_least("--judge_concurrency", args.judge_concurrency, 1)
+    at_least("--judge_max_tokens", args.judge_max_tokens, 1)
     at_least("--reward_timeout", args.reward_timeout, 0, strict=True)
     at_least("--reward_retries", args.reward_retries, 0)
     judged = "vlm_judge" in (n.strip().lower() for n in names)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from sage_grpo.checkpoint import (
     CONTENT_KEYS,
     EXACT_KEYS,
     NEUTRAL_REWARD_KEYS,
+    RESOLVED_KEYS,
     TRAIN_STATE,
     CheckpointWriteError,
     dcp_load,
@@ -24,6 +26,7 @@ from sage_grpo.checkpoint import (
     load_rng_state,
     read_train_state,
     resolve_resume,
+    resolved_settings,
     save_checkpoint,
 )
 from sage_grpo.config import Config, RewardConfig, config_to_dict
@@ -193,6 +196,24 @@ def test_judge_template_is_compared_by_its_content(tmp_path):
         f"reward.judge_template: {str(a)!r} -> {str(b)!r}"]
 
 
+def test_the_judges_model_is_compared_as_used():
+    """--judge_model "" asks for the one model the judge server lists: a resume against a server of another model is
+    not exact, though the flag is the same; naming the model that was listed is. A checkpoint that recorded none
+    compares the flag."""
+    judged = SimpleNamespace(rewards={"brightness": object(), "vlm_judge": SimpleNamespace(model="qwen-vl-7b")})
+    assert resolved_settings(judged) == {"reward.judge_model": "qwen-vl-7b"}
+    assert resolved_settings(SimpleNamespace(rewards={"brightness": object()})) == {}
+    saved, named = config_to_dict(Config()), config_to_dict(Config())
+    named["reward"]["judge_model"] = "qwen-vl-7b"
+    used = {"reward.judge_model": "qwen-vl-7b"}
+    assert exactness_diff(saved, saved, saved_resolved=used, current_resolved={"reward.judge_model": "llava-13b"}) == [
+        "reward.judge_model: '' -> '' (used: 'qwen-vl-7b' -> 'llava-13b')"]
+    assert exactness_diff(saved, saved, saved_resolved=used, current_resolved=used) == []
+    assert exactness_diff(saved, named, saved_resolved=used, current_resolved=used) == []
+    assert exactness_diff(saved, named, saved_resolved=None, current_resolved=used) == [
+        "reward.judge_model: '' -> 'qwen-vl-7b'"]
+
+
 def test_every_reward_flag_is_classified_as_score_changing_or_not():
     """A new reward flag must be put into EXACT_KEYS["reward"] (it changes a score) or NEUTRAL_REWARD_KEYS (it does
     not): forgotten, a resume that changes the reward would report itself exact."""
@@ -201,7 +222,7 @@ def test_every_reward_flag_is_classified_as_score_changing_or_not():
     exact, neutral = set(EXACT_KEYS["reward"]), set(NEUTRAL_REWARD_KEYS)
     assert not exact & neutral
     assert {f.name for f in dataclasses.fields(RewardConfig)} == exact | neutral
-    assert all(k in EXACT_KEYS[g] for g, k in CONTENT_KEYS)
+    assert all(k in EXACT_KEYS[g] for g, k in (*CONTENT_KEYS, *RESOLVED_KEYS))
 
 
 def test_rng_state_round_trip(tmp_path):

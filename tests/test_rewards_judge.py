@@ -28,7 +28,7 @@ from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.config import load_config, validate
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.metrics import read_metrics
-from sage_grpo.rewards import build_reward
+from sage_grpo.rewards import build_reward, build_reward_from_config
 from sage_grpo.rewards.judge import (
     DEFAULT_TEMPLATES,
     MAX_ANSWER_BYTES,
@@ -50,10 +50,11 @@ def position(token: str, p: float, top: list[tuple[str, float]]) -> dict:
             "top_logprobs": [{"token": t, "logprob": math.log(q), "bytes": None} for t, q in top]}
 
 
-def completion(text: str, logprobs: list[dict] | None = None) -> dict:
+def completion(text: str, logprobs: list[dict] | None = None, finish_reason: str = "stop") -> dict:
     """A chat completion as an OpenAI-compatible server sends it."""
     return {"id": "c", "object": "chat.completion", "created": 0, "model": MODEL,
-            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "finish_reason": finish_reason,
+                         "message": {"role": "assistant", "content": text},
                          "logprobs": None if logprobs is None else {"content": logprobs}}]}
 
 
@@ -133,6 +134,45 @@ def test_the_score_of_a_free_text_answer_is_the_labelled_number_or_the_last_one(
     assert read_answer(completion("", tokens)).score == pytest.approx((7 * 0.8 + 6 * 0.2 - 1) / 9, abs=1e-12)
 
 
+CUT = "On a scale of 1 to 10, I would rate this video a solid score of"  # 16 tokens, cut before the score
+
+
+def test_a_cut_off_answer_is_nan_with_its_reason():
+    """Read by the last-number rule, the scale's 10 was the score (0.99 for every video), silently."""
+    for answer in (completion(CUT, finish_reason="length"),
+                   completion("", [position(t, 0.9, [(t, 0.9)]) for t in CUT.split(" ")], finish_reason="length")):
+        reading = read_answer(answer)
+        assert math.isnan(reading.score) and reading.cut_off and reading.split_prefix is None
+        assert "cut off at its token budget (finish_reason 'length'; --judge_max_tokens)" in reading.problem
+    assert read_answer(completion(CUT + " 9")).score == pytest.approx(8 / 9)  # the same words, ended: its score
+
+
+def test_the_score_is_read_in_the_answer_after_a_reasoning_block():
+    think = "The prompt asks for 2 cats; I see 2. On a scale of 1 to 10 this is clearly a 10, maybe 9."
+    for text in (f"<think>{think}</think>\n\n7", f"{think}</think>7"):  # a chat template may open the block itself
+        assert read_answer(completion(text)).score == pytest.approx(6 / 9, abs=1e-12), text
+    reading = read_answer(completion(f"<think>{think}"))  # the answer never came
+    assert math.isnan(reading.score) and "a reasoning block with no answer after it" in reading.problem
+    reading = read_answer(completion(f"<think>{think}</think> I cannot tell."))
+    assert math.isnan(reading.score) and "no score in the answer ' I cannot tell.'" in reading.problem
+    # with log-probabilities: the score's token is the answer's, not one of the reasoning
+    tokens = [position(t, 0.9, [(t, 0.9), (" 3", 0.1)]) for t in ("<think>", "a", " 10", " or", " 9", "</think>")]
+    tokens += [position(" 7", 0.8, [(" 7", 0.8), (" 6", 0.2)])]
+    assert read_answer(completion("", tokens)).score == pytest.approx((7 * 0.8 + 6 * 0.2 - 1) / 9, abs=1e-12)
+
+
+def test_a_score_that_shares_its_token_with_punctuation_is_read_from_the_text():
+    """"9." or "Yes." chosen as one token: the candidates that are scores on their own are its minor rivals (before:
+    the score was their mean, 0.159 where the answer says 9)."""
+    nine = [position("9.", 0.95, [("9.", 0.95), ("2", 0.03), ("1", 0.01), ("8", 0.01)])]
+    reading = read_answer(completion("9.", nine))
+    assert reading.score == pytest.approx(8 / 9, abs=1e-12) and reading.split_prefix is None
+    yes = [position("Yes.", 0.9, [("Yes.", 0.9), ("No", 0.08), ("yes", 0.02)])]
+    assert read_answer(completion("Yes.", yes), "yes_no").score == 1.0
+    labelled = [position("Score", 0.9, [("Score", 0.9)]), position(": 8", 0.9, [(": 8", 0.9), (" 3", 0.1)])]
+    assert read_answer(completion("", labelled)).score == pytest.approx(7 / 9, abs=1e-12)
+
+
 BAD_ANSWERS = {
     "no choices": {"choices": []},
     "choices not a list": {"choices": {"0": 1}},
@@ -157,6 +197,9 @@ def test_candidates_that_are_no_score_or_have_no_probability_are_left_out():
     weird[0]["top_logprobs"].append({"token": "3", "logprob": 1e-9})  # above 0 by rounding: probability 1
     assert read_answer(completion("7", weird)).score == pytest.approx(((7 * 0.5 + 8 * 0.2 + 3) / 1.7 - 1) / 9,
                                                                       abs=1e-9)
+    # "0" is no score (not 0 of a scale from 1): it is left out, not counted as a 0
+    zero = [position("7", 0.6, [("7", 0.6), ("0", 0.4)])]
+    assert read_answer(completion("7", zero)).score == pytest.approx(6 / 9, abs=1e-12)
     # no usable probability at the score's token: the text is what is known
     garbage = [{"token": "7", "logprob": "x", "top_logprobs": [{"token": "8", "logprob": float("nan")}]}]
     assert read_answer(completion("", garbage)).score == pytest.approx(6 / 9, abs=1e-12)
@@ -173,6 +216,14 @@ def test_a_key_goes_only_where_the_user_pointed_it():
         ("http://127.0.0.1:8000", both, False, "k-judge"),
         ("http://localhost:8000/v1", both, False, "k-judge"),
         ("http://[::1]:8000", both, False, "k-judge"),
+        ("http://127.0.0.2:8000", both, False, "k-judge"),  # 127.0.0.0/8
+        ("http://LOCALHOST:8000", both, False, "k-judge"),
+        # names that DNS resolves: not this machine by their spelling, however they look
+        ("http://judge.localhost:8000", both, False, ""),
+        ("http://judge.local:8000", both, False, ""),
+        ("http://localhost.example.com:8000", both, False, ""),
+        ("http://127.0.0.1.nip.io:8000", both, False, ""),
+        ("http://localhost.localdomain:8000", both, False, ""),
         ("http://judge.example.com:8000", both, False, ""),  # plain http to another host: withheld
         ("http://10.0.0.5:8000", both, False, ""),
         ("http://judge.example.com:8000", both, True, "k-judge"),
@@ -214,10 +265,13 @@ class FakeJudge(ThreadingHTTPServer):
     """An OpenAI-compatible server in a thread of the test: GET /v1/models lists MODEL, and POST
     /v1/chat/completions answers `text` (with `logprobs` when asked for them and set; a request continuing an
     assistant message gets `after` as its logprobs). It records each request's headers and body; it can refuse
-    log-probabilities (400) or continuations (400), fail the next `fail` requests (500, retry at once), answer every
-    request with `status`, check a `key`, take `delay` seconds per answer, answer `raw` bytes instead (with or without
-    a Content-Length), and trickle its answer a byte every `trickle` seconds. ``host`` "0.0.0.0" takes requests on
-    every address of this machine."""
+    log-probabilities (400) or continuations (400), answer a continuation as a new turn (`ignore_continue`: the
+    answer again, as a server that ignores continue_final_message does), cut an answer longer than the request's
+    max_tokens (`tokens`: the answer's length in tokens, one character each; finish_reason "length"), fail the next
+    `fail` requests (500, retry at once), answer every request with `status`, check a `key`, take `delay` seconds per
+    answer, answer `raw` bytes instead (with or without a Content-Length), trickle its answer a byte every `trickle`
+    seconds, or its headers too (`head_trickle`), and list `model`. ``host`` "0.0.0.0" takes requests on every
+    address of this machine."""
 
     daemon_threads = True
 
@@ -226,6 +280,7 @@ class FakeJudge(ThreadingHTTPServer):
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.text, self.logprobs, self.refuse_logprobs, self.fail, self.status, self.key = "7", None, False, 0, 0, ""
         self.after, self.refuse_continue, self.raw, self.raw_length, self.trickle = None, False, None, True, 0.0
+        self.ignore_continue, self.tokens, self.head_trickle, self.model = False, 0, 0.0, MODEL
         self.delay, self.bodies, self.headers, self.in_flight, self.max_in_flight = 0.0, [], [], 0, 0
         self.lock = threading.Lock()
 
@@ -234,7 +289,15 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):  # quiet
         pass
 
-    def send(self, status: int, data: bytes, length: bool = True, trickle: float = 0.0) -> None:
+    def send(self, status: int, data: bytes, length: bool = True, trickle: float = 0.0, head: float = 0.0) -> None:
+        if head:  # the status line and headers a byte at a time too, then the body
+            raw = (f"HTTP/1.1 {status} OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                   "\r\n").encode() + data
+            with contextlib.suppress(ConnectionError):  # the client gave up
+                for i in range(len(raw)):
+                    self.wfile.write(raw[i:i + 1])
+                    time.sleep(head)
+            return
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         if length:
@@ -267,7 +330,7 @@ class Handler(BaseHTTPRequestHandler):
         with srv.lock:
             srv.headers.append({k.lower(): v for k, v in self.headers.items()})
         if not self.refused(srv):
-            self.reply(200, {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
+            self.reply(200, {"object": "list", "data": [{"id": srv.model, "object": "model", "created": 0,
                                                          "owned_by": "test"}]})
 
     def do_POST(self):
@@ -291,15 +354,19 @@ class Handler(BaseHTTPRequestHandler):
                 self.reply(srv.status, {"error": {"message": "at most 1 image(s) may be provided in one request"}})
             elif srv.refuse_logprobs and "logprobs" in body:
                 self.reply(400, {"error": {"message": "logprobs is not supported"}})
+            elif continuing and srv.ignore_continue:  # a new turn: the answer to the request without the prefix
+                self.reply(200, completion(srv.text, srv.logprobs))
             elif continuing and (srv.refuse_continue or not body.get("continue_final_message")):
                 self.reply(400, {"error": {"message": "continue_final_message is not supported"}})
             elif continuing:
                 self.reply(200, completion("0", srv.after or [position("0", 1.0, [("0", 1.0)])]))
             elif srv.raw is not None:
-                self.send(200, srv.raw, srv.raw_length, srv.trickle)
+                self.send(200, srv.raw, srv.raw_length, srv.trickle, srv.head_trickle)
+            elif srv.tokens > body["max_tokens"]:
+                self.reply(200, completion(srv.text[:body["max_tokens"]], finish_reason="length"))
             else:
                 answer = completion(srv.text, srv.logprobs if body.get("logprobs") else None)
-                self.send(200, json.dumps(answer).encode(), trickle=srv.trickle)
+                self.send(200, json.dumps(answer).encode(), trickle=srv.trickle, head=srv.head_trickle)
         finally:
             with srv.lock:
                 srv.in_flight -= 1
@@ -388,6 +455,14 @@ def test_plain_http_to_another_host_gets_no_key_unless_the_user_allows_it(monkey
         before = len(srv.headers)
         judge(url, judge_allow_http_key=True)
         assert all(h["authorization"] == "Bearer k-judge" for h in srv.headers[before:])
+        # the training flags reach the judge as post_train builds it
+        cfg = load_config(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--reward_model", "vlm_judge",
+                           "--reward_weights", '{"judge":1}', "--judge_url", url, "--judge_allow_http_key",
+                           "--judge_max_tokens", "40"])
+        before = len(srv.headers)
+        assert build_reward_from_config(cfg).rewards["vlm_judge"].max_tokens == 40
+        assert all(h["authorization"] == "Bearer k-judge" for h in srv.headers[before:])
+        assert srv.bodies[-1]["max_tokens"] == 40
         srv.key = "k-judge"  # a server that needs the key says why it did not get it
         with pytest.raises(SageGRPOError, match="refused the API key .401. listing its models: SAGE_JUDGE_API_KEY is "
                                                 "not sent over plain http") as err:
@@ -472,6 +547,69 @@ def test_a_server_that_cannot_continue_an_answer_gives_the_answers_text(fake):
         j = judge(fake.url)
     assert not j.continues
     assert j(smooth_videos(1, 5, 16, 16), ["a"])["judge"].item() == pytest.approx(8 / 9, abs=1e-6)
+
+
+# a judge that says 9 (0.7), 8 (0.2) or 10 (0.1, written "1" "0"): E = 8.9, the score 7.9 / 9 = 0.878
+NINE = [position("9", 0.7, [("9", 0.7), ("8", 0.2), ("1", 0.1)])]
+SCORE_NINE = [position("Score", 0.99, [("Score", 0.99)]), position(":", 0.99, [(":", 0.99)]),
+              position(" 9", 0.7, [(" 9", 0.7), (" 8", 0.2), (" 1", 0.1)])]
+
+
+@pytest.mark.parametrize("text, logprobs", [("9", NINE), ("Score: 9", SCORE_NINE)])
+def test_a_server_that_answers_a_continuation_as_a_new_turn_gives_the_answers_text(fake, text, logprobs):
+    """A server that ignores continue_final_message answers the request again: its first position holds no "0", so
+    the "1" was read as 1 (0.778 where the judge means 0.878). The start-up check, or the first video that needs the
+    split, finds the answer starting anew (a score, or the answer's own first token): one warning, the text."""
+    fake.text, fake.logprobs = text, logprobs
+    want = (0.7 * 9 + 0.2 * 8 + 0.1 * 10 - 1) / 9
+    assert judge(fake.url)(smooth_videos(1, 5, 16, 16), ["a"])["judge"].item() == pytest.approx(want, abs=1e-6)
+    fake.ignore_continue = True
+    with pytest.warns(RuntimeWarning, match="cannot continue an answer .it answers a new turn instead, ignoring "
+                                            "continue_final_message"):
+        j = judge(fake.url)
+    assert not j.continues
+    got = j(smooth_videos(1, 5, 16, 16), ["a"])["judge"].item()
+    assert got == pytest.approx(8 / 9, abs=1e-6) and abs(got - want) < 0.02
+    fake.ignore_continue = False  # found while scoring (the start-up check saw a server that continued)
+    j = judge(fake.url)
+    assert j.continues
+    fake.ignore_continue = True
+    with pytest.warns(RuntimeWarning, match="it answers a new turn instead") as caught:
+        got = j(smooth_videos(2, 5, 16, 16), ["a", "b"])["judge"]
+    assert not j.continues and len([w for w in caught if "new turn" in str(w.message)]) == 1
+    torch.testing.assert_close(got, torch.full((2,), 8 / 9), rtol=0, atol=1e-6)
+
+
+def test_a_cut_off_answer_stops_the_start_up_check_with_the_flag_that_fixes_it(fake):
+    """A reasoning judge thinks before it answers: 16 tokens cut every answer, and the last number of the reasoning
+    was the score. The start-up check says so in one line; with room, the score is the answer's after the
+    reasoning."""
+    fake.text = "<think>" + "The cat is blurry; 10 would be too much. " * 8 + "</think>\n7"
+    fake.tokens = len(fake.text)  # a character a token: cut by any budget below its length
+    with pytest.raises(SageGRPOError, match="the answer to a test request was cut off at --judge_max_tokens 16 "
+                                            r"before its end \(finish_reason 'length'\), so every score would be "
+                                            "NaN: raise --judge_max_tokens") as err:
+        judge(fake.url)
+    assert "\n" not in str(err.value)
+    j = judge(fake.url, judge_max_tokens=1024)
+    assert j(smooth_videos(1, 5, 16, 16), ["a"])["judge"].item() == pytest.approx(6 / 9, abs=1e-6)
+    assert {b["max_tokens"] for b in chats(fake)[-2:]} == {1024}
+    fake.tokens = 2000  # answers longer than the budget while training: NaN, with the reason
+    with pytest.warns(RuntimeWarning, match="failed on 1 of 1 videos .*cut off at its token budget"):
+        assert math.isnan(j(smooth_videos(1, 5, 16, 16), ["a"])["judge"].item())
+
+
+@pytest.mark.parametrize("head, every", [(True, 0.25), (False, 0.9)])
+def test_a_request_ends_at_the_timeout_however_slowly_its_headers_or_body_come(fake, head, every):
+    """httpx's timeout bounds each read: headers a byte every 0.25 s held a 1-second request for their whole length,
+    and body bytes just under the timeout apart let a body run to twice it. The whole try ends at the timeout."""
+    j = judge(fake.url, reward_timeout=1.0, reward_retries=0)
+    fake.trickle, fake.head_trickle = every, (every if head else 0.0)
+    t0 = time.monotonic()
+    match = "APITimeoutError" if head else "AnswerError: an answer still coming 1 s"
+    with pytest.warns(RuntimeWarning, match=f"failed on 1 of 1 videos .{match}"):
+        got = j(smooth_videos(1, 5, 16, 16), ["a"])["judge"]
+    assert math.isnan(got.item()) and time.monotonic() - t0 < 1.5
 
 
 def test_a_trickling_answer_ends_at_the_timeout(fake):
@@ -580,6 +718,21 @@ def test_a_judge_server_that_cannot_serve_is_one_line_before_the_policy_loads(fa
                       "--judge_url", dead, "--reward_retries", "0"))
 
 
+@pytest.mark.slow
+def test_a_resume_against_a_server_of_another_model_is_named(fake, tiny_model, tmp_path, capsys):
+    """--judge_model "" takes the model the server lists: the checkpoint records it, and a resume against a server
+    that lists another is not reported exact."""
+    flags = ["--reward_model", "vlm_judge", "--reward_weights", '{"judge":1}', "--judge_url", fake.url,
+             "--judge_frames", "2", "--save_interval", "1"]
+    pt.main(_args(tiny_model, tmp_path, *flags, "--max_steps", "1"))
+    state = json.loads((list_checkpoints(tmp_path)[-1][1] / "train_state.json").read_text())
+    assert state["resolved"] == {"reward.judge_model": MODEL}
+    capsys.readouterr()
+    fake.model = "another-judge"
+    pt.main(_args(tiny_model, tmp_path, *flags, "--max_steps", "2", "--resume_from_checkpoint", "latest"))
+    assert "reward.judge_model: '' -> '' (used: 'fake-judge' -> 'another-judge')" in capsys.readouterr().out
+
+
 def test_judge_flags_are_checked_before_anything_runs(tmp_path):
     def check(*argv):
         validate(load_config(["--config", str(ROOT / "configs/tiny_cpu.yaml"), *argv]), world_size=1)
@@ -596,6 +749,7 @@ def test_judge_flags_are_checked_before_anything_runs(tmp_path):
         ((*judged, *url, "--judge_template", str(tmp_path / "empty.txt")), "--judge_template .* is empty"),
         ((*judged, *url, "--judge_frames", "0"), "--judge_frames must be >= 1"),
         ((*judged, *url, "--judge_concurrency", "0"), "--judge_concurrency must be >= 1"),
+        ((*judged, *url, "--judge_max_tokens", "0"), "--judge_max_tokens must be >= 1"),
         ((*judged, *url, "--judge_scale", "1-5"), "judge_scale"),
     ):
         with pytest.raises(SageGRPOError, match=match) as err:

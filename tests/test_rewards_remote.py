@@ -4,6 +4,7 @@ timeout, a wrong token in one line, concurrent clients batched together, and no 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -149,6 +151,51 @@ def test_a_too_slow_server_times_out_and_its_videos_score_nan(tmp_path):
             out = remote(smooth_videos(2, 5, 16, 16), ["a", "b"])
         assert time.monotonic() - t0 < 2.5
     assert torch.isnan(out["brightness"]).all()
+
+
+class _Trickling(BaseHTTPRequestHandler):
+    """A reward server that answers /info at once and /score a byte every `server.every` seconds: its headers too
+    (`server.head`), or only its body."""
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def answer(self, body: dict, every: float = 0.0, head: bool = False) -> None:
+        data = json.dumps(body).encode()
+        raw = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        if not head:
+            self.wfile.write(raw)
+            raw = b""
+        with contextlib.suppress(ConnectionError):  # the client gave up
+            for byte in raw + data:
+                self.wfile.write(bytes([byte]))
+                time.sleep(every)
+
+    def do_GET(self):
+        self.answer({"components": ["brightness"], "default_weights": {"brightness": 1.0}, "version": "1"})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer({"scores": {"brightness": [0.5]}}, self.server.every, self.server.head)
+
+
+@pytest.mark.parametrize("head, every", [(True, 0.25), (False, 0.9)])
+def test_a_request_ends_at_the_timeout_however_slowly_its_headers_or_body_come(head, every):
+    """httpx's timeout bounds each read: headers a byte every 0.25 s held a 1-second request for their whole length,
+    and so did a body whose bytes come just under the timeout apart. The whole try ends at --reward_timeout."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Trickling)
+    srv.daemon_threads, srv.every, srv.head = True, every, head
+    thread = threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        remote = RemoteReward([f"http://127.0.0.1:{srv.server_address[1]}"], token="", timeout=1.0, retries=0)
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=r"failed 1 time\(s\) on a batch of 1 .*ReadTimeout"):
+            out = remote(smooth_videos(1, 5, 16, 16), ["a"])
+        assert time.monotonic() - t0 < 1.5 and torch.isnan(out["brightness"]).all()
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_remote_flags_are_checked_before_anything_runs():

@@ -134,4 +134,6 @@ def build_reward_from_config(cfg, device: str | torch.device = "cpu") -> Composi
         judge_frames=r.judge_frames,
         judge_video=r.judge_video,
         judge_concurrency=r.judge_concurrency,
+        judge_allow_http_key=r.judge_allow_http_key,
+        judge_max_tokens=r.judge_max_tokens,
     )

@@ -4,25 +4,30 @@ Any server of the OpenAI chat API serves it (vLLM, SGLang, ``transformers serve`
 ``<judge_url>/v1/chat/completions`` holds one user message: ``--judge_frames`` evenly spaced frames as base64 PNG
 ``image_url`` parts (or, with ``--judge_video``, one mp4 ``video_url`` part), then the judging template with the
 video's prompt in it. The client is the ``openai`` package (its retries with exponential backoff on connection
-errors, 408, 409, 429 and 5xx; never on a refused key); the answer's body is read here, so that one try of a request
-ends ``--reward_timeout`` seconds after it was sent however slowly the server writes, and an answer over
-`MAX_ANSWER_BYTES` is cut off.
+errors, 408, 409, 429 and 5xx; never on a refused key) over `deadline_client`, so that one try of a request ends
+``--reward_timeout`` seconds after it was sent however slowly the server writes its headers or body; the answer's
+body is read here, and an answer over ``max_answer_bytes`` (`MAX_ANSWER_BYTES`, more for a long
+``--judge_max_tokens``) is cut off.
 
 The API key goes only where the user pointed it (`api_key_for`): ``SAGE_JUDGE_API_KEY`` to the judge server, over
-https or to this machine (plain http to another host only with ``--judge_allow_http_key``); ``OPENAI_API_KEY`` only to
-https://api.openai.com, never to another server.
+https or to this machine by its spelling (``localhost``, a literal loopback address; plain http to another host only
+with ``--judge_allow_http_key``); ``OPENAI_API_KEY`` only to https://api.openai.com, never to another server.
 
-The score, in [0, 1] (component ``judge``), is read at the answer's score: the labelled number ("Score: 7",
-"Rating (1-10): 8", "7/10", "7 out of 10"), else the answer's last number (so "On a scale of 1 to 10, 7" is 7), or
-the first "yes" / "no" for ``--judge_scale yes_no``:
+The score, in [0, 1] (component ``judge``), is read at the answer's score, in the answer after a reasoning block
+(``<think>...</think>``): the labelled number ("Score: 7", "Rating (1-10): 8", "7/10", "7 out of 10"), else the
+answer's last number (so "On a scale of 1 to 10, 7" is 7), or the first "yes" / "no" for ``--judge_scale yes_no``.
+An answer cut off at ``--judge_max_tokens`` (``finish_reason`` "length") has no score: its last number is whatever
+came last. The score is read
 
 * from the token log-probabilities where the server returns them (asked with ``logprobs`` and ``top_logprobs``): at
-  the token of that score, the expected value E over "1".."10" among the returned candidates, renormalised, as
-  (E - 1) / 9; or P(yes) / (P(yes) + P(no)). A tokenizer that writes 10 as "1" then "0" (Qwen2/2.5, Llama 2, the
+  the token of that score, when that token is the score alone ("9." as one token is read from the text), the
+  expected value E over "1".."10" among the returned candidates, renormalised, as (E - 1) / 9; or P(yes) /
+  (P(yes) + P(no)). A tokenizer that writes 10 as "1" then "0" (Qwen2/2.5, Llama 2, the
   byte tokenizers) gives the candidate "1" the probability of 1 and of 10 together; the share of 10 is P("0") after
   that "1": read at the next position when "1" was chosen, else by a second request that continues the answer after
   "1" (vLLM's and SGLang's ``continue_final_message``) and reads its first position. A server that cannot continue an
-  answer gives, for such a video, the score of the answer's text instead (a warning when the reward is built);
+  answer (it refuses the field, or answers a new turn) gives, for such a video, the score of the answer's text
+  instead (one warning);
 * else from the answer's text: the number n in [1, 10] as (n - 1) / 9 (another number is NaN), or "yes" / "no" as
   1 / 0.
 
@@ -31,8 +36,8 @@ without them from then on. A request that still fails after the retries, an answ
 cannot be read (an error body, no choices, not JSON, too large, too slow) is NaN, with one warning per call naming
 the last reason (the server's own message for an error body), as for the other remote rewards, so the failed-reward
 policy (``--max_failed_reward_steps``) applies. When the reward is built, the server's model list and one request
-like the ones training sends (gray frames) are checked, so a server that cannot be reached, refuses the key or
-refuses such a request is one error line before the policy loads.
+like the ones training sends (gray frames) are checked, so a server that cannot be reached, refuses the key,
+refuses such a request or cuts its answer off at ``--judge_max_tokens`` is one error line before the policy loads.
 """
 
 from __future__ import annotations
@@ -46,7 +51,6 @@ import os
 import re
 import tempfile
 import threading
-import time
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +63,7 @@ import torch
 from sage_grpo.config import JUDGE_SCALES, VIDEO_FPS, RewardConfig, check_judge_url, read_judge_template
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards.base import _one_line, register_reward
-from sage_grpo.rewards.remote import apply_read
+from sage_grpo.rewards.remote import apply_read, deadline_client
 
 __all__ = ["DEFAULT_TEMPLATES", "JUDGE_KEY_ENV", "MAX_ANSWER_BYTES", "OPENAI_KEY_ENV", "Reading", "VLMJudge",
            "api_key_for", "load_template", "read_answer", "render", "score_span"]
@@ -68,10 +72,12 @@ JUDGE_KEY_ENV = "SAGE_JUDGE_API_KEY"  # the judge server's key: sent to --judge_
 OPENAI_KEY_ENV = "OPENAI_API_KEY"  # OpenAI's key: sent to OpenAI's API only
 OPENAI_HOST = "api.openai.com"
 TOP_LOGPROBS = 20  # the most that OpenAI's API and vLLM's default --max-logprobs return
-MAX_TOKENS = 16  # the templates ask for a number or a word; room for a short preamble such as "Score: 7"
-# an answer of MAX_TOKENS positions with TOP_LOGPROBS candidates each is a few tens of kB; anything near a MiB is not
-# a judge's answer, and reading it whole (answers of 200 MiB were seen to take the client past 1 GiB) is not safe
+# an answer of 16 positions with TOP_LOGPROBS candidates each is a few tens of kB; anything near a MiB is not a short
+# judge's answer, and reading it whole (answers of 200 MiB were seen to take the client past 1 GiB) is not safe. A
+# longer --judge_max_tokens (a reasoning judge) allows POSITION_BYTES per token: a position of 20 candidates is about
+# 1.5 kB of JSON, more with the candidates' "bytes" lists
 MAX_ANSWER_BYTES = 1 << 20
+POSITION_BYTES = 4 << 10
 # the share of the candidate "1" below which its split between 1 and a two-token 10 is not asked for: the score
 # moves by at most this much (E by at most 9 times it)
 SPLIT_MIN = 1e-3
@@ -106,13 +112,19 @@ _OUT_OF = re.compile(_NUM + r"\s*(?:/|out\s+of)\s*10(?![0-9])", re.IGNORECASE)
 _LABELLED = re.compile(r"\b(?:score|rating|grade)\b[^:=\n]{0,40}[:=][\s*]*" + _NUM, re.IGNORECASE)
 _ANY = re.compile(_NUM)
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+# a reasoning judge (Qwen3-VL Thinking, DeepSeek-R1 style) thinks in <think>...</think> before it answers; its chat
+# template may open the block itself, so the answer may hold only the closing tag
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 # ------------------------------------------------------------------------------------------------ the key
 
 
 def _loopback(host: str) -> bool:
-    if host == "localhost" or host.endswith(".localhost"):
+    """Whether ``host`` (a URL's host, lower case) is this machine by its spelling alone: ``localhost`` or a literal
+    loopback address. Any other name is resolved by DNS when the request is sent (``judge.localhost`` included, on
+    most systems), so an answer that moves it elsewhere would carry the key there over plain http."""
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -214,6 +226,7 @@ class Reading:
     split_prefix: str | None = None
     masses: dict[int, float] = field(default_factory=dict)
     text_score: float = math.nan  # the score of the answer's text, for a server that cannot continue an answer
+    cut_off: bool = False  # the answer ended at its token budget (finish_reason "length"), before its end
 
     def finish(self, p0: float) -> float:
         """The score when P("0") after ``split_prefix`` is ``p0``."""
@@ -249,10 +262,18 @@ def read_answer(answer: object, scale: str = "1-10") -> Reading:
         text = "".join(tokens)  # the positions are the answer: the score's character maps to its token
     else:
         positions = None
-    span = score_span(text, scale)
+    if choice.get("finish_reason") == "length":  # a number read from a cut answer is whatever came last, no score
+        return Reading(math.nan, f"an answer cut off at its token budget (finish_reason 'length'; "
+                                 f"--judge_max_tokens) ending {text[-60:]!r}", cut_off=True)
+    # the answer after a reasoning block: numbers thought aloud are no score
+    begin = text.rfind(THINK_CLOSE)
+    if begin < 0 and THINK_OPEN in text:
+        return Reading(math.nan, f"a reasoning block with no answer after it, ending {text[-60:]!r}")
+    begin = 0 if begin < 0 else begin + len(THINK_CLOSE)
+    span = score_span(text[begin:], scale)
     if span is None:
-        return Reading(math.nan, f"no score in the answer {text[:80]!r}")
-    value, start = span
+        return Reading(math.nan, f"no score in the answer {text[begin:][:80]!r}")
+    value, start = span[0], span[1] + begin
     text_score = value if scale == "yes_no" else (value - 1) / 9 if 1 <= value <= 10 else math.nan
     if not math.isfinite(text_score):
         return Reading(math.nan, f"a score outside 1..10 in the answer {text[:80]!r}")
@@ -262,6 +283,10 @@ def read_answer(answer: object, scale: str = "1-10") -> Reading:
     for t in tokens:
         ends.append(ends[-1] + len(t))
     i = next(j for j in range(len(tokens)) if ends[j + 1] > start)  # the token holding the score's first character
+    if _label(tokens[i], scale) is None:
+        # the score shares its token with other characters ("9." or "Yes." as one token): the candidates that are
+        # scores on their own are its minor rivals, not its probability; the text is what is known
+        return Reading(text_score, text_score=text_score)
     masses: dict[int, float] = {}
     ones: dict[str, float] = {}  # the candidates read as "1", by token
     for token, p in _candidates(positions[i]).items():
@@ -270,7 +295,7 @@ def read_answer(answer: object, scale: str = "1-10") -> Reading:
             masses[k] = masses.get(k, 0.0) + p
             if scale == "1-10" and k == 1:
                 ones[token] = p
-    if not masses:  # the chosen token is part of a longer one ("7." as one token): the text is what is known
+    if not masses:  # no candidate with a usable probability: the text is what is known
         return Reading(text_score, text_score=text_score)
     if scale == "yes_no":
         return Reading(masses.get(1, 0.0) / sum(masses.values()), text_score=text_score)
@@ -312,6 +337,19 @@ class AnswerError(Exception):
     """An answer that came back but cannot be used (an error body, too large, too slow, not JSON)."""
 
 
+class NotContinued(AnswerError):
+    """A request to continue an answer answered as a new turn: the server ignores ``continue_final_message``."""
+
+
+def _first_token(answer: Mapping) -> str:
+    """The chosen token of an answer's first position, "" when it has none."""
+    choices = answer.get("choices")
+    positions = _positions(choices[0]) if isinstance(choices, list) and choices and \
+        isinstance(choices[0], Mapping) else None
+    token = positions[0].get("token") if positions and isinstance(positions[0], Mapping) else None
+    return token if isinstance(token, str) else ""
+
+
 # vLLM's and SGLang's chat parameters that continue the last (assistant) message instead of starting a new turn
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 
@@ -327,15 +365,15 @@ class VLMJudge:
                  frames: int = _DEFAULTS.judge_frames, video: bool = False,
                  concurrency: int = _DEFAULTS.judge_concurrency, timeout: float = _DEFAULTS.reward_timeout,
                  retries: int = _DEFAULTS.reward_retries, video_fps: float = VIDEO_FPS,
-                 allow_http_key: bool = False, env: Mapping[str, str] | None = None):
+                 allow_http_key: bool = False, max_tokens: int = _DEFAULTS.judge_max_tokens,
+                 env: Mapping[str, str] | None = None):
         """``url``: the server's base URL (``/v1`` appended unless given); ``model``: the name sent with each
         request, empty = the one model the server lists; ``template``: the judging text ({prompt}, {frames});
         ``scale``: 1-10 or yes_no; ``frames``: frames sent per video; ``video``: send them as one mp4 part;
         ``concurrency``: requests in flight at once; ``timeout``: seconds one try of a request may take, sending to
         last byte; ``retries`` per request; ``video_fps``: the frame rate of the videos scored (the mp4's duration);
         ``allow_http_key`` and ``env`` (default the process environment): where the key comes from and may go
-        (`api_key_for`)."""
-        import httpx
+        (`api_key_for`); ``max_tokens``: the answer's token budget (an answer cut off there is NaN)."""
         import openai
 
         if scale not in JUDGE_SCALES:
@@ -347,11 +385,11 @@ class VLMJudge:
             warnings.warn(f"no API key is sent to the judge server {self.url}: {self.withheld}", RuntimeWarning,
                           stacklevel=2)
         self.timeout = float(timeout)
-        self._sent = threading.local()  # when this thread's current try was sent (the httpx request hook)
-        http = httpx.Client(timeout=self.timeout, event_hooks={"request": [self._mark_sent]})
+        self.max_tokens = int(max_tokens)
+        self.max_answer_bytes = max(MAX_ANSWER_BYTES, self.max_tokens * POSITION_BYTES)
         # the client needs a key; servers started without one (vllm serve without --api-key) ignore it
         self.client = openai.OpenAI(base_url=base, api_key=api_key or "EMPTY", timeout=self.timeout,
-                                    max_retries=int(retries), http_client=http)
+                                    max_retries=int(retries), http_client=deadline_client(self.timeout))
         self.template, self.scale, self.frames, self.video = template, scale, int(frames), bool(video)
         self.concurrency, self.video_fps = int(concurrency), float(video_fps)
         self.logprobs = True  # asked for until the server refuses them
@@ -360,9 +398,6 @@ class VLMJudge:
         self._lock = threading.Lock()
         self.model = model.strip() or self._served_model()
         self._probe()
-
-    def _mark_sent(self, request) -> None:
-        self._sent.at = time.monotonic()
 
     # ---------------------------------------------------------------- checks when the reward is built
 
@@ -408,19 +443,28 @@ class VLMJudge:
         except (openai.OpenAIError, AnswerError) as err:
             raise self._fail(err, f"a request with {self.frames} frames for model {self.model!r}") from None
         reading = self._read(answer)
+        if reading.cut_off:  # every answer like it would be NaN
+            raise SageGRPOError(f"judge server {self.url}: the answer to a test request was cut off at "
+                                f"--judge_max_tokens {self.max_tokens} before its end (finish_reason 'length'), so "
+                                "every score would be NaN: raise --judge_max_tokens (a reasoning judge, which thinks "
+                                "before it answers, needs hundreds to thousands)")
         if reading.problem:
             self._warn_once("probe", f"the judge's answer to a test request has {reading.problem}; videos whose "
                                      "answers have none score NaN")
         if self.logprobs and self.scale == "1-10" and _positions(answer["choices"][0]) is not None:
             try:
-                self._p0(messages, "1")
+                self._p0(messages, "1", _first_token(answer))
             except (openai.BadRequestError, openai.UnprocessableEntityError, AnswerError) as err:
-                self.continues = False
-                self._warn_once("continue", f"the judge server cannot continue an answer ({_one_line(err)[:200]}): "
-                                            "where the judge gives the token '1' some probability without choosing "
-                                            "it, the score is the answer's text, not its expected value")
+                self._cannot_continue(err)
             except openai.OpenAIError as err:
                 raise self._fail(err, "continuing an answer after '1'") from None
+
+    def _cannot_continue(self, err: Exception) -> None:
+        """From now on, the answer's text where the split of a "1" would need a continuation (one warning)."""
+        self.continues = False
+        self._warn_once("continue", f"the judge server cannot continue an answer ({_one_line(err)[:200]}): where "
+                                    "the judge gives the token '1' some probability without choosing it, the score "
+                                    "is the answer's text, not its expected value")
 
     # ---------------------------------------------------------------- scoring
 
@@ -432,21 +476,27 @@ class VLMJudge:
 
     def _post(self, **kwargs) -> dict:
         """One chat completion (the client retries what can be retried) -> its JSON body. The body is read here, a
-        chunk at a time: a try that lasts past ``timeout`` seconds from its sending, or an answer over
-        `MAX_ANSWER_BYTES`, is an AnswerError; so is a body that is not a JSON object or holds an ``error``."""
+        chunk at a time: a try whose answer is still coming ``timeout`` seconds after its sending (the client's
+        deadline, `deadline_client`; headers still coming then are a timeout, which the client retries), or an
+        answer over ``max_answer_bytes``, is an AnswerError; so is a body that is not a JSON object or holds an
+        ``error``."""
+        import httpx
+
+        cap = self.max_answer_bytes
         kwargs = dict(model=self.model, temperature=0.0, extra_headers={"Accept-Encoding": "identity"}, **kwargs)
         with self.client.chat.completions.with_streaming_response.create(**kwargs) as response:
             size = response.headers.get("content-length", "")
-            if size.isdigit() and int(size) > MAX_ANSWER_BYTES:
-                raise AnswerError(f"an answer of {int(size):,} bytes (more than {MAX_ANSWER_BYTES:,})")
+            if size.isdigit() and int(size) > cap:
+                raise AnswerError(f"an answer of {int(size):,} bytes (more than {cap:,})")
             body = bytearray()
-            for chunk in response.iter_bytes():
-                body += chunk
-                if len(body) > MAX_ANSWER_BYTES:
-                    raise AnswerError(f"an answer of more than {MAX_ANSWER_BYTES:,} bytes")
-                if time.monotonic() - self._sent.at > self.timeout:
-                    raise AnswerError(f"an answer still coming {self.timeout:g} s after the request "
-                                      "(--reward_timeout)")
+            try:
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if len(body) > cap:
+                        raise AnswerError(f"an answer of more than {cap:,} bytes")
+            except httpx.TimeoutException:
+                raise AnswerError(f"an answer still coming {self.timeout:g} s after the request "
+                                  "(--reward_timeout)") from None
         try:
             data = json.loads(body)
         except ValueError:
@@ -464,18 +514,24 @@ class VLMJudge:
         import openai
 
         if not self.logprobs:
-            return self._post(messages=messages, max_tokens=MAX_TOKENS)
+            return self._post(messages=messages, max_tokens=self.max_tokens)
         try:
-            return self._post(messages=messages, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=TOP_LOGPROBS)
+            return self._post(messages=messages, max_tokens=self.max_tokens, logprobs=True,
+                              top_logprobs=TOP_LOGPROBS)
         except (openai.BadRequestError, openai.UnprocessableEntityError) as err:
-            answer = self._post(messages=messages, max_tokens=MAX_TOKENS)  # raises when the request itself is refused
+            answer = self._post(messages=messages, max_tokens=self.max_tokens)  # raises when the request is refused
             self.logprobs = False
             self._warn_once("logprobs", f"the judge server refuses log-probabilities ({err.status_code}: "
                                         f"{_one_line(err)[:200]}); scores are read from the answers' text")
             return answer
 
-    def _p0(self, messages: list[dict], prefix: str) -> float:
-        """P("0") at the first position after the judge's answer ``prefix`` (continued, not a new turn)."""
+    def _p0(self, messages: list[dict], prefix: str, first: str) -> float:
+        """P("0") at the first position after the judge's answer ``prefix`` (continued, not a new turn).
+
+        A server that ignores ``continue_final_message`` answers a new turn, whose first position holds no "0" (so
+        a "1" would be read as 1, not 10): `NotContinued` when that position starts an answer rather than follows a
+        "1", its chosen token a score of its own ("9" after "1" is no score) or ``first``, the chosen first token of
+        the judge's answer to the same request (temperature 0 answers it again)."""
         answer = self._post(messages=[*messages, {"role": "assistant", "content": prefix}], max_tokens=1,
                             logprobs=True, top_logprobs=TOP_LOGPROBS, extra_body=CONTINUE)
         choices = answer.get("choices")
@@ -483,16 +539,23 @@ class VLMJudge:
             isinstance(choices[0], Mapping) else None
         if positions is None:
             raise AnswerError("an answer after the prefix with no log-probabilities")
+        chosen = _first_token(answer)
+        if _label(chosen, "1-10") is not None or (chosen.strip() and chosen == first):
+            raise NotContinued(f"it answers a new turn instead, ignoring continue_final_message: after {prefix!r} "
+                               f"its answer begins {chosen!r}, as its answer to the request itself does")
         return _candidates(positions[0]).get("0", 0.0)
 
     def _score(self, answer: dict, messages: list[dict]) -> tuple[float, str]:
         """(the answer's score in [0, 1], "") or (NaN, what it lacks)."""
         reading = self._read(answer)
-        if reading.split_prefix is not None:
-            if not self.continues:
-                return reading.text_score, ""
-            return reading.finish(self._p0(messages, reading.split_prefix)), ""
-        return reading.score, reading.problem
+        if reading.split_prefix is None:
+            return reading.score, reading.problem
+        if self.continues:
+            try:
+                return reading.finish(self._p0(messages, reading.split_prefix, _first_token(answer))), ""
+            except NotContinued as err:
+                self._cannot_continue(err)
+        return reading.text_score, ""
 
     def _read(self, answer: dict) -> Reading:
         """`read_answer`, with one warning when the server returns no log-probabilities though asked for them."""
@@ -537,6 +600,7 @@ def build_vlm_judge(judge_url: str = _DEFAULTS.judge_url, judge_model: str = _DE
                     judge_frames: int = _DEFAULTS.judge_frames, judge_video: bool = _DEFAULTS.judge_video,
                     judge_concurrency: int = _DEFAULTS.judge_concurrency,
                     judge_allow_http_key: bool = _DEFAULTS.judge_allow_http_key,
+                    judge_max_tokens: int = _DEFAULTS.judge_max_tokens,
                     reward_timeout: float = _DEFAULTS.reward_timeout, reward_retries: int = _DEFAULTS.reward_retries,
                     video_fps: float = VIDEO_FPS, **_: object) -> VLMJudge:
     """Builder of the VLM judge (the reward flags of the same names)."""
@@ -548,4 +612,4 @@ def build_vlm_judge(judge_url: str = _DEFAULTS.judge_url, judge_model: str = _DE
     return VLMJudge(check_judge_url(judge_url), model=judge_model,
                     template=load_template(judge_template, judge_scale), scale=judge_scale, frames=judge_frames,
                     video=judge_video, concurrency=judge_concurrency, timeout=reward_timeout, retries=reward_retries,
-                    video_fps=video_fps, allow_http_key=judge_allow_http_key)
+                    video_fps=video_fps, allow_http_key=judge_allow_http_key, max_tokens=judge_max_tokens)

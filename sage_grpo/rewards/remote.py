@@ -9,9 +9,10 @@ prompts as UTF-8 bytes, never a pickle) compressed with zlib: lossless, so remot
 Several URLs: servers that report the same reward (components, version and the settings that change its scores:
 checkpoint, step, dtype, pixels, frame rates) are replicas, tried in turn starting from one chosen by the rank and
 the call (the load spreads over ranks and calls); servers of different rewards are combined, each contributing its
-components. A request that times out or fails is retried with exponential backoff on the next replica (a refused
-token or a body over the server's limit, 413, is not: no retry can change it); what still fails is NaN (one
-warning), so the failed-reward policy (`--max_failed_reward_steps`) applies. A server that cannot
+components. A request that times out (each try ends ``--reward_timeout`` seconds after it was sent, its headers and
+body however slowly they come: `deadline_client`) or fails is retried with exponential backoff on the next replica
+(a refused token or a body over the server's limit, 413, is not: no retry can change it); what still fails is NaN
+(one warning), so the failed-reward policy (`--max_failed_reward_steps`) applies. A server that cannot
 be reached when the run starts, refuses the token, answers /info with an error (503: its batcher stopped), or serves
 the same reward with other settings as another, is one error line instead.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 import warnings
 import zlib
@@ -32,8 +34,8 @@ import torch
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards.base import _one_line, register_reward
 
-__all__ = ["TOKEN_ENV", "BodyTooLarge", "RemoteReward", "apply_read", "encode_batch", "decode_batch",
-           "read_spec_of"]
+__all__ = ["TOKEN_ENV", "BodyTooLarge", "RemoteReward", "apply_read", "deadline_client", "encode_batch",
+           "decode_batch", "read_spec_of"]
 
 TOKEN_ENV = "SAGE_REWARD_TOKEN"  # bearer token: checked by the server when set there, sent by the client when set
 CONTENT_TYPE = "application/x-safetensors+zlib"
@@ -202,6 +204,108 @@ def decode_batch(body: bytes | bytearray, max_bytes: int = MAX_BODY_BYTES) -> tu
 # ------------------------------------------------------------------------------------------------ the client
 
 
+class _Deadline:
+    """When the calling thread's current try must be over: set when the try is sent (the client's request hook), so
+    that every socket operation of that try (connect, TLS, writes, the headers and the body read) waits at most until
+    then. Per thread: a client's threads each wait on their own request."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self._local = float(seconds), threading.local()
+
+    def start(self, request) -> None:
+        self._local.at = time.monotonic() + self.seconds
+
+    def left(self, timeout: float | None, expired: type[Exception]) -> float | None:
+        """The wait for the next socket operation: ``timeout`` (httpx's, per operation) or less, down to what is left
+        of this try; ``expired`` once nothing is left."""
+        at = getattr(self._local, "at", None)
+        if at is None:
+            return timeout
+        left = at - time.monotonic()
+        if left <= 0:
+            raise expired(f"the request was not over {self.seconds:g} s after it was sent")
+        return left if timeout is None else min(timeout, left)
+
+
+_WRITE_STEP = 1 << 20  # a write waits on the deadline again after this many bytes (a body of GiBs drained slowly)
+
+
+class _DeadlineStream:
+    """An httpcore network stream whose every operation ends by the try's deadline."""
+
+    def __init__(self, stream, deadline: _Deadline):
+        self.stream, self.deadline = stream, deadline
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        import httpcore
+
+        return self.stream.read(max_bytes, self.deadline.left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        import httpcore
+
+        view = memoryview(buffer)
+        for i in range(0, len(view), _WRITE_STEP):
+            self.stream.write(view[i : i + _WRITE_STEP], self.deadline.left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(self, ssl_context, server_hostname: str | None = None, timeout: float | None = None):
+        import httpcore
+
+        tls = self.stream.start_tls(ssl_context, server_hostname, self.deadline.left(timeout, httpcore.ConnectTimeout))
+        return _DeadlineStream(tls, self.deadline)
+
+    def get_extra_info(self, info: str):
+        return self.stream.get_extra_info(info)
+
+
+class _DeadlineBackend:
+    """An httpcore network backend whose connections end each operation by the try's deadline."""
+
+    def __init__(self, backend, deadline: _Deadline):
+        self.backend, self.deadline = backend, deadline
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        import httpcore
+
+        stream = self.backend.connect_tcp(host, port, self.deadline.left(timeout, httpcore.ConnectTimeout),
+                                          local_address, socket_options)
+        return _DeadlineStream(stream, self.deadline)
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        import httpcore
+
+        stream = self.backend.connect_unix_socket(path, self.deadline.left(timeout, httpcore.ConnectTimeout),
+                                                  socket_options)
+        return _DeadlineStream(stream, self.deadline)
+
+    def sleep(self, seconds: float) -> None:
+        self.backend.sleep(seconds)
+
+
+def deadline_client(timeout: float, **kwargs):
+    """An httpx.Client (``kwargs`` as httpx's) each of whose tries ends ``timeout`` seconds after it was sent, from
+    the connection to the body's last byte. httpx's own timeouts are per socket operation, so a server writing a
+    byte at a time (headers or body) would hold a request for as long as it likes; here every operation waits at
+    most until the try's deadline, and one that starts after it raises httpx's timeout of that operation (retried
+    as any timeout). The proxies httpx takes from the environment keep working: their connections are bounded too."""
+    import httpx
+
+    deadline = _Deadline(timeout)
+    client = httpx.Client(timeout=httpx.Timeout(timeout), event_hooks={"request": [deadline.start]}, **kwargs)
+    # httpx has no public hook for the network backend: each transport's connection pool holds its own
+    for transport in (client._transport, *client._mounts.values()):
+        pool = getattr(transport, "_pool", None)
+        if transport is not None and not hasattr(pool, "_network_backend"):
+            raise RuntimeError(f"httpx {httpx.__version__}: a transport without a connection pool's network "
+                               "backend; --reward_timeout cannot bound a whole request")
+        if pool is not None:
+            pool._network_backend = _DeadlineBackend(pool._network_backend, deadline)
+    return client
+
+
 def _detail(r) -> str:
     """The reason a server gave with an error answer (FastAPI's ``detail``), else the start of its text."""
     try:
@@ -248,8 +352,6 @@ class RemoteReward:
         ``SAGE_REWARD_TOKEN`` environment variable); ``rank``: spreads ranks over replicas; ``video_fps``: the frame
         rate of the videos this client sends, checked against a server that samples frames by time; ``batch_size``:
         the most videos one request holds (``--reward_batch_size``), 0 = all videos of a call."""
-        import httpx
-
         urls = [u.strip().rstrip("/") for u in urls if u.strip()]
         if not urls:
             raise SageGRPOError("--reward_model remote needs --reward_url (the server's http://host:port, several "
@@ -258,7 +360,7 @@ class RemoteReward:
         self.batch_size = int(batch_size)
         token = os.environ.get(TOKEN_ENV, "") if token is None else token
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.client = httpx.Client(timeout=httpx.Timeout(self.timeout), headers=self.headers)
+        self.client = deadline_client(self.timeout, headers=self.headers)
         self._calls = 0
         groups: dict[tuple, _Server] = {}
         for url in urls:
