@@ -913,13 +913,13 @@ def plan_round(c: Components, state: TrainState, traj: Trajectory) -> torch.Tens
 
 
 def micro_batches_of(c: Components, plan: torch.Tensor) -> list[list[PairBatch]]:
-    """Micro-batches per optimizer update of this round: the rollout's chunks, split over updates_per_rollout."""
-    from sage_grpo.grpo import micro_batches
+    """Micro-batches per optimizer update of this round: the rollout's chunks, split over updates_per_rollout by
+    their global index (the same samples in each update on any layout, sage_grpo.grpo.update_chunks)."""
+    from sage_grpo.grpo import micro_batches, update_chunks
 
-    chunks = list(torch.arange(plan.shape[0]).split(c.cfg.optim.mini_batch_size_per_update))
-    per_update = len(chunks) // c.cfg.optim.updates_per_rollout
-    return [micro_batches(plan, chunks[u * per_update : (u + 1) * per_update])
-            for u in range(c.cfg.optim.updates_per_rollout)]
+    b, o = plan.shape[0], c.cfg.optim
+    return [micro_batches(plan, chunks) for chunks in
+            update_chunks(c.info.dp_rank * b, b, o.mini_batch_size_per_update, o.updates_per_rollout)]
 
 
 def anchor_means(c: Components, state: TrainState, traj: Trajectory,
