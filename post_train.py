@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from sage_grpo.optim import Optimizers
     from sage_grpo.parallel.dist import DistInfo
     from sage_grpo.rewards.base import Reward
+    from sage_grpo.rewards.overlap import EarlyScores
     from sage_grpo.rollout import SamplerSettings, Trajectory
 
 
@@ -466,6 +467,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
     from sage_grpo.grpo import UpdateStats
     from sage_grpo.metrics import plot_curves
     from sage_grpo.parallel.dist import mean_metrics
+    from sage_grpo.rewards.overlap import EarlyScores
 
     cfg, info = c.cfg, c.info
     v, ck, o = cfg.validation, cfg.checkpoint, cfg.optim
@@ -487,7 +489,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                              "rollout/window_start": int(c.windows[window_of(c, state)].int().argmax())}
             # a reward on the CPU scores each finished chunk while the next one samples (EarlyScores); else in order.
             # A rollout or reward phase that raises cancels the chunks not yet scored (EarlyScores.__exit__)
-            with EarlyScores(c) if overlaps_reward(c) else nullcontext() as early:
+            with EarlyScores(c.reward, c.info, c.pipe.vae) if overlaps_reward(c) else nullcontext() as early:
                 with clock("rollout"):
                     traj = rollout_phase(c, state) if early is None else rollout_phase(c, state, early)
                 with clock("reward"):
@@ -674,107 +676,6 @@ def overlaps_reward(c: Components) -> bool:
             and cfg.data.batch_size > cfg.optim.mini_batch_size_per_update)
 
 
-class EarlyScores:
-    """Scores of the rollout's chunks, asked for as each chunk finishes: the chunk is decoded here (the accelerator
-    is this thread's) and scored on the CPU by the reward in a worker thread, while the rollout goes on with the next
-    chunk. The sp peers hold the same videos: video i of the rank is decoded and scored by sp rank i % sp_size only
-    (every chunk of >= sp videos is shared evenly, chunks of one video take turns), and `collect` gathers the
-    scores in the sp group. Decoding and scoring run no collective, so every sp rank makes the same transformer
-    forwards. `collect` -> the scores of all videos in rollout order, as the in-order scoring gives them.
-
-    Used as a context manager: when the rollout or the reward phase raises, the chunks not yet scored are cancelled
-    and the worker is left behind without a wait. It is a daemon thread, not a ThreadPoolExecutor's: those are
-    joined when the interpreter exits, so a reward blocked for ever (a hung judge or server) would hold the failed
-    run's process for ever; a daemon thread is not waited for."""
-
-    def __init__(self, c: Components):
-        import queue
-
-        self.c = c
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (future, frames, prompts), None = no more
-        self.worker = threading.Thread(target=self._work, name="reward_0", daemon=True)  # chunks scored in order
-        self.worker.start()
-        self.futures: list = []
-        self.rows: list[list[int]] = []  # the rank's videos each future scores
-        self.prompts: list[str] = []
-        self.closed = False
-
-    def __enter__(self) -> EarlyScores:
-        return self
-
-    def __exit__(self, kind, err, tb) -> None:
-        if kind is not None:  # the step failed: nothing waits for what is queued or running
-            self.close(cancel=True)
-
-    def _work(self) -> None:
-        while (item := self.queue.get()) is not None:
-            future, frames, prompts = item
-            if not future.set_running_or_notify_cancel():  # cancelled while queued
-                continue
-            try:
-                future.set_result(self.c.reward(frames, prompts))
-            except BaseException as err:  # noqa: BLE001 - handed to `collect`, as a ThreadPoolExecutor would
-                future.set_exception(err)
-
-    def close(self, cancel: bool = False) -> None:
-        """Let the worker end once what is queued is done (`cancel`: cancel what has not started and drop its frames;
-        the running chunk, if any, is not waited for). Once; later calls do nothing."""
-        import queue
-
-        if self.closed:
-            return
-        self.closed = True
-        if cancel:
-            for f in self.futures:
-                f.cancel()
-            try:  # the frames of the cancelled chunks are not held by a worker that may never come back
-                while True:
-                    self.queue.get_nowait()
-            except queue.Empty:
-                pass
-        self.queue.put(None)
-
-    def start(self, prompts: list[str]) -> None:
-        self.prompts = list(prompts)
-
-    def submit(self, indices: torch.Tensor, final_latents: torch.Tensor) -> None:
-        """A finished chunk: indices [n] into the rank's videos, final latents [n, C, F, H, W]."""
-        from sage_grpo.rollout import decode_latents
-
-        info = self.c.info
-        mine = (indices % info.sp_size == info.sp_rank).cpu()  # [n] bool: the videos this sp rank scores
-        if not mine.any():
-            return
-        rows = indices.cpu()[mine].tolist()
-        frames = decode_latents(self.c.pipe.vae, final_latents[mine.to(final_latents.device)])  # [m, F, 3, H, W]
-        from concurrent.futures import Future
-
-        future: Future = Future()
-        self.rows.append(rows)
-        self.futures.append(future)
-        self.queue.put((future, frames.cpu(), [self.prompts[i] for i in rows]))
-
-    def collect(self, names: list[str], b: int) -> torch.Tensor:
-        """-> [b, K] scores of the rank's b videos (columns `names`), every chunk's, in rollout order."""
-        from sage_grpo.parallel.dist import all_gather_cat
-
-        info = self.c.info
-        try:
-            parts = [f.result() for f in self.futures]
-        except BaseException:  # a chunk's reward raised: the later chunks are not waited for either
-            self.close(cancel=True)
-            raise
-        self.close()  # every chunk is scored: the worker ends at once
-        mine = torch.full((b, len(names)), math.nan, device=info.device)  # [b, K], NaN = another sp rank's video
-        for rows, scores in zip(self.rows, parts):
-            mine[rows] = torch.stack([scores[k].float().to(info.device) for k in names], dim=1)
-        if info.sp_size == 1:
-            return mine
-        every = all_gather_cat(mine[None], group=info.sp_group)  # [sp, b, K]
-        videos = torch.arange(b, device=info.device)
-        return every[videos % info.sp_size, videos]  # [b, K]: each video's row from the rank that scored it
-
-
 def rollout_phase(c: Components, state: TrainState, early: EarlyScores | None = None) -> Trajectory:
     """Sample this rank's videos of the next step (the sampler advances) -> the trajectory (x_0..x_T, log-probs,
     the step's global group ids of my videos). `early`: each chunk of --mini_batch_size_per_update videos is
@@ -913,13 +814,13 @@ def plan_round(c: Components, state: TrainState, traj: Trajectory) -> torch.Tens
 
 
 def micro_batches_of(c: Components, plan: torch.Tensor) -> list[list[PairBatch]]:
-    """Micro-batches per optimizer update of this round: the rollout's chunks, split over updates_per_rollout."""
-    from sage_grpo.grpo import micro_batches
+    """Micro-batches per optimizer update of this round: the rollout's chunks, split over updates_per_rollout by
+    their global index (the same samples in each update on any layout, sage_grpo.grpo.update_chunks)."""
+    from sage_grpo.grpo import micro_batches, update_chunks
 
-    chunks = list(torch.arange(plan.shape[0]).split(c.cfg.optim.mini_batch_size_per_update))
-    per_update = len(chunks) // c.cfg.optim.updates_per_rollout
-    return [micro_batches(plan, chunks[u * per_update : (u + 1) * per_update])
-            for u in range(c.cfg.optim.updates_per_rollout)]
+    b, o = plan.shape[0], c.cfg.optim
+    return [micro_batches(plan, chunks) for chunks in
+            update_chunks(c.info.dp_rank * b, b, o.mini_batch_size_per_update, o.updates_per_rollout)]
 
 
 def anchor_means(c: Components, state: TrainState, traj: Trajectory,
@@ -1145,7 +1046,13 @@ def save(c: Components, state: TrainState) -> Path:
 def write_checkpoint(c: Components, state: TrainState) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from sage_grpo.checkpoint import file_digests, resolved_settings, save_checkpoint
+    from sage_grpo.checkpoint import (
+        file_digests,
+        pending_gradients,
+        pending_kl_by_dp_rank,
+        resolved_settings,
+        save_checkpoint,
+    )
     from sage_grpo.models.lora import save_lora, sharded_lora_state
     from sage_grpo.parallel.fsdp import gather_full
 
@@ -1157,7 +1064,7 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
     lora_state = sharded_lora_state(c.transformer) if (fsdp and lora) else None  # collective, before rank 0 writes
     # a stop inside an accumulation (signal, failed-reward limit): the gradients of the rounds so far, so that the
     # resumed run adds the next rounds to them exactly as an uninterrupted run would
-    gradients = pending_gradients(c) if state.accum_rounds else None
+    gradients = pending_gradients(c.transformer, c.info, fsdp) if state.accum_rounds else None
     return save_checkpoint(
         c.cfg.checkpoint.output_dir, state.step, rank=c.info.rank, gradient_state=gradients or None,
         # a LoRA run's trained state is its adapter (lora/): a merged copy of the 8.3B base would cost 16.6 GB of
@@ -1165,69 +1072,14 @@ def write_checkpoint(c: Components, state: TrainState) -> Path:
         model_state=None if lora else get_model_state_dict(c.transformer),
         optimizer_state=get_optimizer_state_dict(c.transformer, c.optimizer.optimizers),
         train_state={**state.state_dict(), "world_size": c.info.world_size, "config": config_to_dict(c.cfg),
-                     "pending_kl_by_dp_rank": pending_kl_by_dp_rank(c, state),
+                     "pending_kl_by_dp_rank": pending_kl_by_dp_rank(state.pending_kl_sum, state.pending_kl_pairs,
+                                                                    c.info),
                      "digests": file_digests(config_to_dict(c.cfg)),  # a resume compares the judge template's text
                      "resolved": resolved_settings(c.reward),  # and the judge's model as asked for
                      "task": c.pipe.sage_grpo_task},  # the export's model card names the task's pipeline
         lora_writer=(lambda d: save_lora(c.transformer, d, state=lora_state)) if lora else None,
         anchor_state=anchor_state, anchor_lora=anchor_lora, total_limit=c.cfg.checkpoint.checkpoints_total_limit,
     )
-
-
-def pending_gradients(c: Components) -> dict[str, torch.Tensor]:
-    """The gradients accumulated into the pending update, by parameter name, as the layout-free mean gradient so far
-    (what the optimizer would see after `sync_gradients`): under FSDP2 this rank's shards of it (reduce-scattered in
-    backward), in one process the gradients themselves, on several ranks without FSDP2 the sum over every rank
-    divided by dp (collective). Parameters without a gradient are left out: the optimizer skips them, and a zero
-    would not be skipped (without FSDP2 the sync gives every parameter one, so all are kept there)."""
-    from sage_grpo.parallel.dist import all_reduce_sum
-
-    named = [(n, p) for n, p in c.transformer.named_parameters() if p.requires_grad]
-    if not c.info.distributed or uses_fsdp(c.cfg, c.info):
-        return {n: p.grad for n, p in named if p.grad is not None}
-    return {n: all_reduce_sum(p.grad.clone() if p.grad is not None else torch.zeros_like(p)).div_(c.info.dp_size)
-            for n, p in named}
-
-
-def load_pending_gradients(c: Components, path: Path) -> None:
-    """Restore `pending_gradients` from a checkpoint's gradients/ (DCP, resharded to this run's layout). On several
-    ranks without FSDP2 rank 0 takes dp x the mean and the others zeros, so that the sync's sum / dp gives it back."""
-    import torch.distributed.checkpoint as dcp
-
-    from sage_grpo.checkpoint import dcp_load
-
-    params = dict(c.transformer.named_parameters())
-    names = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    grads = {n: torch.zeros_like(params[n]) for n in names}
-    dcp_load(grads, path, "pending gradients")
-    replicated = c.info.distributed and not uses_fsdp(c.cfg, c.info)
-    for n, g in grads.items():
-        params[n].grad = (g.mul_(c.info.dp_size) if c.info.is_main else g.zero_()) if replicated else g
-
-
-def pending_kl_by_dp_rank(c: Components, state: TrainState) -> list[list[float]]:
-    """[[L_KL sum, valid pairs] of the pending update] per data-parallel rank (collective): the train state is
-    written by rank 0, so each rank's own share is saved here (`spread_pending_kl` gives it back)."""
-    from sage_grpo.parallel.dist import all_gather_cat
-
-    mine = torch.tensor([[state.pending_kl_sum, float(state.pending_kl_pairs)]], dtype=torch.float64,
-                        device=c.info.device)
-    return all_gather_cat(mine, group=c.info.dp_group).cpu().tolist()
-
-
-def spread_pending_kl(c: Components, state: TrainState, rows: list | None) -> None:
-    """Each rank's pending L_KL sum and pair count from `pending_kl_by_dp_rank`: its own on the same number of
-    data-parallel ranks; on another, data-parallel rank 0 takes the totals and the others zero (the update uses their
-    sum over the ranks only). None (a checkpoint before this): rank 0's values as saved, on every rank."""
-    if rows is None:
-        return
-    if len(rows) == c.info.dp_size:
-        total_sum, total_pairs = rows[c.info.dp_rank]
-    elif c.info.dp_rank == 0:
-        total_sum, total_pairs = sum(r[0] for r in rows), sum(r[1] for r in rows)
-    else:
-        total_sum, total_pairs = 0.0, 0
-    state.pending_kl_sum, state.pending_kl_pairs = float(total_sum), int(total_pairs)
 
 
 def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
@@ -1243,10 +1095,12 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
         dcp_load,
         exactness_diff,
         file_digests,
+        load_pending_gradients,
         load_rng_state,
         read_train_state,
         resolved_settings,
         saved_layout,
+        spread_pending_kl,
     )
     from sage_grpo.models.lora import load_lora, load_lora_sharded
     from sage_grpo.parallel.fsdp import copy_full_into_shards_
@@ -1261,7 +1115,9 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
         print0(c.info, "resuming with settings that differ from the saved run (the continuation is not exact): "
                + "; ".join(diffs))
     state.load_state_dict(saved)
-    spread_pending_kl(c, state, saved.get("pending_kl_by_dp_rank"))
+    pending_kl = spread_pending_kl(saved.get("pending_kl_by_dp_rank"), c.info)
+    if pending_kl is not None:
+        state.pending_kl_sum, state.pending_kl_pairs = pending_kl
     if c.cfg.model.use_lora:
         (load_lora_sharded if uses_fsdp(c.cfg, c.info) else load_lora)(c.transformer, path / "lora")
     else:
@@ -1279,7 +1135,7 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
     if a.adapter is not None and not initial:
         copy_full_into_shards_(a.adapter, load_file(path / "anchor_lora.safetensors"))  # plain tensors: a copy
     if (path / "gradients").is_dir():
-        load_pending_gradients(c, path / "gradients")
+        load_pending_gradients(c.transformer, c.info, uses_fsdp(c.cfg, c.info), path / "gradients")
     load_rng_state(path, c.info.rank, seed=c.cfg.optim.seed, step=state.step)
     print0(c.info, f"resumed from {path} at step {state.step} ({state.updates} optimizer updates)")
 

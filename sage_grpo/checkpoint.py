@@ -36,11 +36,12 @@ from safetensors.torch import load_file, save_file
 from sage_grpo.config import Config, config_to_dict
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.files import usual_permissions
-from sage_grpo.parallel.dist import all_reduce_sum, barrier
+from sage_grpo.parallel.dist import DistInfo, all_gather_cat, all_reduce_sum, barrier
 
 __all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save",
            "dcp_load", "load_rng_state", "read_train_state", "exactness_diff", "file_digests", "resolved_settings",
-           "EXACT_KEYS", "NEUTRAL_REWARD_KEYS", "CONTENT_KEYS", "RESOLVED_KEYS", "saved_layout", "layout_change"]
+           "EXACT_KEYS", "NEUTRAL_REWARD_KEYS", "CONTENT_KEYS", "RESOLVED_KEYS", "saved_layout", "layout_change",
+           "pending_gradients", "load_pending_gradients", "pending_kl_by_dp_rank", "spread_pending_kl"]
 
 TRAIN_STATE = "train_state.json"
 
@@ -200,6 +201,59 @@ def layout_change(saved_state: dict, current: dict, world_size: int, name: str =
     return line + (f"NOT the same batch: {old['videos']} -> {new['videos']} videos ({old['prompts']} -> "
                    f"{new['prompts']} prompts) per step, so the prompt sampler takes {new['prompts']} prompts per "
                    f"step from where it stopped and the run continues, not exactly{hint}")
+
+
+# --------------------------------------------------------------- a pending accumulation, on another layout too
+
+
+def pending_gradients(model: torch.nn.Module, info: DistInfo, fsdp: bool) -> dict[str, torch.Tensor]:
+    """The gradients accumulated into the pending update, by parameter name, as the layout-free mean gradient so far
+    (what the optimizer would see after `sync_gradients`): under FSDP2 (`fsdp`) this rank's shards of it
+    (reduce-scattered in backward), in one process the gradients themselves, on several ranks without FSDP2 the sum
+    over every rank divided by dp (collective). Parameters without a gradient are left out: the optimizer skips them,
+    and a zero would not be skipped (without FSDP2 the sync gives every parameter one, so all are kept there)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not info.distributed or fsdp:
+        return {n: p.grad for n, p in named if p.grad is not None}
+    return {n: all_reduce_sum(p.grad.clone() if p.grad is not None else torch.zeros_like(p)).div_(info.dp_size)
+            for n, p in named}
+
+
+def load_pending_gradients(model: torch.nn.Module, info: DistInfo, fsdp: bool, path: Path) -> None:
+    """Restore `pending_gradients` from a checkpoint's gradients/ (DCP, resharded to this run's layout). On several
+    ranks without FSDP2 rank 0 takes dp x the mean and the others zeros, so that the sync's sum / dp gives it back."""
+    import torch.distributed.checkpoint as dcp
+
+    params = dict(model.named_parameters())
+    names = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    grads = {n: torch.zeros_like(params[n]) for n in names}
+    dcp_load(grads, path, "pending gradients")
+    replicated = info.distributed and not fsdp
+    for n, g in grads.items():
+        params[n].grad = (g.mul_(info.dp_size) if info.is_main else g.zero_()) if replicated else g
+
+
+def pending_kl_by_dp_rank(kl_sum: float, pairs: int, info: DistInfo) -> list[list[float]]:
+    """[[L_KL sum, valid pairs] of the pending update] per data-parallel rank (collective; `kl_sum`, `pairs`: this
+    rank's): the train state is written by rank 0, so each rank's own share is saved here (`spread_pending_kl` gives
+    it back)."""
+    mine = torch.tensor([[kl_sum, float(pairs)]], dtype=torch.float64, device=info.device)
+    return all_gather_cat(mine, group=info.dp_group).cpu().tolist()
+
+
+def spread_pending_kl(rows: list | None, info: DistInfo) -> tuple[float, int] | None:
+    """This rank's pending L_KL sum and pair count from `pending_kl_by_dp_rank`'s rows: its own on the same number of
+    data-parallel ranks; on another, data-parallel rank 0 takes the totals and the others zero (the update uses their
+    sum over the ranks only). None (a checkpoint before this): rank 0's values as saved stay, on every rank."""
+    if rows is None:
+        return None
+    if len(rows) == info.dp_size:
+        total_sum, total_pairs = rows[info.dp_rank]
+    elif info.dp_rank == 0:
+        total_sum, total_pairs = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    else:
+        total_sum, total_pairs = 0.0, 0
+    return float(total_sum), int(total_pairs)
 
 
 def save_checkpoint(

@@ -342,10 +342,11 @@ class OptimConfig:
                                               "the authors' 64-GPU step take 4 rounds at sp 1 and 8 rounds at sp 2. "
                                               "The KL controller, the warm-up and the anchor refresh count optimizer "
                                               "updates.")
-    updates_per_rollout: int = opt(1, "Optimizer updates per rollout round, each on a disjoint share of the rank's "
-                                      "samples (1 = the authors': the ratio of the update is then exactly 1 and "
-                                      "clipping never acts; > 1 lets the ratio leave 1). Needs "
-                                      "gradient_accumulation_steps 1.")
+    updates_per_rollout: int = opt(1, "Optimizer updates per rollout round, each on a disjoint share of the round's "
+                                      "samples (the rollout's chunks in turn, by their place in the step's batch: "
+                                      "the same shares on any number of GPUs; 1 = the authors': the ratio of the "
+                                      "update is then exactly 1 and clipping never acts; > 1 lets the ratio "
+                                      "leave 1). Needs gradient_accumulation_steps 1.")
     max_grad_norm: float = opt(1.0, "Gradient-norm clip; <= 0 disables it.")
     use_muon: bool = opt(True, "Muon for >= 2-D weight matrices and AdamW for the rest; False = AdamW everywhere.")
     seed: int = opt(42, "Base seed. Every draw is seeded by a hash of it with what names the draw: rollout noise with "

@@ -33,7 +33,8 @@ from .loss import clipped_policy_loss
 from .schedule import num_train_timesteps
 from .sde import SDEStepOutput
 
-__all__ = ["PairBatch", "UpdateStats", "stochastic_steps", "plan_steps", "micro_batches", "grpo_backward"]
+__all__ = ["PairBatch", "UpdateStats", "stochastic_steps", "plan_steps", "update_chunks", "micro_batches",
+           "grpo_backward"]
 
 
 def stochastic_steps(variance: Tensor) -> Tensor:
@@ -73,6 +74,22 @@ class PairBatch:
     samples: Tensor  # [P] long: index into the rollout batch
     steps: Tensor  # [P] long: original diffusion index of the transition x_t -> x_{t+1}
     ref_mean: Tensor | None = None  # [P, ...] anchor means when precomputed (kl_compute_mode rollout_phase)
+
+
+def update_chunks(first: int, num_samples: int, chunk: int, updates: int) -> list[list[Tensor]]:
+    """A rank's rollout chunks for each of a round's `updates` optimizer updates -> [update][chunk] LongTensors of
+    indices into the rank's `num_samples` samples, whose global indices (in the step's batch over the data-parallel
+    ranks) start at `first`. Chunk g of the global batch (global samples g*chunk .. (g+1)*chunk - 1) goes to update
+    g % updates: by global index, so a round trains the same samples in each update on any number of ranks (a split
+    of each rank's own chunks would train [[0,1,4,5],[2,3,6,7]] on 2 ranks of 4 and [[0,1,2,3],[4,5,6,7]] on one of
+    8). Every rank's num_samples is a multiple of chunk x updates (config.validate), so each rank takes the same
+    number of chunks in every update and the ranks run the same forwards and collectives."""
+    if first % (chunk * updates) or num_samples % (chunk * updates):
+        raise ValueError(f"{num_samples} samples from {first} do not split into {updates} updates of whole chunks of "
+                         f"{chunk}")
+    chunks = list(torch.arange(num_samples).split(chunk))  # the rollout's chunks, in the rank's order
+    # first / chunk is a multiple of `updates`: the rank's chunk j is global chunk first / chunk + j, update j % updates
+    return [chunks[u::updates] for u in range(updates)]
 
 
 def micro_batches(steps: Tensor, chunks: Sequence[Tensor] | None = None) -> list[PairBatch]:

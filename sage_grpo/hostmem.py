@@ -17,17 +17,27 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["MMAP_THRESHOLD", "free_host_memory_eagerly"]
+__all__ = ["MMAP_THRESHOLD", "free_host_memory_eagerly", "users_threshold"]
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 MMAP_THRESHOLD = 128 * 1024  # glibc's own starting threshold, now kept: smaller blocks are not worth a mapping each
 
 
+def users_threshold(environ) -> bool:
+    """Whether the environment sets glibc's mmap threshold: MALLOC_MMAP_THRESHOLD_, or the tunable
+    glibc.malloc.mmap_threshold among GLIBC_TUNABLES' colon-separated name=value pairs (glibc reads both at
+    start-up; the tunable is the newer spelling of the same option)."""
+    if "MALLOC_MMAP_THRESHOLD_" in environ:
+        return True
+    tunables = environ.get("GLIBC_TUNABLES", "").split(":")
+    return any(t.partition("=")[0].strip() == "glibc.malloc.mmap_threshold" for t in tunables)
+
+
 def free_host_memory_eagerly(threshold: int = MMAP_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at `threshold` bytes for the rest of this process -> whether it was set. Not set:
-    with another C library (nothing to change), or when MALLOC_MMAP_THRESHOLD_ is in the environment (the user's
-    own setting, which glibc read at start-up, wins)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    with another C library (nothing to change), or when the environment sets the threshold (`users_threshold`: the
+    user's own setting, which glibc read at start-up, wins)."""
+    if users_threshold(os.environ):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -102,6 +102,35 @@ def test_a_group_that_differs_by_float32_rounding_only_gets_zero_advantages():
     assert adv.tolist() == pytest.approx([-1.0, 1.0, -1.0, 1.0], abs=1e-3)
 
 
+def _authors_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """The authors' group normalisation of one group, transcribed: (r - mean) / max(population std, 1e-6)."""
+    r = rewards.double()
+    return (r - r.mean()) / r.std(unbiased=False).clamp_min(1e-6)
+
+
+def test_a_nearly_tied_group_against_the_authors_floor():
+    """docs/algorithm.md "What we do differently": the authors divide by max(std, 1e-6), we by std + 1e-8 with 0 for
+    a group constant up to float32 rounding. They differ only where a group's std is below 1e-6: four evenly spaced
+    rewards of population std 1.1e-7 give +-0.15 (authors) and +-1.23 (ours); float32 rewards one ulp apart
+    give +-0.06 and 0. With a std of 1e-6 and above they agree to 1e-2 relative (the 1e-8)."""
+    group = torch.zeros(4, dtype=torch.long)
+    step = 1.1e-7 / math.sqrt(1.25)  # [0, d, 2d, 3d]: population std sqrt(1.25) d
+    spaced = torch.arange(4, dtype=torch.float64) * step
+    ours, _ = group_advantages(spaced, group)
+    assert float(spaced.std(unbiased=False)) == pytest.approx(1.1e-7, rel=1e-9)
+    assert float(_authors_advantages(spaced).max()) == pytest.approx(0.15, abs=0.005)
+    assert float(ours.max()) == pytest.approx(1.23, abs=0.005)
+    one = torch.tensor(1.0)
+    ulp = torch.stack([one, torch.nextafter(one, torch.tensor(2.0))] * 2).double()  # float32 1 and 1 + 2^-23
+    ours, _ = group_advantages(ulp, group)
+    assert float(_authors_advantages(ulp).max()) == pytest.approx(0.06, abs=0.005)
+    assert torch.equal(ours, torch.zeros(4))
+    for std in (1e-6, 1e-3, 1.0):
+        wide = torch.arange(4, dtype=torch.float64) * std / math.sqrt(1.25)
+        ours, _ = group_advantages(wide, group)
+        torch.testing.assert_close(ours.double(), _authors_advantages(wide), rtol=1e-2, atol=0)
+
+
 # ------------------------------------------------------------------------------ combining the reward components
 
 def _combine_reference(scores, weights, required, groups, normalize, eps=1e-8):

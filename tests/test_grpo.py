@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sage_grpo.equalizer import equalizer_weights
-from sage_grpo.grpo import PairBatch, grpo_backward, micro_batches, plan_steps, stochastic_steps
+from sage_grpo.grpo import PairBatch, grpo_backward, micro_batches, plan_steps, stochastic_steps, update_chunks
 from sage_grpo.lab.model import VelocityMLP
 from sage_grpo.schedule import sigma_schedule
 from sage_grpo.sde import sde_step, step_variance
@@ -200,3 +200,36 @@ def test_precomputed_anchor_means_equal_anchor_callback():
         grads.append([p.grad.clone() for p in policy.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def _global_updates(dp: int, per_rank: int, chunk: int, updates: int) -> list[list[int]]:
+    """The global samples of each update of a round on `dp` ranks of `per_rank` videos (rank r holds the global
+    samples r * per_rank ..), every rank's share in rank order."""
+    out: list[list[int]] = [[] for _ in range(updates)]
+    for r in range(dp):
+        for u, chunks in enumerate(update_chunks(r * per_rank, per_rank, chunk, updates)):
+            out[u] += [r * per_rank + int(i) for c in chunks for i in c]
+    return out
+
+
+@pytest.mark.parametrize("chunk,updates", [(2, 2), (1, 2), (1, 4), (2, 1)])
+def test_a_round_splits_into_the_same_global_updates_on_any_number_of_ranks(chunk, updates):
+    """Update u trains the global chunks g with g % updates == u, whatever the layout of the 8 videos; every rank
+    takes the same number of chunks in each update (the ranks run the same forwards)."""
+    want = [sorted(i for g in range(u, 8 // chunk, updates) for i in range(g * chunk, (g + 1) * chunk))
+            for u in range(updates)]
+    for dp in (1, 2, 4):
+        per_rank = 8 // dp
+        if per_rank % (chunk * updates):
+            continue  # refused by config.validate
+        assert [sorted(u) for u in _global_updates(dp, per_rank, chunk, updates)] == want, dp
+        for r in range(dp):
+            assert {len(c) for c in update_chunks(r * per_rank, per_rank, chunk, updates)} == {
+                per_rank // (chunk * updates)}
+    if (chunk, updates) == (2, 2):
+        assert want == [[0, 1, 4, 5], [2, 3, 6, 7]]  # the rollout's chunks [0,1], [2,3], ... take turns
+
+
+def test_a_split_that_cuts_a_chunk_is_refused():
+    with pytest.raises(ValueError, match="whole chunks"):
+        update_chunks(2, 4, 2, 2)  # a rank's first global chunk must start an update's turn

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from sage_grpo.hostmem import users_threshold
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Frees a 16 MiB tensor (a mapped block: glibc raises its threshold to 16 MiB; left out under a user's own threshold,
@@ -50,8 +54,18 @@ def test_freed_tensors_leave_the_process_with_the_threshold_fixed():
     assert fixed["set"] == "True" and fixed["retained"] < 20, fixed
 
 
-def test_a_users_own_threshold_is_left_alone():
-    # glibc read MALLOC_MMAP_THRESHOLD_ at start-up: 64 MiB keeps the 4 MiB chunks in the heap, and the call changes
-    # nothing
-    out = retained("user", env={"MALLOC_MMAP_THRESHOLD_": str(64 << 20)})
+@pytest.mark.parametrize("env", [
+    {"MALLOC_MMAP_THRESHOLD_": str(64 << 20)},
+    {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:glibc.malloc.mmap_threshold={64 << 20}"},
+])
+def test_a_users_own_threshold_is_left_alone(env):
+    # glibc read the variable or the tunable at start-up: 64 MiB keeps the 4 MiB chunks in the heap, and the call
+    # changes nothing
+    out = retained("user", env=env)
     assert out["set"] == "False" and out["retained"] > 350, out
+
+
+def test_other_tunables_are_not_a_users_threshold():
+    assert not users_threshold({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.trim_threshold=1"})
+    assert not users_threshold({})
+    assert users_threshold({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"})

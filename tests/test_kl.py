@@ -216,3 +216,54 @@ def test_flow_grpo_kl_pos_is_one_over_delta_times_the_authors():
     ratio = (ours.double() / theirs)[[0, 10, 19]]
     torch.testing.assert_close(ratio, torch.tensor([96.0, 33.6, 4.8], dtype=torch.float64), rtol=2e-4, atol=0)
     torch.testing.assert_close(ours.double() / theirs, 1 / (sigma - nxt), rtol=2e-4, atol=0)  # 1 / delta throughout
+
+
+class _AuthorsController:
+    """The authors' adaptive coefficient, transcribed (per call; their calls are micro-steps, ours updates): the
+    value starts at kl_coef; each call counts step_count += 1 and, while step_count < warm-up, sets
+    min + (max - min) * step_count / warm-up; from step_count = warm-up on, the paper's x0.9 / x1.1 on the mean of
+    the last H KL values, clipped to [min, max]."""
+
+    def __init__(self, kl_coef=1e-7, kl_min=1e-7, kl_max=1e-5, target=1e-5, warmup=100, history=10):
+        self.value, self.min, self.max, self.target, self.warmup = kl_coef, kl_min, kl_max, target, warmup
+        self.kls: list[float] = []
+        self.history, self.step_count = history, 0
+
+    def update(self, kl: float) -> float:
+        self.kls = (self.kls + [kl])[-self.history:]
+        self.step_count += 1
+        if self.step_count < self.warmup:
+            self.value = self.min + (self.max - self.min) * self.step_count / self.warmup
+            return self.value
+        d = sum(self.kls) / len(self.kls)
+        if d > 1.5 * self.target:
+            self.value *= 0.9
+        elif d < 0.5 * self.target:
+            self.value *= 1.1
+        self.value = min(max(self.value, self.min), self.max)
+        return self.value
+
+
+def test_the_warm_up_against_the_authors():
+    """docs/algorithm.md "What we do differently": the authors' warm-up ends at step_count < 100, so with a KL in
+    the band their coefficient settles at min + 0.99 (max - min), 1 % below ours (max, as the paper's Eq. 41);
+    with a KL far above target their decay starts one update earlier and stays 12 % below ours; and their warm-up
+    ramps from kl_min_coef (kl_coef is the value before the first update only), ours from kl_coef."""
+    def run(kl: float, n: int, **kw) -> tuple[list[float], list[float]]:
+        ours = AdaptiveKLController(init=kw.get("kl_coef", 1e-7), lambda_min=1e-7, lambda_max=1e-5, target=1e-5,
+                                    warmup_updates=100, history=10)
+        theirs = _AuthorsController(**kw)
+        return [ours.update(kl) for _ in range(n)], [theirs.update(kl) for _ in range(n)]
+
+    ours, theirs = run(1e-5, 150)  # in the band: no adaptation after the warm-up
+    assert ours[:99] == pytest.approx(theirs[:99], rel=1e-12)  # the same ramp until update 99
+    assert ours[-1] == pytest.approx(1e-5, rel=1e-12)
+    assert theirs[-1] == pytest.approx(1e-7 + 0.99 * (1e-5 - 1e-7), rel=1e-12)
+    assert theirs[-1] / ours[-1] == pytest.approx(0.99, abs=1e-4)  # 1 % low
+    ours, theirs = run(1e-3, 102)  # far above target: the paper's direction lowers the coefficient
+    assert ours[99] == pytest.approx(1e-5, rel=1e-12) and theirs[99] == pytest.approx(0.9 * theirs[98], rel=1e-12)
+    for k in (99, 100, 101):
+        assert ours[k] / theirs[k] == pytest.approx(1.122, abs=1e-3), k  # 12 % apart from update 100 on
+    ours, theirs = run(1e-5, 1, kl_coef=5e-6)
+    assert ours[0] == pytest.approx(5e-6 + (1e-5 - 5e-6) / 100, rel=1e-12)  # our ramp starts at kl_coef
+    assert theirs[0] == pytest.approx(1e-7 + (1e-5 - 1e-7) / 100, rel=1e-12)  # theirs at kl_min_coef

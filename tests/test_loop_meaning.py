@@ -368,6 +368,32 @@ def test_trained_steps_vary_per_step_and_sample_and_agree_across_ranks():
         assert agree, f"step {s}: sequence-parallel peers (dp 2 x sp 2) train different steps"
 
 
+def test_each_update_of_a_round_trains_the_same_videos_on_any_number_of_ranks():
+    """--updates_per_rollout 2, chunks of 2: the round's updates train the same global videos on 2 ranks x 4 videos
+    (and 2 x 2 sp peers) as on one process of 8, so a resume on another layout continues exactly.
+
+    Seen failing when micro_batches_of splits each rank's own chunks in halves: "2 data-parallel ranks train
+    [[0, 1, 4, 5], [2, 3, 6, 7]], one process [[0, 1, 2, 3], [4, 5, 6, 7]]"."""
+    optim = SimpleNamespace(mini_batch_size_per_update=2, updates_per_rollout=2)
+
+    def trained(info: DistInfo, b: int) -> list[list[int]]:  # the global videos of each update, over the dp ranks
+        out: list[list[int]] = [[], []]
+        ranks = {i.dp_rank: i for i in (DistInfo(rank=r, world_size=info.world_size, sp_size=info.sp_size)
+                                         for r in range(info.world_size))}
+        for dp_rank, rank_info in sorted(ranks.items()):
+            c = SimpleNamespace(cfg=SimpleNamespace(optim=optim), info=rank_info)
+            plan = torch.zeros(b, 1, dtype=torch.long)  # [b, k]: the steps do not matter here
+            for u, mbs in enumerate(pt.micro_batches_of(c, plan)):
+                out[u] += [dp_rank * b + int(i) for mb in mbs for i in mb.samples]
+        return [sorted(u) for u in out]
+
+    one = trained(DistInfo(), 8)
+    for info in (DistInfo(rank=0, world_size=2), DistInfo(rank=0, world_size=4, sp_size=2)):
+        two = trained(info, 4)
+        assert two == one, f"{info.dp_size} data-parallel ranks train {two}, one process {one}"
+    assert one == [[0, 1, 4, 5], [2, 3, 6, 7]]  # the rollout's chunks take turns
+
+
 def _standard_noise(c, traj) -> torch.Tensor:
     """The standard normal draws xi of every transition, (x_{t+1} - mean_t) / std_t -> [B, T, ...], recovered by
     re-scoring the stored transitions (the weights are those of the rollout)."""

@@ -1,6 +1,6 @@
 """A checkpoint continued on another layout (world size, --sp_size, --dp_replicate) with the same videos per step
 ends where the uninterrupted run does, up to the reduction order of the new layout (docs/scaling.md, "Continuing on
-another number of GPUs"). One torchrun launch (2 gloo ranks) between one-process runs covers six cases, each checked
+another number of GPUs"). One torchrun launch (2 gloo ranks) between one-process runs covers seven cases, each checked
 against the uninterrupted run of the layout it was saved on:
 
 - full: full fine-tuning, AdamW, FSDP2 on 2 ranks (dp 2, 2 videos each), 4 steps; the moving anchor is refreshed at
@@ -10,6 +10,9 @@ against the uninterrupted run of the layout it was saved on:
   refreshed LoRA anchor) continued in one process (sp 1) for step 4.
 - hsdp: full fine-tuning, AdamW, HSDP on 2 ranks (--dp_replicate 2: two replicas of one shard each), 4 steps;
   checkpoint-3 continued in one process (dp_replicate 1) for step 4.
+- updates: full fine-tuning, AdamW, FSDP2 on 2 ranks, 2 optimizer updates per rollout round (chunks of one
+  video): each update trains the same global videos on 2 ranks of 2 as in one process of 4 (0 and 2, then 1 and 3),
+  so checkpoint-3 continued in one process ends where the 2-rank run does.
 - pending: full fine-tuning, AdamW, one process, 2 rounds per update; a stop signal in round 3 writes checkpoint-3
   with the round's gradient, L_KL sum and pair count pending (the anchor is not the policy then, so the L_KL sum is
   not 0); continued on 2 FSDP2 ranks (dp 2; rank 1 is new) for round 4, where the update is taken and the KL
@@ -30,7 +33,9 @@ Metrics (reward, KL, KL coefficient) and the KL controller's history: relative 1
 the continuation fails them: the optimizer state not loaded (full, lora), the refreshed anchor not loaded (full), the
 pending gradients not loaded or rank 0's pending L_KL taken on every rank (pending), the layout line dropped (lora), the
 first rank's pending L_KL taken for the total (pending_2to1: the KL history's last entry 0.0 against 0.073), each rank's
-own gradient saved instead of their synced mean (pending_replicated: gradient norm 0.0251 against 0.0175).
+own gradient saved instead of their synced mean (pending_replicated: gradient norm 0.0251 against 0.0175), each
+rank's own chunks split in halves for the updates (updates: the 2 ranks train videos 0 and 2 in the first update,
+one process 0 and 1; the weights 4.4e-3 apart, 2.4e-7 with the split by global index).
 """
 from __future__ import annotations
 
@@ -65,6 +70,8 @@ CASES = {
     "lora": (["--use_lora", "--save_interval", "3"], ["--enable_fsdp", "True", "--sp_size", "2", "--batch_size", "4"],
              ["--batch_size", "4"]),
     "hsdp": (ADAMW, [*FSDP2, "--dp_replicate", "2"], ["--batch_size", "4"]),
+    "updates": ([*ADAMW, "--updates_per_rollout", "2", "--mini_batch_size_per_update", "1"], FSDP2,
+                ["--batch_size", "4"]),
     "pending": (PENDING, FSDP2, ["--batch_size", "4"]),
     "pending_2to1": (PENDING, FSDP2, ["--batch_size", "4"]),
     "pending_replicated": (PENDING, ["--batch_size", "2"], ["--batch_size", "4"]),
@@ -75,11 +82,13 @@ CHANGED = {
     "full": "world size 2 -> 1, batch_size per rank 2 -> 4 (data-parallel ranks 2 -> 1)",
     "lora": "world size 2 -> 1, sp_size 2 -> 1 (data-parallel ranks 1 -> 1)",
     "hsdp": "world size 2 -> 1, dp_replicate 2 -> 1, batch_size per rank 2 -> 4 (data-parallel ranks 2 -> 1)",
+    "updates": "world size 2 -> 1, batch_size per rank 2 -> 4 (data-parallel ranks 2 -> 1)",
     "pending": "world size 1 -> 2, batch_size per rank 4 -> 2 (data-parallel ranks 1 -> 2)",
     "pending_2to1": "world size 2 -> 1, batch_size per rank 2 -> 4 (data-parallel ranks 2 -> 1)",
     "pending_replicated": "world size 2 -> 1, batch_size per rank 2 -> 4 (data-parallel ranks 2 -> 1)",
 }
 STOPPED = ("pending_2to1", "pending_replicated")  # stopped inside an accumulation on 2 ranks, continued in one process
+SAVED = ("full", "lora", "hsdp", "updates")  # checkpoint-3 of the uninterrupted 2-rank run, continued in one process
 
 
 def _torchrun(spec, runs: list[list[str]]) -> str:
@@ -119,7 +128,7 @@ def layout_runs(tiny_model, tmp_path_factory):
     _check_pending(path)
 
     runs: list = [_common(tiny_model, root / c / "straight", *CASES[c][0], *CASES[c][1])
-                  for c in ("full", "lora", "hsdp", *STOPPED)]
+                  for c in (*SAVED, *STOPPED)]
     for case in STOPPED:
         every, two, _ = CASES[case]
         runs.append({"argv": _common(tiny_model, root / case / "run", *every, *two), "sigterm_in_step": 2})
@@ -132,7 +141,7 @@ def layout_runs(tiny_model, tmp_path_factory):
         _check_pending(path)
         assert len(read_train_state(path)["pending_kl_by_dp_rank"]) == 2
     logs = {"pending": launch}
-    for case in ("full", "lora", "hsdp", *STOPPED):
+    for case in (*SAVED, *STOPPED):
         every, _, one = CASES[case]
         if case not in STOPPED:
             _continue_from(root / case / "straight", STEP, root / case / "run")

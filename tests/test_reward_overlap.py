@@ -17,6 +17,7 @@ from post_train_helpers import ROOT, _args, _stable, _weights, pt
 
 from sage_grpo.metrics import read_metrics
 from sage_grpo.rewards import build_reward
+from sage_grpo.rewards.overlap import EarlyScores
 
 # brightness computed on the CPU, saying so; each call appends "rank thread videos device start" to <file>.<rank>.log
 CPU_REWARD = """
@@ -67,10 +68,9 @@ def test_rewards_overlap_when_every_one_works_on_the_cpu(rewards, overlaps):
     assert pt.overlaps_reward(SimpleNamespace(cfg=cfg, reward=reward)) is False
 
 
-def _early_components(reward):
-    """What EarlyScores reads of the Components: one rank, no sp, the CPU, ``reward``."""
-    return SimpleNamespace(info=SimpleNamespace(sp_size=1, sp_rank=0, device=torch.device("cpu")),
-                           pipe=SimpleNamespace(vae=None), reward=reward)
+def _early_scores(reward) -> EarlyScores:
+    """EarlyScores of ``reward`` on one rank, no sp, the CPU (no VAE: the tests replace decode_latents)."""
+    return EarlyScores(reward, SimpleNamespace(sp_size=1, sp_rank=0, device=torch.device("cpu")), None)
 
 
 def test_each_overlapped_chunk_is_scored_with_its_own_prompts(monkeypatch):
@@ -84,7 +84,7 @@ def test_each_overlapped_chunk_is_scored_with_its_own_prompts(monkeypatch):
     def reward(frames, prompts):  # the video's number, as its frames and as its prompt say
         return {"total": frames.flatten(1).mean(1), "prompt": torch.tensor([float(p[1:]) for p in prompts])}
 
-    early = pt.EarlyScores(_early_components(reward))
+    early = _early_scores(reward)
     early.start([f"p{i}" for i in range(6)])
     latents = torch.arange(6.0).view(6, 1, 1, 1, 1).expand(6, 2, 1, 2, 2)  # video i holds i
     for lo in (0, 2, 4):
@@ -98,17 +98,16 @@ def test_each_overlapped_chunk_is_scored_with_its_own_prompts(monkeypatch):
 BLOCKED = """
 import sys, threading, types, torch
 sys.path.insert(0, {root!r})
-import post_train as pt
 import sage_grpo.rollout
+from sage_grpo.rewards.overlap import EarlyScores
 sage_grpo.rollout.decode_latents = lambda vae, latents: latents
 calls = []
 def reward(frames, prompts):  # a judge or server that never answers
     calls.append(prompts)
     print("scoring", prompts, flush=True)
     threading.Event().wait()
-c = types.SimpleNamespace(info=types.SimpleNamespace(sp_size=1, sp_rank=0, device=torch.device("cpu")),
-                          pipe=types.SimpleNamespace(vae=None), reward=reward)
-with pt.EarlyScores(c) as early:
+info = types.SimpleNamespace(sp_size=1, sp_rank=0, device=torch.device("cpu"))
+with EarlyScores(reward, info, None) as early:
     early.start(["a", "b", "c"])
     for i in range(3):
         early.submit(torch.tensor([i]), torch.zeros(1, 1, 1, 2, 2))
@@ -139,13 +138,13 @@ def test_a_local_cpu_reward_scores_in_a_worker_thread_as_in_order(tiny_model, tm
     weights equal bitwise."""
     monkeypatch.chdir(ROOT)
     handed = []
-    submit = pt.EarlyScores.submit
+    submit = EarlyScores.submit
 
     def timed_submit(self, *a):
         handed.append(__import__("time").monotonic())
         return submit(self, *a)
 
-    monkeypatch.setattr(pt.EarlyScores, "submit", timed_submit)
+    monkeypatch.setattr(EarlyScores, "submit", timed_submit)
     for overlap in ("true", "false"):
         spec, calls = _plugin(tmp_path, f"cpu_{overlap}")
         pt.main(_args(tiny_model, tmp_path / overlap, "--reward_model", spec, "--reward_weights",

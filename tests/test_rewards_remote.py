@@ -26,6 +26,7 @@ from sage_grpo.config import load_config, validate
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.metrics import read_metrics
 from sage_grpo.rewards import build_reward
+from sage_grpo.rewards.overlap import EarlyScores
 from sage_grpo.rewards.remote import RemoteReward, apply_read, encode_batch, wire_dtype
 
 EXAMPLE = "examples/rewards/colorfulness.py:build"
@@ -266,7 +267,7 @@ def test_overlapped_scoring_starts_while_the_rollout_still_samples(tiny_model, t
     plugin.write_text(SLOW)
     monkeypatch.delenv("SAGE_REWARD_TOKEN", raising=False)
     sampled, scored = [], []  # chunk handed over: time; request: (start, end, videos)
-    submit, call = pt.EarlyScores.submit, RemoteReward.__call__
+    submit, call = EarlyScores.submit, RemoteReward.__call__
 
     def timed_submit(self, *a):
         sampled.append(time.monotonic())
@@ -278,7 +279,7 @@ def test_overlapped_scoring_starts_while_the_rollout_still_samples(tiny_model, t
         scored.append((start, time.monotonic(), len(prompts)))
         return out
 
-    monkeypatch.setattr(pt.EarlyScores, "submit", timed_submit)
+    monkeypatch.setattr(EarlyScores, "submit", timed_submit)
     monkeypatch.setattr(RemoteReward, "__call__", timed_call)
     with serve("--reward_model", f"{plugin}:build", env={"SLOW_REWARD_S_PER_VIDEO": "0.12"}) as (url, _):
         for overlap in ("true", "false"):
