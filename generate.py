@@ -3,7 +3,7 @@
 
     python generate.py --config configs/tiny_cpu.yaml --prompt "a red ball rolls"          # tiny model, CPU, seconds
     python generate.py --model_path ckpts/HunyuanVideo-1.5-Diffusers-480p_t2v --prompt "..." --output_path out.mp4
-    python generate.py --pretrained_model_root ckpts --checkpoint_path outputs/checkpoint-500/transformer \\
+    python generate.py --checkpoint_path outputs/run/checkpoint-500 \\
         --valid_video_csv prompts.csv --output_path outputs/gen      # one mp4 per prompt in outputs/gen/
     python generate.py --checkpoint_path exported/transformer ...   # a folder written by scripts/export_checkpoint.py
     python generate.py --model_path ckpts/HunyuanVideo-1.5-Diffusers-480p_i2v --prompt "..." --image first.png
@@ -11,9 +11,11 @@
     torchrun --nproc_per_node 8 generate.py --sp_size 2 ...   # 4 groups of 2 ranks, each group shares one video
 
 The authors' flags keep their meaning; `--config` reads the `model:` and `validation:` sections of our YAML for
-everything not given on the command line. Sampling is the ODE (Euler) of diffusers' pipeline by default;
-`--sampler`/`--eta` pick a GRPO SDE sampler instead. Every flag is checked (with the config's rules) and the output
-folder and mp4 support are proven before any model loads. Each video `<name>.mp4` gets `<name>.txt` (the exact
+everything not given on the command line. A training checkpoint (--checkpoint_path checkpoint-N) brings its run's
+settings beneath them: its saved config, so its base model (another one named is refused) and validation settings.
+Sampling is the ODE (Euler) of diffusers' pipeline by default; `--sampler`/`--eta` pick a GRPO SDE sampler instead.
+Every flag is checked (with the config's rules) and the output folder (writable, none of its videos there unless
+--overwrite) and mp4 support are proven before any model loads. Each video `<name>.mp4` gets `<name>.txt` (the exact
 prompt, read by scripts/score_videos.py) and `<name>_config.json` (the resolved settings) beside it.
 """
 
@@ -298,10 +300,14 @@ def _check_outputs(args, records) -> None:
         check_writable_dir(out, "--output_path")
     existing = [p for p in (_output_file(args, r, len(records) == 1) for r in records) if p.exists()]
     if existing and not args.overwrite:  # another run's video (e.g. the base model's) is never replaced silently
-        more = f" and {len(existing) - 1} more of these prompts' videos already exist" if len(existing) > 1 else \
-            " already exists"
-        raise SageGRPOError(f"--output_path {args.output_path}: {existing[0]}{more}; choose another "
-                            "--output_path, or pass --overwrite to replace them")
+        if existing[0] == out:
+            what = f"--output_path {out} already exists"
+        else:
+            what = f"--output_path {out}: {existing[0].name}" + (
+                f" and {len(existing) - 1} more of these prompts' videos already exist" if len(existing) > 1
+                else " already exists")
+        raise SageGRPOError(f"{what}; choose another --output_path, or pass --overwrite to replace "
+                            f"{'them' if len(existing) > 1 else 'it'}")
 
 
 def _check_weights(args) -> None:

@@ -395,10 +395,11 @@ def test_existing_videos_are_refused_before_any_model_loads(tmp_path, no_model_l
     (tmp_path / "dir").mkdir()
     for name in ("0000_a_cat.mp4", "0001_a_dog.mp4", "0002_other.mp4"):
         (tmp_path / "dir" / name).write_bytes(b"")
-    cases = [(["--prompt", "x", "--output_path", str(tmp_path / "v.mp4")], f"--output_path {tmp_path / 'v.mp4'}: "
-              f"{tmp_path / 'v.mp4'} already exists; choose another --output_path, or pass --overwrite"),
+    cases = [(["--prompt", "x", "--output_path", str(tmp_path / "v.mp4")], f"--output_path {tmp_path / 'v.mp4'} "
+              "already exists; choose another --output_path, or pass --overwrite to replace it"),
              (["--prompt", "a cat", "--prompt", "a dog", "--prompt", "a cow", "--output_path", str(tmp_path / "dir")],
-              f"{tmp_path / 'dir' / '0000_a_cat.mp4'} and 1 more of these prompts' videos already exist")]
+              f"--output_path {tmp_path / 'dir'}: 0000_a_cat.mp4 and 1 more of these prompts' videos already exist; "
+              "choose another --output_path, or pass --overwrite to replace them")]
     for argv, match in cases:
         with pytest.raises(SageGRPOError, match=re.escape(match)):
             generate.main(argv)
