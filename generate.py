@@ -3,7 +3,7 @@
 
     python generate.py --config configs/tiny_cpu.yaml --prompt "a red ball rolls"          # tiny model, CPU, seconds
     python generate.py --model_path ckpts/HunyuanVideo-1.5-Diffusers-480p_t2v --prompt "..." --output_path out.mp4
-    python generate.py --pretrained_model_root ckpts --checkpoint_path outputs/checkpoint-500/transformer \\
+    python generate.py --checkpoint_path outputs/run/checkpoint-500 \\
         --valid_video_csv prompts.csv --output_path outputs/gen      # one mp4 per prompt in outputs/gen/
     python generate.py --checkpoint_path exported/transformer ...   # a folder written by scripts/export_checkpoint.py
     python generate.py --model_path ckpts/HunyuanVideo-1.5-Diffusers-480p_i2v --prompt "..." --image first.png
@@ -11,9 +11,11 @@
     torchrun --nproc_per_node 8 generate.py --sp_size 2 ...   # 4 groups of 2 ranks, each group shares one video
 
 The authors' flags keep their meaning; `--config` reads the `model:` and `validation:` sections of our YAML for
-everything not given on the command line. Sampling is the ODE (Euler) of diffusers' pipeline by default;
-`--sampler`/`--eta` pick a GRPO SDE sampler instead. Every flag is checked (with the config's rules) and the output
-folder and mp4 support are proven before any model loads. Each video `<name>.mp4` gets `<name>.txt` (the exact
+everything not given on the command line. A training checkpoint (--checkpoint_path checkpoint-N) brings its run's
+settings beneath them: its saved config, so its base model (another one named is refused) and validation settings.
+Sampling is the ODE (Euler) of diffusers' pipeline by default; `--sampler`/`--eta` pick a GRPO SDE sampler instead.
+Every flag is checked (with the config's rules) and the output folder (writable, none of its videos there unless
+--overwrite) and mp4 support are proven before any model loads. Each video `<name>.mp4` gets `<name>.txt` (the exact
 prompt, read by scripts/score_videos.py) and `<name>_config.json` (the resolved settings) beside it.
 """
 
@@ -72,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
       "combines it with the prompt text and the prompt file's seed column (or the prompt's row index)")
     a("--output_path", default="outputs/generate",
       help="an .mp4 file (one prompt) or a directory (default: %(default)s)")
+    a("--overwrite", action="store_true", help="replace videos already at the output paths (without it, an existing "
+      "video is refused before any model loads)")
     a("--dtype", default=None, choices=DTYPES, help=f"weights/compute dtype (default: {m.dtype})")
     a("--sampler", default="ode", choices=SAMPLERS, help="ode (deterministic, default) or a GRPO SDE sampler")
     a("--eta", type=float, default=None,
@@ -100,13 +104,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _defaults(config_path: str):
-    """The project's defaults, overridden by the YAML's sections when --config is given."""
-    from sage_grpo.config import Config, load_config
+def _defaults(config_path: str, run: Path | None):
+    """The project's defaults, under the settings of the training run `run` (a checkpoint-N: its saved config, what
+    the run's output_dir/config.yaml holds) when --checkpoint_path names one, under the YAML's sections when --config
+    is given -> (the config, the keys the YAML sets). cfg.explicit: the keys the run or the YAML set, which the base
+    checkpoint's own sampling defaults never replace (_checkpoint_defaults)."""
+    from sage_grpo.checkpoint import read_train_state
+    from sage_grpo.config import FIELDS, check_values, config_from_dict, read_yaml
 
-    if not config_path:
-        return Config()
-    return load_config(["--config", config_path])  # a missing file is load_config's one clear error
+    saved = {}
+    if run is not None:  # keys of flags a newer version dropped are left out: they set nothing here
+        groups = read_train_state(run)["config"].values()
+        saved = {k: v for group in groups for k, v in group.items() if k in FIELDS}
+    from_yaml = read_yaml(config_path) if config_path else {}  # a missing file is read_yaml's one clear error
+    cfg = config_from_dict({**saved, **from_yaml}, config_path or str(run))
+    check_values(cfg)
+    cfg.explicit = frozenset(saved) | frozenset(from_yaml)
+    return cfg, frozenset(from_yaml)
 
 
 # config key named in sage_grpo.config.check_values' messages -> this script's flag
@@ -161,9 +175,20 @@ def _check_values(args: argparse.Namespace, cfg) -> None:
         raise SageGRPOError(message) from None
 
 
+BASE_KEYS = ("model_path", "pretrained_model_root", "pretrained_transformer_version")  # where the base model is
+
+
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
-    cfg = _defaults(args.config)
+    from sage_grpo.models.lora import training_checkpoint
+
+    args.run_checkpoint = training_checkpoint(args.checkpoint_path) if args.checkpoint_path else None
+    cfg, yaml_keys = _defaults(args.config, args.run_checkpoint)
     m, v, r = cfg.model, cfg.validation, cfg.rollout
+    # where the user names the base model: flags, keys of the YAML (else a training checkpoint brings its run's)
+    args.base_flags = [f"--{k}" for k in BASE_KEYS if getattr(args, k) is not None]
+    in_yaml = [k for k in BASE_KEYS if k in yaml_keys and getattr(args, k) is None]
+    if in_yaml:
+        args.base_flags.append(f"model.{'/'.join(in_yaml)} of --config {args.config}")
     fill = {
         "model_path": m.model_path,
         "pretrained_model_root": m.pretrained_model_root,
@@ -184,11 +209,10 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         "compile": m.compile,
     }
     explicit_clamp = args.sage_sigma_clamp is not None
-    # set by the user (flag or the YAML's validation key): the checkpoint's own default never replaces them (main)
-    yaml_keys = getattr(cfg, "explicit", frozenset())
+    # set by the user (flag or the YAML's validation key) or the run: the checkpoint's own default never replaces them
     args.explicit = {k for k, key in (("flow_shift", "validation_timestep_shift"),
                                       ("cfg_scale", "validation_guidance_scale"))
-                     if getattr(args, k) is not None or key in yaml_keys}
+                     if getattr(args, k) is not None or key in cfg.explicit}
     args.base_config = cfg
     for k, val in fill.items():
         if getattr(args, k) is None:
@@ -260,7 +284,8 @@ def _output_file(args, rec, single: bool) -> Path:
 
 
 def _check_outputs(args, records) -> None:
-    """The output path names an .mp4 (one prompt) or a folder, and is writable: proven before any model loads."""
+    """The output path names an .mp4 (one prompt) or a folder, is writable and holds none of the videos to write
+    (unless --overwrite): proven before any model loads."""
     out = Path(args.output_path)
     suffix = out.suffix.lower()
     if suffix in OTHER_EXTENSIONS and not out.is_dir():
@@ -273,6 +298,16 @@ def _check_outputs(args, records) -> None:
         check_output_file(out, "--output_path")
     else:
         check_writable_dir(out, "--output_path")
+    existing = [p for p in (_output_file(args, r, len(records) == 1) for r in records) if p.exists()]
+    if existing and not args.overwrite:  # another run's video (e.g. the base model's) is never replaced silently
+        if existing[0] == out:
+            what = f"--output_path {out} already exists"
+        else:
+            what = f"--output_path {out}: {existing[0].name}" + (
+                f" and {len(existing) - 1} more of these prompts' videos already exist" if len(existing) > 1
+                else " already exists")
+        raise SageGRPOError(f"{what}; choose another --output_path, or pass --overwrite to replace "
+                            f"{'them' if len(existing) > 1 else 'it'}")
 
 
 def _check_weights(args) -> None:
@@ -290,12 +325,63 @@ def _check_weights(args) -> None:
                                 f"its adapter unmerged in {where / 'lora'}: add --lora_path {where / 'lora'}")
 
 
+TASKS = {"t2v": "text-to-video", "i2v": "image-to-video"}
+
+
+def _describe(loc) -> str:
+    return f"{loc.root} ({TASKS[loc.task]}{f', {loc.version}' if loc.layout == 'authors' else ''})"
+
+
+def _check_run_base(args) -> None:
+    """A training checkpoint's weights sample on its run's base model (path, version, task: its saved config, which
+    resolve_args made the defaults). A base the user names (flag or --config) must be that one, or, where the run's
+    is no longer there (moved), of its task; anything else is one error, before any model loads (weights of
+    another model's shape fail again when they load, in one line)."""
+    from sage_grpo.checkpoint import read_train_state, run_base
+    from sage_grpo.models.loading import locate_model
+    from sage_grpo.models.tiny_checkpoint import TINY_CHECKPOINT_DIR
+
+    run = args.run_checkpoint
+    if run is None:
+        return
+    state = read_train_state(run)
+    root, path, version = run_base(state)
+    try:
+        theirs = locate_model(root, path, version)
+    except SageGRPOError:
+        theirs = None
+    if not args.base_flags:  # the run's own base: resolve_args took it from the saved config
+        if theirs is None and Path(path) != Path(TINY_CHECKPOINT_DIR):  # the tiny default is built on first use
+            raise SageGRPOError(f"--checkpoint_path {args.checkpoint_path}: the base model of its run, "
+                                f"{path or root!r} (saved in {run / 'train_state.json'}), is not there or "
+                                "incomplete; pass --model_path where it is now")
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[generate] {run}: its run's settings and base model {path or root}", flush=True)
+        return
+    try:
+        mine = locate_model(args.pretrained_model_root, args.model_path, args.pretrained_transformer_version)
+    except SageGRPOError:
+        return  # load_pipeline names what is missing
+    named = " and ".join(args.base_flags)
+    if theirs is None:  # moved: the one thing left to compare is the task
+        task = state.get("task")
+        if task is not None and task != mine.task:
+            raise SageGRPOError(f"--checkpoint_path {args.checkpoint_path} holds {TASKS[task]} weights but {named} "
+                                f"names {_describe(mine)}; pass the base model it was trained on ({path or root!r})")
+        return
+    same = mine.root.resolve() == theirs.root.resolve() and mine.layout == theirs.layout
+    if not same or (mine.layout == "authors" and mine.version != theirs.version):
+        raise SageGRPOError(f"--checkpoint_path {args.checkpoint_path} was trained on {_describe(theirs)}, not on "
+                            f"{_describe(mine)} ({named}); leave out {named} to sample on the run's base model")
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     args = resolve_args(build_parser().parse_args(argv))
     records = _prompts(args)
     single = len(records) == 1
     _check_outputs(args, records)
     _check_weights(args)
+    _check_run_base(args)
     from sage_grpo.video import check_mp4_support
 
     check_mp4_support()  # before sampling, not after it
@@ -386,7 +472,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         path = _output_file(args, rec, single)
         if not writer:
             continue
-        meta = {k: v for k, v in vars(args).items() if k not in ("prompt", "explicit", "base_config")}
+        meta = {k: v for k, v in vars(args).items() if k not in ("prompt", "explicit", "base_config", "base_flags")}
         meta.update(prompt=rec.prompt, index=rec.index, prompt_seed=rec.seed, task=task, image=rec.ref_image_path,
                     noise_seed=record_noise_seed(rec), frames=int(frames.shape[0]),
                     layout=pipe.sage_grpo_location.layout, weights=str(pipe.sage_grpo_location.root),

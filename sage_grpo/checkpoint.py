@@ -41,7 +41,7 @@ from sage_grpo.parallel.dist import DistInfo, all_gather_cat, all_reduce_sum, ba
 __all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save",
            "dcp_load", "load_rng_state", "read_train_state", "exactness_diff", "file_digests", "resolved_settings",
            "EXACT_KEYS", "NEUTRAL_REWARD_KEYS", "CONTENT_KEYS", "RESOLVED_KEYS", "saved_layout", "layout_change",
-           "pending_gradients", "load_pending_gradients", "pending_kl_by_dp_rank", "spread_pending_kl"]
+           "pending_gradients", "load_pending_gradients", "pending_kl_by_dp_rank", "spread_pending_kl", "run_base"]
 
 TRAIN_STATE = "train_state.json"
 
@@ -109,6 +109,14 @@ def clear_run(output_dir: str | Path) -> None:
 
 def read_train_state(path: str | Path) -> dict:
     return json.loads((Path(path) / TRAIN_STATE).read_text())
+
+
+def run_base(state: dict) -> tuple[str, str, str]:
+    """The base model a checkpoint's run trained, from its train state's saved config -> (pretrained_model_root,
+    model_path, pretrained_transformer_version), the arguments of sage_grpo.models.loading.locate_model /
+    load_pipeline (relative paths as the run was given them). The run's task is the train state's "task"."""
+    m = state["config"]["model"]
+    return m["pretrained_model_root"], m["model_path"], m["pretrained_transformer_version"]
 
 
 def dcp_save(state: dict, path: Path) -> None:

@@ -31,9 +31,10 @@ echo "== 2. the tiny world model (assets/tiny_world/hunyuanvideo15) -> $out/vide
 prompt="a large red circle moves right on a blue background"
 echo "$prompt" > "$out/videos/ode.txt"
 echo "$prompt" > "$out/videos/sage_sde.txt"
-python generate.py --config configs/tiny_world.yaml --prompt "$prompt" --output_path "$out/videos/ode.mp4"
+# --overwrite: a second run of the demo writes its videos anew
+python generate.py --config configs/tiny_world.yaml --prompt "$prompt" --output_path "$out/videos/ode.mp4" --overwrite
 python generate.py --config configs/tiny_world.yaml --prompt "$prompt" --sampler sage_grpo --eta 0.5 \
-  --output_path "$out/videos/sage_sde.mp4"
+  --output_path "$out/videos/sage_sde.mp4" --overwrite
 
 echo "== 3. scores: tiny random VideoReward ($tiny/VideoReward) and the demo rewards -> $out/scores.csv"
 if [ ! -d "$tiny/VideoReward" ]; then

@@ -71,13 +71,13 @@ def main(argv=None) -> Path:
                                 "checkpoint (no lora/ adapter); export its weights without --lora_format")
         return _export_lora(lora, out, args.lora_format, args.dtype, cfg, step, metrics, train_state.get("task", "t2v"))
 
+    from sage_grpo.checkpoint import run_base
     from sage_grpo.config import torch_dtype
     from sage_grpo.models.loading import load_pipeline
     from sage_grpo.models.lora import load_dcp_transformer, merge_adapter
 
     dtype = torch_dtype(args.dtype or m["master_weight_type"])
-    pipe = load_pipeline(m["pretrained_model_root"], m["model_path"], m["pretrained_transformer_version"],
-                         dtype=dtype, load_text_encoders=False)
+    pipe = load_pipeline(*run_base(train_state), dtype=dtype, load_text_encoders=False)
     if not lora.is_dir():
         load_dcp_transformer(pipe.transformer, ckpt / "transformer")
     elif merge:  # a LoRA checkpoint holds the adapter only: merged into the run's base weights here

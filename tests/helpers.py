@@ -192,3 +192,27 @@ def i2v_prompts(folder, n=4):
         rows.append(f"a scene number {i},imgs/{i}.png")
     (folder / "prompts.csv").write_text("\n".join(rows) + "\n")
     return folder / "prompts.csv"
+
+
+def lora_checkpoint(folder: Path, base: Path | None, task: str = "t2v", transformer=None, **settings) -> Path:
+    """`folder`/checkpoint-1 of a LoRA run as post_train.py writes it: train_state.json (the run's config, its
+    model_path `base`, and task) and lora/ a random adapter (r 2, alpha 2, seed 3) on every linear of the blocks of
+    `base`'s transformer (or of `transformer`, a model of another shape). settings: config keys of the run."""
+    import json
+
+    from sage_grpo.config import config_from_dict, config_to_dict
+    from sage_grpo.models.lora import adapter_parameters, save_lora, setup_trainable
+
+    tr = transformer if transformer is not None else HunyuanVideo15Transformer3DModel.from_pretrained(
+        base / "transformer")
+    setup_trainable(tr, use_lora=True, lora_r=2, lora_alpha=2)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in adapter_parameters(tr).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    ckpt = folder / "checkpoint-1"
+    save_lora(tr, ckpt / "lora")
+    model = {"model_path": str(base)} if base is not None else {}
+    cfg = config_from_dict({**model, "use_lora": True, "lora_r": 2, "lora_alpha": 2, **settings})
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 1, "config": config_to_dict(cfg), "task": task}))
+    return ckpt

@@ -6,6 +6,7 @@ user errors are one line before anything loads."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,36 @@ def test_lora_export_errors_are_one_line(tmp_path):
                         "--out", str(tmp_path / "o"), "--lora_format", "kohya"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert r.stderr.startswith("error: --lora_format 'kohya' is not one of")
+
+
+def test_an_adapter_of_another_base_is_one_line_naming_both_shapes(tiny_diffusers_dir, tmp_path, capsys):
+    """A LoRA run on a wider model (mlp_ratio 4: same keys, other shapes) into the tiny one, by generate.py
+    --lora_path of its export, --checkpoint_path of the run (merged into the named base) and the FSDP2 loader: one
+    line naming both shapes, exit 2 (not torch's size-mismatch report and a traceback)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+    from helpers import lora_checkpoint
+
+    import generate
+    from sage_grpo.errors import run_cli
+    from sage_grpo.models.lora import load_lora_sharded
+    from sage_grpo.models.tiny import tiny_transformer_config
+
+    torch.manual_seed(0)
+    wide = HunyuanVideo15Transformer3DModel(**{**tiny_transformer_config(), "mlp_ratio": 4.0})
+    ckpt = lora_checkpoint(tmp_path / "run", None, transformer=wide)
+    peft = export_checkpoint.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "peft"), "--lora_format", "peft"])
+    capsys.readouterr()
+    shapes = (r"does not fit the model: 4 weights of another shape, e.g. "
+              r"transformer_blocks.0.ff.net.0.proj.lora_B.weight is \[256, 2\] in the adapter but \[128, 2\] in the "
+              r"model; it was trained on another base model")
+    common = ["--model_path", str(tiny_diffusers_dir), "--dtype", "fp32", "--video_length", "5", "--fixed_size",
+              "16x32", "--num_inference_steps", "2", "--prompt", "x", "--output_path", str(tmp_path / "o")]
+    for more in (["--lora_path", str(peft)], ["--checkpoint_path", str(ckpt)]):
+        with pytest.raises(SystemExit) as e:
+            run_cli(generate.main, [*common, *more])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and re.search(shapes, err), err
+    tiny = _transformer()
+    setup_trainable(tiny, use_lora=True, lora_r=2, lora_alpha=2)
+    with pytest.raises(SageGRPOError, match=shapes):
+        load_lora_sharded(tiny, peft)

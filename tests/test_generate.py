@@ -36,6 +36,9 @@ def test_generate_one_prompt_and_a_prompt_file(tiny_diffusers_dir, tmp_path):
     # Same seed -> same video; the SDE sampler draws noise -> a different one.
     [again] = generate.main([*common, "--prompt", "a red ball rolls", "--output_path", str(tmp_path / "two.mp4")])
     assert torch.equal(read_video(again)[0], frames)
+    # --overwrite replaces a video (without it: test_existing_videos_are_refused_before_any_model_loads)
+    generate.main([*common, "--prompt", "a red ball rolls", "--seed", "1", "--output_path", str(again), "--overwrite"])
+    assert not torch.equal(read_video(again)[0], frames)
     (tmp_path / "p.csv").write_text("prompt,seed\na cat,1\na dog,2\n")
     out = generate.main([*common, "--valid_video_csv", str(tmp_path / "p.csv"), "--output_path", str(tmp_path / "dir"),
                          "--sampler", "sage_grpo", "--eta", "0.5"])
@@ -315,3 +318,91 @@ def test_a_checkpoint_path_that_is_no_checkpoint_is_one_line_before_any_model_lo
     # with the adapter named the checks pass and the model would load next (no_model_load refuses it)
     with pytest.raises(AssertionError, match="a model was loaded"):
         generate.main([*argv, "--checkpoint_path", str(unmerged), "--lora_path", str(unmerged / "lora")])
+
+
+# the sampling settings of the runs below (their saved config): a tiny video in seconds
+RUN_SETTINGS = dict(dtype="fp32", validation_fixed_size="16x32", validate_video_length=5,
+                    validation_num_inference_steps=2)
+
+
+def test_a_training_checkpoint_samples_on_its_runs_base_model_with_its_settings(tiny_diffusers_dir, tmp_path):
+    """--checkpoint_path of a training run needs neither --config nor --model_path: the checkpoint's saved config is
+    the defaults (its base model, dtype, size, steps), the video the one --config of the run's config and its base
+    named give."""
+    from helpers import lora_checkpoint
+
+    import generate
+    from sage_grpo.config import config_from_dict, dump_yaml
+
+    ckpt = lora_checkpoint(tmp_path / "run", tiny_diffusers_dir, **RUN_SETTINGS)
+    [path] = generate.main(["--checkpoint_path", str(ckpt), "--prompt", "a red ball rolls", "--output_path",
+                            str(tmp_path / "v.mp4")])
+    meta = json.loads((tmp_path / "v_config.json").read_text())
+    assert meta["weights"] == str(tiny_diffusers_dir) and meta["dtype"] == "fp32" and meta["num_inference_steps"] == 2
+    frames = read_video(path)[0]
+    assert frames.shape == (5, 3, 16, 32)
+    run_yaml = tmp_path / "config.yaml"  # what post_train.py writes beside the checkpoints
+    dump_yaml(config_from_dict(json.loads((ckpt / "train_state.json").read_text())["config"]), run_yaml)
+    [named] = generate.main(["--config", str(run_yaml), "--model_path", str(tiny_diffusers_dir), "--checkpoint_path",
+                             str(ckpt), "--prompt", "a red ball rolls", "--output_path", str(tmp_path / "w.mp4")])
+    assert torch.equal(read_video(named)[0], frames)
+
+
+def test_a_base_model_that_is_not_the_runs_is_one_line_before_any_model_loads(tiny_diffusers_dir, tiny_model,
+                                                                              tmp_path, capsys, no_model_load):
+    """Another base named for a training checkpoint (by a flag or by --config; the same shapes would load and sample
+    silently) and a run whose base model is gone are refused in one line, exit 2."""
+    from helpers import lora_checkpoint
+
+    import generate
+    from sage_grpo.errors import run_cli
+
+    ckpt = lora_checkpoint(tmp_path / "run", tiny_diffusers_dir, **RUN_SETTINGS)
+    cfg = tmp_path / "other.yaml"
+    cfg.write_text(f"model:\n  model_path: {tiny_model}\n")
+    gone = lora_checkpoint(tmp_path / "gone", tmp_path / "moved", transformer=_tiny_transformer())
+    base = f"was trained on {tiny_diffusers_dir} (text-to-video), not on {tiny_model} (text-to-video)"
+    cases = [(["--checkpoint_path", str(ckpt), "--model_path", str(tiny_model)], f"{base} (--model_path); leave out "
+              "--model_path to sample on the run's base model"),
+             (["--checkpoint_path", str(ckpt), "--config", str(cfg)], f"{base} (model.model_path of --config {cfg})"),
+             (["--checkpoint_path", str(gone)], f"the base model of its run, '{tmp_path / 'moved'}' (saved in "
+              f"{gone / 'train_state.json'}), is not there or incomplete; pass --model_path where it is now")]
+    for argv, match in cases:
+        with pytest.raises(SystemExit) as e:
+            run_cli(generate.main, [*argv, "--prompt", "x", "--output_path", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and match in err, err
+    # the run's base named where it is now: the checks pass and the model would load next (no_model_load refuses it)
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        generate.main(["--checkpoint_path", str(gone), "--model_path", str(tiny_model), "--prompt", "x"])
+
+
+def _tiny_transformer():
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from sage_grpo.models.tiny import tiny_transformer_config
+
+    return HunyuanVideo15Transformer3DModel(**tiny_transformer_config())
+
+
+def test_existing_videos_are_refused_before_any_model_loads(tmp_path, no_model_load):
+    """A video at an output path (e.g. the trained model's, before the base model's run) is never replaced silently:
+    one line naming it and --overwrite; with --overwrite the checks pass."""
+    import generate
+    from sage_grpo.errors import SageGRPOError
+
+    (tmp_path / "v.mp4").write_bytes(b"the trained model's video")
+    (tmp_path / "dir").mkdir()
+    for name in ("0000_a_cat.mp4", "0001_a_dog.mp4", "0002_other.mp4"):
+        (tmp_path / "dir" / name).write_bytes(b"")
+    cases = [(["--prompt", "x", "--output_path", str(tmp_path / "v.mp4")], f"--output_path {tmp_path / 'v.mp4'} "
+              "already exists; choose another --output_path, or pass --overwrite to replace it"),
+             (["--prompt", "a cat", "--prompt", "a dog", "--prompt", "a cow", "--output_path", str(tmp_path / "dir")],
+              f"--output_path {tmp_path / 'dir'}: 0000_a_cat.mp4 and 1 more of these prompts' videos already exist; "
+              "choose another --output_path, or pass --overwrite to replace them")]
+    for argv, match in cases:
+        with pytest.raises(SageGRPOError, match=re.escape(match)):
+            generate.main(argv)
+        with pytest.raises(AssertionError, match="a model was loaded"):
+            generate.main([*argv, "--overwrite"])
+    assert (tmp_path / "v.mp4").read_bytes() == b"the trained model's video"

@@ -7,12 +7,15 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import i2v_prompts, smooth_image
 
 from sage_grpo.errors import SageGRPOError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_i2v_checkpoint_loads_alike_from_both_layouts(tiny_i2v_pipe, tiny_pipe, tmp_path):
@@ -581,6 +584,47 @@ def test_generate_refuses_bad_images_before_any_model_loads(tiny_i2v_dir, tiny_m
     for argv, match in cases:
         with pytest.raises(SageGRPOError, match=re.escape(match)):
             generate.main([*argv, *out])
+
+
+def test_an_i2v_training_checkpoint_samples_on_its_base_and_refuses_a_t2v_one(tiny_i2v_dir, tiny_model, images,
+                                                                            tmp_path, monkeypatch, capsys):
+    """generate.py --checkpoint_path of an image-to-video run takes the run's base (its saved config) without
+    --config; a text-to-video base named for it (a flag, or a --config of a T2V model such as configs/tiny_world.yaml:
+    the same shapes would sample silently), also where the run's base has moved, is one line before any model loads."""
+    from helpers import lora_checkpoint
+
+    import generate
+    from sage_grpo.errors import run_cli
+    from sage_grpo.models import loading
+
+    settings = dict(dtype="fp32", validate_video_length=5, validation_num_inference_steps=2)
+    ckpt = lora_checkpoint(tmp_path / "run", tiny_i2v_dir, "i2v", **settings)
+    [path] = generate.main(["--checkpoint_path", str(ckpt), "--prompt", "a red ball rolls", "--image", images[0],
+                            "--output_path", str(tmp_path / "v.mp4")])
+    meta = json.loads((tmp_path / "v_config.json").read_text())
+    assert meta["task"] == "i2v" and meta["weights"] == str(tiny_i2v_dir) and meta["frames"] == 5
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the base model was checked")
+
+    monkeypatch.setattr(loading, "load_pipeline", refuse)
+    monkeypatch.chdir(REPO)  # configs/tiny_world.yaml names its model relative to the repository
+    moved = lora_checkpoint(tmp_path / "moved", tmp_path / "gone", "i2v", **settings,
+                            transformer=loading.load_transformer(loading.locate_model(model_path=str(tiny_i2v_dir)),
+                                                                 torch.float32))
+    world = "assets/tiny_world/hunyuanvideo15"  # as the config names it
+    cases = [(["--checkpoint_path", str(ckpt), "--model_path", str(tiny_model)], f"was trained on {tiny_i2v_dir} "
+              f"(image-to-video), not on {tiny_model} (text-to-video) (--model_path)"),
+             (["--checkpoint_path", str(ckpt), "--config", "configs/tiny_world.yaml"], f"not on {world} "
+              "(text-to-video) (model.model_path/pretrained_model_root of --config configs/tiny_world.yaml)"),
+             (["--checkpoint_path", str(moved), "--model_path", str(tiny_model)], "holds image-to-video weights but "
+              f"--model_path names {tiny_model} (text-to-video); pass the base model it was trained on")]
+    for argv, match in cases:
+        with pytest.raises(SystemExit) as e:
+            run_cli(generate.main, [*argv, "--prompt", "x", "--image", images[0], "--output_path",
+                                    str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and match in err, err
 
 
 # 2-rank layouts with I2V (as tests/test_post_train.py LAYOUTS for T2V): -> (flags of the 2-rank run, flags shared

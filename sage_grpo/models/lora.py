@@ -25,6 +25,7 @@ __all__ = [
     "saved_lora_settings",
     "load_dcp_transformer",
     "locate_trained_weights",
+    "training_checkpoint",
     "load_trained_weights",
     "adapter_parameters",
     "merged_state_dict",
@@ -186,15 +187,29 @@ def load_lora(transformer, path: str | Path) -> None:
     from peft import set_peft_model_state_dict
 
     path, state = read_adapter(path)
-    expected = set(lora_state_dict(transformer))
-    missing, unexpected = expected - set(state), set(state) - expected
+    _check_adapter_fits(path, state, {k: tuple(v.shape) for k, v in lora_state_dict(transformer).items()})
+    set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER_NAME)
+
+
+def _check_adapter_fits(path: Path, state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
+    """The adapter's keys and shapes are the model's adapter's (`shapes`, peft names without the adapter name), else
+    one error: keys name the targets and rank, shapes the base model (an adapter of another model's width would
+    otherwise be torch's many-line size-mismatch report)."""
+    missing, unexpected = set(shapes) - set(state), set(state) - set(shapes)
     if missing or unexpected:
         raise SageGRPOError(
             f"LoRA adapter {path} does not fit the model (check --lora_r / --lora_target_modules): "
             f"{len(missing)} missing (e.g. {sorted(missing)[:3]}), {len(unexpected)} unexpected (e.g. "
             f"{sorted(unexpected)[:3]})"
         )
-    set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER_NAME)
+    wrong = sorted(k for k in shapes if tuple(state[k].shape) != shapes[k])
+    if wrong:
+        k = wrong[0]
+        raise SageGRPOError(
+            f"LoRA adapter {path} does not fit the model: {len(wrong)} weights of another shape, e.g. {k} is "
+            f"{list(state[k].shape)} in the adapter but {list(shapes[k])} in the model; it was trained on another "
+            "base model (pass that one with --model_path) or with another rank"
+        )
 
 
 def sharded_lora_state(transformer) -> dict[str, torch.Tensor]:
@@ -211,8 +226,7 @@ def load_lora_sharded(transformer, path: str | Path) -> None:
 
     path, state = read_adapter(path)
     params = {n.replace(f".{ADAPTER_NAME}.", "."): p for n, p in adapter_parameters(transformer).items()}
-    if sorted(params) != sorted(state):
-        raise SageGRPOError(f"LoRA adapter {path} does not fit the model (check --lora_r / --lora_target_modules)")
+    _check_adapter_fits(path, state, {k: tuple(p.shape) for k, p in params.items()})  # a DTensor's: the whole
     copy_full_into_shards_(params, state)
 
 
@@ -260,6 +274,18 @@ def locate_trained_weights(path: str | Path) -> tuple[str, Path]:
     raise SageGRPOError(f"--checkpoint_path {str(path)!r} is neither a training checkpoint (output_dir/checkpoint-N or "
                         "its transformer/, written by post_train.py) nor an exported transformer (config.json + "
                         f"{EXPORT_WEIGHTS}, written by scripts/export_checkpoint.py)")
+
+
+def training_checkpoint(path: str | Path) -> Path | None:
+    """The training checkpoint (output_dir/checkpoint-N, whose train_state.json holds the run's config: its base
+    model, task and settings) that `--checkpoint_path` names the weights of; None for an exported transformer, a
+    DCP folder outside a checkpoint, or a path that is no trained weights at all (locate_trained_weights says why)."""
+    try:
+        kind, where = locate_trained_weights(path)
+    except SageGRPOError:
+        return None
+    run = where.parent  # checkpoint-N/transformer or checkpoint-N/lora
+    return run if kind != "diffusers" and (run / "train_state.json").is_file() else None
 
 
 def load_trained_weights(transformer, path: str | Path) -> None:
