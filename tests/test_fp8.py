@@ -232,3 +232,51 @@ def test_fp8_matmul_needs_an_fp8_gpu():
     with pytest.raises(SageGRPOError, match="--fp8_matmul needs a CUDA GPU of compute capability 8.9"):
         quantize_base(block, "cpu", fp8_matmul=True)
     assert not is_quantized(block)
+
+
+def test_the_24gb_recipe_fits_24_gib_by_the_plan_and_only_with_the_fp8_base():
+    from helpers import load_script
+
+    pm = load_script("plan_memory", register=True)
+    argv = ["--config", str(ROOT / "configs/lora_24gb.yaml"), "--world_size", "1", "--gpu_memory_gib", "24",
+            "--num_prompts", "1"]
+    fp8 = pm.main([*argv, "--json"])
+    assert fp8["setting"]["fp8_base"] and fp8["fits"] and max(fp8["phases_gib"].values()) <= 24, fp8["phases_gib"]
+    bf16 = pm.main([*argv, "--fp8_base", "False", "--json"])
+    assert not bf16["fits"]
+    # the FP8 base: one byte per block-linear weight and a float32 scale per output row, the rest in bf16
+    saved = bf16["terms_gib"]["policy weights"] - fp8["terms_gib"]["policy weights"]
+    assert 7.5 < saved < 7.7, saved  # 8.15B block-linear weights: 2 bytes -> 1 (+ scales)
+
+
+def test_gpu_check_caps_the_allocator_and_trains_lora_on_the_fp8_base(tmp_path, monkeypatch, capsys):
+    from helpers import load_script
+
+    gpu_check = load_script("gpu_check", register=True)
+    ck = gpu_check.Check(gpu_check.parse(["--out", str(tmp_path), "--tiny", "--memory_cap_gib", "24", "--fp8_base"]))
+    assert ck.gpu_gib == 24 and ck.lora_flags[-2:] == ["--fp8_base", "True"]
+    assert "no CUDA allocator on the CPU, nothing capped" in capsys.readouterr().out  # a no-op on the CPU
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 96 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: set_to.append((f, i)))
+    assert gpu_check.cap_allocator(24, "cuda") == 0.25 and set_to == [(0.25, 0)]
+    with pytest.raises(SageGRPOError, match=r"--memory_cap_gib must be in \(0, 96.0\]"):
+        gpu_check.cap_allocator(100, "cuda")
+
+
+@pytest.mark.slow
+def test_real_size_cpu_runs_its_miniature_on_the_fp8_base(tmp_path):
+    work = tmp_path / "rs"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_size_cpu.py"), "--miniature", "--fp8_base", "--work",
+                        str(work), "--threads", "1", "--stages", "train,planner"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((work / "real_size_cpu.json").read_text())
+    assert res["settings"]["fp8_base"] and res["planner"]["setting"]["fp8_base"]
+    assert res["train"]["policy_tensor_gib"] > 0 and "policy_resident_gib" in res["train"]
+    saved = json.loads((work / "run_a" / "checkpoint-2" / "train_state.json").read_text())
+    assert saved["config"]["model"]["fp8_base"] is True
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts/real_size_cpu.py"), "--miniature", "--fp8_base",
+                              "--work", str(tmp_path / "other"), "--stages", "fsdp"], cwd=ROOT, capture_output=True,
+                             text=True)
+    assert refused.returncode != 0 and "leave the fsdp stage out" in refused.stderr
