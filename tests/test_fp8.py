@@ -18,11 +18,8 @@ from safetensors.torch import load_file
 from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.config import load_config, validate
 from sage_grpo.errors import SageGRPOError
-
-pytest.importorskip("torchao", reason="the lora extra installs torchao (scripts/test.sh installs it)")
-
-from sage_grpo.models.fp8 import is_quantized, quantize_base  # noqa: E402
-from sage_grpo.models.lora import setup_trainable  # noqa: E402
+from sage_grpo.models.fp8 import is_quantized, quantize_base  # torchao: the lora extra, which scripts/test.sh installs
+from sage_grpo.models.lora import setup_trainable
 
 
 def _plain(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
