@@ -68,6 +68,7 @@ def test_the_block_linears_become_fp8_per_output_channel_deterministically(tiny_
     assert all(torch.equal(p, others[n]) for n, p in a.named_parameters() if n in others)  # the rest untouched
 
 
+@pytest.mark.slow
 def test_a_real_width_block_trains_lora_on_its_fp8_base_and_its_error_is_stated():
     """One HunyuanVideo-1.5 double-stream block at the real width (16 x 128 heads, 151M parameters, random N(0,
     0.02^2) weights as in sage_grpo.models.full_size), 64 video and 16 text tokens in bf16: the FP8 block's output
@@ -246,7 +247,7 @@ def test_the_24gb_recipe_fits_24_gib_by_the_plan_and_only_with_the_fp8_base():
     assert 7.5 < saved < 7.7, saved  # 8.15B block-linear weights: 2 bytes -> 1 (+ scales)
 
 
-def test_gpu_check_caps_the_allocator_and_trains_lora_on_the_fp8_base(tmp_path, monkeypatch, capsys):
+def test_gpu_check_caps_the_allocator_and_puts_its_lora_runs_on_the_fp8_base(tmp_path, monkeypatch, capsys):
     from helpers import load_script
 
     gpu_check = load_script("gpu_check", register=True)
