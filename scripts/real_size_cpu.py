@@ -223,9 +223,11 @@ class PhaseMeter:
 
 
 def policy_bytes(transformer) -> int:
-    """Bytes of the transformer's parameter storage: an FP8 weight's data and scales (torchao), each storage once."""
+    """Bytes of the transformer's parameter storage on this rank (an FSDP2 rank's shards): an FP8 weight's data and
+    scales (torchao), each storage once."""
     seen, total = set(), 0
     for p in transformer.parameters():
+        p = p.to_local() if hasattr(p, "to_local") else p  # DTensor: this rank's shard
         for t in (p.qdata, p.scale) if hasattr(p, "qdata") else (p,):
             key = t.untyped_storage().data_ptr()
             if key not in seen:
