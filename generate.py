@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import re
 import sys
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
       "tile size; reference images are encoded whole either way)")
     a("--compile", default=None, metavar="BOOL", help="compile each transformer block with torch.compile (default: "
       f"model.compile, {str(m.compile).lower()}; the first video pays the compilation)")
+    a("--fp8_base", default=None, metavar="BOOL", help="store the base's transformer-block linear weights in FP8 "
+      "(float8_e4m3fn, per-output-channel scales; dequantized as each layer runs), as post_train.py --fp8_base "
+      "trains them; a LoRA adapter stays beside them unmerged (default: the run's own setting for a --checkpoint_path "
+      f"of a LoRA run, else model.fp8_base, {str(m.fp8_base).lower()})")
     a("--sp_size", type=int, default=1, help="Ulysses sequence-parallel degree under torchrun: each group of sp_size "
       "ranks samples one video at a time (must divide the world size and the 16 heads; default %(default)s; the "
       "prompts are split over the world_size / sp_size groups)")
@@ -219,6 +224,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, k, val)
     args.offload_text_encoder = parse_bool(args.offload_text_encoder, "--offload_text_encoder")
     args.compile = parse_bool(args.compile, "--compile")
+    if args.fp8_base is not None:
+        args.fp8_base = parse_bool(args.fp8_base, "--fp8_base")
     args.vae_tiling = parse_bool(args.vae_tiling, "--vae_tiling")
     args.lora = dict(r=m.lora_r, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=list(m.lora_target_modules))
     args.height, args.width = parse_size(args.fixed_size, "--fixed_size")
@@ -323,6 +330,14 @@ def _check_weights(args) -> None:
         if kind == "diffusers" and (where / "lora").is_dir() and not args.lora_path:
             raise SageGRPOError(f"--checkpoint_path {args.checkpoint_path} holds the base weights of a LoRA run with "
                                 f"its adapter unmerged in {where / 'lora'}: add --lora_path {where / 'lora'}")
+        if kind == "lora" and args.fp8_base is None:  # the policy the run trained: its base, FP8 or not
+            run = json.loads((where.parent / "train_state.json").read_text())["config"]["model"]
+            args.fp8_base = bool(run.get("fp8_base", False))
+    if args.fp8_base is None:
+        args.fp8_base = args.base_config.model.fp8_base
+    if args.fp8_base and args.lora_path and args.checkpoint_path and kind == "lora":
+        raise SageGRPOError("--fp8_base keeps an adapter unmerged beside the FP8 base, so only one fits: pass the LoRA "
+                            "run's --checkpoint_path or --lora_path, or --fp8_base False (the first is merged)")
 
 
 TASKS = {"t2v": "text-to-video", "i2v": "image-to-video"}
@@ -397,6 +412,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
                             f"(torchrun --nproc_per_node x nodes)")
 
     from sage_grpo.generation import record_noise_seed, sample_videos, write_sample
+    from sage_grpo.models.fp8 import quantize_base
     from sage_grpo.models.loading import (
         attach_transformer,
         load_pipeline,
@@ -404,7 +420,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         read_text_encoders,
         resolve_dtype,
     )
-    from sage_grpo.models.lora import load_trained_weights, setup_trainable
+    from sage_grpo.models.lora import load_trained_weights, locate_trained_weights, setup_trainable
     from sage_grpo.models.parallelize import parallelize
     from sage_grpo.models.text_cache import TextEmbeddingCache
     from sage_grpo.models.tiny_checkpoint import ensure_tiny_checkpoint
@@ -455,12 +471,20 @@ def main(argv: list[str] | None = None) -> list[Path]:
         cache.release_encoders()
         if images is not None:
             images.offload_encoder()
-    attach_transformer(pipe, load_transformer(pipe.sage_grpo_location, dtype).to(device))
+    transformer = load_transformer(pipe.sage_grpo_location, dtype)
+    adapter = args.lora_path
     if args.checkpoint_path:  # full weights first, then an adapter on top of them
-        load_trained_weights(pipe.transformer, args.checkpoint_path)
-    if args.lora_path:
+        kind, where = locate_trained_weights(args.checkpoint_path)
+        if args.fp8_base and kind == "lora":  # unmerged beside the FP8 base: the policy the run trained
+            adapter = str(where)
+        else:
+            load_trained_weights(transformer, args.checkpoint_path)
+    if args.fp8_base:  # block by block on the device (post_train.py's order): bf16 blocks never all there
+        quantize_base(transformer, device)
+    attach_transformer(pipe, transformer.to(device))
+    if adapter:
         setup_trainable(pipe.transformer, use_lora=True, lora_r=args.lora["r"], lora_alpha=args.lora["alpha"],
-                        lora_target_modules=args.lora["targets"], pretrained_lora_path=args.lora_path)
+                        lora_target_modules=args.lora["targets"], pretrained_lora_path=adapter)
     pipe.transformer.requires_grad_(False).eval()
     # an sp group samples each of its videos together: same prompts and seeds on every peer, so the same inputs
     parallelize(pipe.transformer, info, compile=args.compile)

@@ -398,6 +398,7 @@ def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, lis
     `sage_grpo.models.parallelize` (sequence parallelism, activation checkpointing, FSDP2). Under FSDP2 it is built
     on the meta device and each rank reads only its rows of the weights (no rank ever holds the whole model);
     otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
+    from sage_grpo.models.fp8 import quantize_base
     from sage_grpo.models.loading import attach_transformer, load_transformer
     from sage_grpo.models.lora import setup_trainable
     from sage_grpo.models.parallelize import load_sharded_transformer, parallelize
@@ -425,7 +426,10 @@ def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, lis
             lora=lora, gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
         attach_transformer(pipe, transformer)  # a sharded transformer already sits where its shards belong
     else:
-        transformer = load_transformer(loc, base).to(info.device)
+        transformer = load_transformer(loc, base)
+        if m.fp8_base:  # each block's linears moved to the device and quantized there: the bf16 blocks never all are
+            quantize_base(transformer, info.device, fp8_matmul=m.fp8_matmul)
+        transformer = transformer.to(info.device)
         attach_transformer(pipe, transformer)
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
         trainable = setup_trainable(transformer, **lora)

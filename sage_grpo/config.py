@@ -113,6 +113,13 @@ class ModelConfig:
                                              "transformer blocks.")
     pretrained_lora_path: str = opt("", "A LoRA adapter (safetensors file or peft directory) to load before training "
                                         "or generation.")
+    fp8_base: bool = opt(False, "With --use_lora: store the frozen base's transformer-block linear weights in "
+                                "float8_e4m3fn with per-output-channel scales (torchao; half the bytes of bf16), "
+                                "dequantized as each layer runs; the rollout, re-scoring, anchor and generate.py "
+                                "use the same quantized base. Needs torchao (the lora extra).")
+    fp8_matmul: bool = opt(False, "With --fp8_base: run the quantized layers as FP8 matrix products (activations "
+                                  "quantized per row; CUDA compute capability 8.9 or above) instead of dequantizing "
+                                  "the weights to --dtype.")
     vae_tiling: bool = opt(True, "Decode rollouts and validation videos with the VAE in tiles (diffusers' "
                                  "enable_tiling): 9 GiB instead of 30 GiB peak for one 81x352x624 video on an H100, "
                                  "1.5x the time; no effect below the tile size.")
@@ -967,6 +974,15 @@ def validate(cfg: Config, world_size: int, num_heads: int = 16, *, training: boo
                             "policy (no dropout) and the update would re-score with dropout, so the ratio leaves 1 "
                             "and the clip silently zeroes those pairs (and sequence-parallel ranks would drop "
                             "different text tokens); use --lora_dropout 0")
+    m = cfg.model
+    if m.fp8_base and not m.use_lora:
+        raise SageGRPOError("--fp8_base quantizes the frozen base of a LoRA run; add --use_lora (full fine-tuning "
+                            "trains every weight in --master_weight_type)")
+    if m.fp8_matmul and not m.fp8_base:
+        raise SageGRPOError("--fp8_matmul runs the layers of an FP8 base; add --fp8_base")
+    if m.fp8_base and cfg.parallel.enable_fsdp and world_size > 1:
+        raise SageGRPOError("--fp8_base is not yet verified with FSDP2 (torchao's FP8 weights are not sharded here); "
+                            "use --enable_fsdp False (every rank holds the FP8 base, half the bytes of bf16)")
     dp = dp_degree(cfg, world_size)
     if (bs * dp) % g != 0:
         raise SageGRPOError(

@@ -6,6 +6,7 @@
     python scripts/gpu_check.py --update_readme      # also write a summary into README.md ("Measured on a GPU")
     python scripts/gpu_check.py --tiny               # the same stages with a tiny random model on the CPU (a test)
     python scripts/gpu_check.py --version 720p_i2v --stage lora --out outputs/gpu_check_720p_i2v   # another checkpoint
+    python scripts/gpu_check.py --stage lora --fp8_base --memory_cap_gib 24 --out outputs/gpu_check_24gb  # a 24 GB card
 
 Needs torch, diffusers, transformers, safetensors, peft, einops, imageio (pip install -e '.[lora]'); what is missing
 is named before anything runs. Random weights unless --model_path names a diffusers-layout HunyuanVideo-1.5 (then its
@@ -284,6 +285,10 @@ class Check:
         self.parts = None  # frozen_parts, computed once
         self.gpu_gib = (a.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / GIB
                                              if self.device == "cuda" else 16.0))
+        if a.memory_cap_gib:  # every plan is judged against the cap, and the allocator refuses more than it
+            self.gpu_gib = a.memory_cap_gib
+            cap_allocator(a.memory_cap_gib, self.device)
+        self.lora_flags = [*LORA_FLAGS, *(["--fp8_base", "True"] if a.fp8_base else [])]
 
     def real_weights(self, blocks: int) -> bool:
         return bool(self.a.model_path) and blocks == self.tcfg_of_model_path()["num_layers"]
@@ -355,6 +360,24 @@ class Check:
 
 
 LORA_FLAGS = ["--use_lora", "True", "--dtype", "bf16", "--master_weight_type", "bf16"]
+
+
+def cap_allocator(cap_gib: float, device: str) -> float | None:
+    """Cap this process's CUDA allocator at `cap_gib` (torch.cuda.set_per_process_memory_fraction: an allocation past
+    it raises out-of-memory, as on a card of that size; the CUDA context is not counted) -> the fraction set, or
+    None on the CPU (no allocator to cap: a no-op)."""
+    import torch
+
+    from sage_grpo.errors import SageGRPOError
+
+    if device != "cuda":
+        print(f"[gpu_check] --memory_cap_gib {cap_gib:g}: no CUDA allocator on the CPU, nothing capped", flush=True)
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    if not 0 < cap_gib <= total:
+        raise SageGRPOError(f"--memory_cap_gib must be in (0, {total:.1f}] (this GPU's memory), got {cap_gib:g}")
+    torch.cuda.set_per_process_memory_fraction(cap_gib / total, 0)
+    return cap_gib / total
 FULL_FLAGS = ["--use_lora", "False", "--dtype", "bf16", "--master_weight_type", "fp32"]
 
 
@@ -515,7 +538,7 @@ def depth_that_fits(ck: Check, flags: list[str], max_blocks: int) -> tuple[int, 
 
 
 def stage_lora(ck: Check) -> dict:
-    return measured_run(ck, "lora", "lora", 2 if ck.tiny else 54, LORA_FLAGS)
+    return measured_run(ck, "lora", "lora", 2 if ck.tiny else 54, ck.lora_flags)
 
 
 def stage_full(ck: Check) -> dict:
@@ -533,7 +556,7 @@ def stage_compile(ck: Check) -> dict:
     compiled_blocks.DEFAULT_BACKEND = ck.a.compile_backend
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["--compile", "True"])):
-        runs[name] = measured_run(ck, f"compile_{name}", "compile", blocks, [*LORA_FLAGS, *extra])
+        runs[name] = measured_run(ck, f"compile_{name}", "compile", blocks, [*ck.lora_flags, *extra])
     ratio = {k: runs["compiled"]["seconds_per_phase"][k] / v for k, v in runs["eager"]["seconds_per_phase"].items()
              if v and runs["compiled"]["seconds_per_phase"].get(k)}
     res = {"blocks": blocks, "backend": ck.a.compile_backend,
@@ -552,7 +575,7 @@ def stage_recipes(ck: Check) -> dict:
     runs = {}
     for name in RECIPES:
         r = measured_run(ck, f"recipes_{name}", "compile", blocks,
-                         [*LORA_FLAGS, *recipe_flags(name, ck.a.sampling_steps)])
+                         [*ck.lora_flags, *recipe_flags(name, ck.a.sampling_steps)])
         steps = r["bench_step"]["per_step"]
         runs[name] = {
             "step_s": r["bench_step"]["median"]["step_s"],
@@ -766,6 +789,11 @@ def parse(argv=None):
                     "for (default: the GPU's; a nominal 16 on the CPU)")
     ap.add_argument("--headroom_gib", type=float, default=None, help="kept free when choosing that depth (default 4; "
                     "0 with --tiny)")
+    ap.add_argument("--memory_cap_gib", type=float, default=0.0, help="cap the CUDA allocator at this many GiB "
+                    "(torch.cuda.set_per_process_memory_fraction), as on a smaller card, and judge the plans against "
+                    "it (e.g. 24; default 0: no cap; a no-op on the CPU)")
+    ap.add_argument("--fp8_base", action="store_true", help="the LoRA runs (lora, compile, recipes) on an FP8 frozen "
+                    "base (post_train.py --fp8_base True)")
     ap.add_argument("--compile_blocks", type=int, default=8, help="blocks of the compile stage's model (default 8)")
     ap.add_argument("--compile_backend", default="", help="torch.compile backend of the compile stage (default "
                     "inductor; eager with --tiny, which keeps the CPU check quick)")
@@ -781,6 +809,8 @@ def parse(argv=None):
         a.sampling_steps = 4 if a.tiny else 8
     if a.steps < 1 or a.sampling_steps < 1:
         ap.error("--steps and --sampling_steps must be >= 1")
+    if a.memory_cap_gib < 0:
+        ap.error("--memory_cap_gib must be >= 0 (0: no cap)")
     a.compile_backend = a.compile_backend or ("eager" if a.tiny else "inductor")
     if a.headroom_gib is None:
         a.headroom_gib = 0.0 if a.tiny else 4.0

@@ -145,15 +145,22 @@ def build_transformer(config: dict, device: str = "meta"):
 
 def count_transformer(model, *, use_lora: bool = False, lora_r: int = 8, lora_alpha: int = 16,
                       lora_target_modules: list[str] | None = None) -> dict:
-    """Exact counts from a (meta) transformer: total, per block, trainable, Muon's share of the trainable."""
+    """Exact counts from a (meta) transformer: total, per block, trainable, Muon's share of the trainable, and the
+    blocks' linear weights (what --fp8_base quantizes: elements, output rows, the largest one)."""
+    import torch
+
     from sage_grpo.models.lora import setup_trainable
     from sage_grpo.optim import goes_to_muon
 
     blocks = model.transformer_blocks
+    linears = [m.weight for m in blocks.modules() if isinstance(m, torch.nn.Linear)]
     out = {
         "total": sum(p.numel() for p in model.parameters()),
         "num_blocks": len(blocks),
         "per_block": sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0,
+        "block_linear": sum(w.numel() for w in linears),
+        "block_linear_rows": sum(w.shape[0] for w in linears),
+        "largest_linear": max((w.numel() for w in linears), default=0),
     }
     if use_lora:
         setup_trainable(model, use_lora=True, lora_r=lora_r, lora_alpha=lora_alpha,
@@ -352,7 +359,11 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     t = {}
     # LoRA: the frozen base is loaded in the compute dtype (post_train.load_policy), the adapters in the master dtype
     # (`total` counts the base transformer; LoRA's `trainable` adapters come on top of it)
-    t["policy weights"] = (total * e + trainable * mw if m.use_lora else total * mw) / shard
+    # --fp8_base (sage_grpo.models.fp8): the blocks' linear weights in one byte per element plus an fp32 scale per
+    # output row, the rest of the base in the compute dtype
+    base = (total * e if not m.fp8_base else (total - counts["block_linear"]) * e + counts["block_linear"]
+            + 4 * counts["block_linear_rows"])
+    t["policy weights"] = (base + trainable * mw if m.use_lora else total * mw) / shard
     t["gradients"] = trainable * mw / shard
     states = (muon * 1 + (trainable - muon) * 2) if o.use_muon else trainable * 2
     t["optimizer state"] = states * mw / shard
@@ -414,6 +425,9 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
         # block (an estimate: this case was not measured on a GPU)
         t["activations (update)"] = L * block_full + (BACKWARD_BLOCKS - 1) * block_full
     t["no-grad working set"] = NO_GRAD_BLOCKS * block_full  # rollout / anchor forwards: one block's transients
+    # --fp8_base: a layer's weight dequantized to the compute dtype while it runs (forward, and the backward's input
+    # gradient), one at a time
+    t["fp8 weight dequantized (transient)"] = counts["largest_linear"] * e if m.fp8_base else 0.0
     scale = (r.sample_n_frames * r.height * r.width) / GPU_FACTS["vae_decode_pixels"]
     t["vae decode"] = GPU_FACTS["vae_decode_gib"][m.vae_tiling] * GIB * scale
     t["decoded frames"] = B * r.sample_n_frames * 3 * r.height * r.width * 4
@@ -441,14 +455,15 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
             + t["image encoder before offload"] + t["text encoder forward (est)"],
             "rollout": base + t["text encoders after offload"] + t["trajectory"]
             + (t["unsharded model (rollout, kept gathered)"] if keep_rollout else t["unsharded blocks (fwd)"])
-            + t["no-grad working set"] + grads_idle,
+            + t["no-grad working set"] + t["fp8 weight dequantized (transient)"] + grads_idle,
             "decode+reward": base + t["text encoders after offload"] + t["trajectory"] + grads_idle
             + max(t["vae decode"], t["decoded frames"] + t["reward forward (est)"]),
             "anchor": base - t["anchor (resident)"] + t["anchor (on GPU in its phase)"]
             + t["text encoders after offload"] + t["trajectory"] + t["unsharded blocks (fwd)"]
-            + t["no-grad working set"] + grads_idle,
+            + t["no-grad working set"] + t["fp8 weight dequantized (transient)"] + grads_idle,
             "update": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
-            + t["unsharded blocks (fwd)"] + t["unsharded block grad (bwd)"] + t["activations (update)"],
+            + t["unsharded blocks (fwd)"] + t["unsharded block grad (bwd)"] + t["activations (update)"]
+            + t["fp8 weight dequantized (transient)"],
             "optimizer step": base + t["text encoders after offload"] + t["trajectory"] + t["gradients"]
             + t["muon gather + Newton-Schulz (est)"],
         }
@@ -489,6 +504,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
             "video_tokens": video_tokens, "video_tokens_per_rank": math.ceil(video_tokens / sp),
             "text_tokens": text_tokens, "attention": opts.attention, "forward_batch": fwd_batch,
             "dtype": m.dtype, "master_weight_type": m.master_weight_type, "use_lora": m.use_lora,
+            "fp8_base": m.fp8_base,
             "lora_r": m.lora_r if m.use_lora else None, "optimizer": "muon+adamw" if o.use_muon else "adamw",
             "gradient_checkpointing": m.enable_gradient_checkpointing,
             "anchor": ("none" if not uses_pos else "lora adapter copy" if m.use_lora else

@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 STAGES = ("checkpoint", "train", "resume", "export", "fsdp", "planner", "block", "authors")
 # what the checkpoint and the runs in --work depend on: a later invocation reuses and compares with them
-SETTINGS = ("miniature", "blocks", "real_vae", "text_layers", "frames", "size", "cfg_scale")
+SETTINGS = ("miniature", "blocks", "real_vae", "text_layers", "frames", "size", "cfg_scale", "fp8_base")
 PROMPTS = ("a red ball rolls across the grass", "a cat sleeps on a sunny windowsill")
 # What the real-size stages need (measured: the checkpoint is 31.4 GiB; the one-process training peak ~18 GiB)
 REAL_DISK_GIB, REAL_RAM_GIB = 36, 22
@@ -222,6 +222,20 @@ class PhaseMeter:
                 "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def policy_bytes(transformer) -> int:
+    """Bytes of the transformer's parameter storage on this rank (an FSDP2 rank's shards): an FP8 weight's data and
+    scales (torchao), each storage once."""
+    seen, total = set(), 0
+    for p in transformer.parameters():
+        p = p.to_local() if hasattr(p, "to_local") else p  # DTensor: this rank's shard
+        for t in (p.qdata, p.scale) if hasattr(p, "qdata") else (p,):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
 def _wrap(owner, name: str, meter: PhaseMeter, phase: str) -> None:
     original = getattr(owner, name)
 
@@ -250,8 +264,19 @@ def run_metered(report: Path, argv: list[str]) -> None:
 
     _wrap(loading, "load_pipeline", meter, "load conditioning" if script.stem == "post_train" else "load")
     _wrap(TextEmbeddingCache, "precompute", meter, "text encoding")
+    policy: dict = {}
     if script.stem == "post_train":
         _wrap(mod, "load_policy", meter, "load policy")
+        load_policy = mod.load_policy
+
+        def measured_load(*args, **kw):  # the policy's resident bytes: RSS after its load less RSS before it
+            before = rss_bytes()[0]
+            transformer, trainable = load_policy(*args, **kw)
+            policy["policy_resident_gib"] = (rss_bytes()[0] - before) / 2**30
+            policy["policy_tensor_gib"] = policy_bytes(transformer) / 2**30
+            return transformer, trainable
+
+        mod.load_policy = measured_load
         _wrap(mod, "load_checkpoint", meter, "load checkpoint")
         _wrap(mod, "write_checkpoint", meter, "save")
         train = mod.train
@@ -266,6 +291,7 @@ def run_metered(report: Path, argv: list[str]) -> None:
     with meter.phase("whole run"):
         mod.main(argv[1:])
     out = meter.report()
+    out.update(policy)
     out["wall_s"] = time.perf_counter() - t0
     out["complete"] = True
     path.write_text(json.dumps(out, indent=1) + "\n")
@@ -300,7 +326,7 @@ def train_args(a, model: Path, out: Path, steps: int, *extra: str, authors_versi
             "--grpo_sampling_steps", "4", "--sample_n_frames", str(a.frames), "--height", str(a.size),
             "--width", str(a.size), "--max_steps", str(steps), "--save_interval", "1", "--log_interval", "1",
             "--validation_interval", "0", "--text_embedding_cache_dir", str(a.work / "text_cache"),
-            "--cfg_scale", str(a.cfg_scale), "--threads", str(a.threads), *extra]
+            "--cfg_scale", str(a.cfg_scale), "--threads", str(a.threads), "--fp8_base", str(a.fp8_base), *extra]
 
 
 def metered(a, name: str, argv: list[str], torchrun: int = 0) -> dict:
@@ -636,6 +662,12 @@ def table(res: dict) -> str:
     authors = res.get("authors", {})
     rows(f"authors' layout {authors.get('version', '')}", authors.get("train", {}).get("phases", []))
     rows("convert_authors_checkpoint", authors.get("convert", {}).get("phases", []))
+    resident, planned = res.get("train", {}).get("policy_resident_gib"), res.get("planner", {}).get("terms_gib", {})
+    if resident is not None and planned.get("policy weights") and not res["miniature"]:  # the plan is the real size
+        plan, storage = planned["policy weights"], res["train"]["policy_tensor_gib"]
+        lines += ["", f"policy after its load{' (FP8 base)' if res['settings'].get('fp8_base') else ''}: RSS "
+                  f"{resident:.2f} GiB more than before it, its parameter storage {storage:.2f} GiB; planned "
+                  f"{plan:.2f} GiB (RSS {resident / plan - 1:+.1%})"]
     ranks = res.get("fsdp", {}).get("ranks", [])
     if ranks:
         keys = [*TENSOR_OWNERS, "heap", "anonymous mappings", "written file pages", "safetensors file pages",
@@ -668,6 +700,9 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch threads of the one-process runs")
     p.add_argument("--cfg_scale", type=float, default=1.0, help="CFG of the runs (1 = off: half the transformer work "
                    "of the checkpoint's 6; a 2-core CPU takes ~16 min a step with it)")
+    p.add_argument("--fp8_base", action="store_true", help="the runs on an FP8 frozen base (post_train.py --fp8_base): "
+                   "the table sets the policy's resident bytes after its load against the planner's; not with the "
+                   "fsdp stage (--fp8_base is one process)")
     p.add_argument("--authors_version", default="480p_i2v", help="the version the authors stage writes, trains "
                    "and converts (an I2V one also exercises SigLIP and the reference image at the real size)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: deleted when done with)")
@@ -695,6 +730,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"[real_size_cpu] {a.work} holds a checkpoint and runs made with other settings ("
                          + ", ".join(f"{k} {v} where this run has {settings.get(k)}" for k, v in other.items())
                          + "): pass another --work, or delete that folder")
+    if a.fp8_base and "fsdp" in stages:
+        raise SystemExit("[real_size_cpu] --fp8_base runs one process (post_train.py refuses it with FSDP2): leave "
+                         "the fsdp stage out of --stages")
     if set(stages) & {"train", "resume", "export", "fsdp"}:
         stages.append("checkpoint")  # written when missing, else reused
     if set(stages) & {"resume", "export"} and not (a.work / "run_a" / "checkpoint-2").is_dir():

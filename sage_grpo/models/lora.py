@@ -5,6 +5,7 @@ directories and exported diffusers transformer folders)."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -73,7 +74,11 @@ def setup_trainable(
     config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets,
                         init_lora_weights=True, **patterns)
     try:
-        transformer.add_adapter(config, adapter_name=ADAPTER_NAME)
+        with warnings.catch_warnings():
+            # an FP8 base (sage_grpo.models.fp8): peft warns for each quantized layer that merging needs torchao's
+            # requantization config; the FP8 base is never merged (the adapter stays beside it)
+            warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without")
+            transformer.add_adapter(config, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # peft: "Target modules ... not found in the base model"
         raise SageGRPOError(f"--lora_target_modules {targets}: {e}") from e
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]

@@ -1,0 +1,280 @@
+"""--fp8_base (sage_grpo.models.fp8): the frozen base's block linears in float8_e4m3fn with per-output-channel
+scales, LoRA (peft's TorchaoLoraLinear) on top: the quantization itself, its error at the real block width and on a
+rollout, training (first ratio 1, resume bitwise), generate.py holding the trained policy, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from post_train_helpers import ROOT, _args, pt
+from safetensors.torch import load_file
+
+from sage_grpo.checkpoint import list_checkpoints
+from sage_grpo.config import load_config, validate
+from sage_grpo.errors import SageGRPOError
+from sage_grpo.models.fp8 import is_quantized, quantize_base  # torchao: the lora extra, which scripts/test.sh installs
+from sage_grpo.models.lora import setup_trainable
+
+
+def _plain(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A weight as plain tensors: (FP8 data, scales) of a quantized one, else (itself,)."""
+    return (t.qdata, t.scale) if hasattr(t, "qdata") else (t,)
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        len(_plain(a[k])) == len(_plain(b[k])) and all(torch.equal(x, y) for x, y in zip(_plain(a[k]), _plain(b[k])))
+        for k in a)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _blocks(*blocks: torch.nn.Module) -> torch.nn.Module:
+    """A stand-in transformer holding `blocks` as its transformer_blocks (what quantize_base quantizes), with
+    diffusers' adapter methods (what setup_trainable calls)."""
+    from diffusers.loaders import PeftAdapterMixin
+
+    class Blocks(torch.nn.Module, PeftAdapterMixin):
+        def __init__(self):
+            super().__init__()
+            self.transformer_blocks = torch.nn.ModuleList(blocks)
+
+    return Blocks()
+
+
+def test_the_block_linears_become_fp8_per_output_channel_deterministically(tiny_pipe):
+    base = copy.deepcopy(tiny_pipe.transformer)
+    linears = {n: m.weight.detach().clone() for n, m in base.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.startswith("transformer_blocks.")}
+    others = {n: p.detach().clone() for n, p in base.named_parameters() if not n.startswith("transformer_blocks.")}
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    assert quantize_base(a, "cpu") == len(linears) > 0 and quantize_base(b, "cpu") == len(linears)
+    assert is_quantized(a) and not is_quantized(base)
+    assert _same_state(a.state_dict(), b.state_dict())  # a resume re-quantizes the base bitwise as before
+    for n, w in linears.items():
+        q = a.get_submodule(n).weight
+        assert q.qdata.dtype == torch.float8_e4m3fn and q.scale.shape == (w.shape[0], 1)  # one scale per output row
+        deq = q.qdata.float() * q.scale  # [out, in]
+        normal = w.abs() >= w.abs().amax(1, keepdim=True) / 448 * 2 ** -6  # e4m3's normal range below each row's max
+        assert ((deq - w).abs() <= w.abs() * 2 ** -4 + 1e-12)[normal].all()  # round to nearest of 3 mantissa bits
+    assert all(torch.equal(p, others[n]) for n, p in a.named_parameters() if n in others)  # the rest untouched
+
+
+@pytest.mark.slow
+def test_a_real_width_block_trains_lora_on_its_fp8_base_and_its_error_is_stated():
+    """One HunyuanVideo-1.5 double-stream block at the real width (16 x 128 heads, 151M parameters, random N(0,
+    0.02^2) weights as in sage_grpo.models.full_size), 64 video and 16 text tokens in bf16: the FP8 block's output
+    against the bf16 block's (docs/performance.md states the number), then LoRA on the FP8 layers learns."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+
+    from sage_grpo.models.full_size import REAL_BLOCK_PARAMS
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        block = HunyuanVideo15TransformerBlock(16, 128, mlp_ratio=4.0, qk_norm="rms_norm")
+    block = block.to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for n, p in block.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in n and p.ndim == 1 else torch.randn_like(p) * 0.02)
+    assert sum(p.numel() for p in block.parameters()) == REAL_BLOCK_PARAMS
+    x, text, temb = (torch.randn(1, n, 2048, dtype=torch.bfloat16) for n in (64, 16, 1))
+    temb, mask = temb[:, 0], torch.ones(1, 16, dtype=torch.bool)  # every text token valid
+    with torch.no_grad():
+        ref, ref_text = block(x, text, temb, mask)
+    fp8 = _blocks(copy.deepcopy(block).requires_grad_(False))
+    quantize_base(fp8, "cpu")
+    with torch.no_grad():
+        out, out_text = fp8.transformer_blocks[0](x, text, temb, mask)
+    err = _rel(out - x, ref - x)  # the block's update of the residual stream (its output less its input)
+    assert 0.01 < err < 0.06, err  # e4m3 rounding of random weights: 3.7 % for 2 chained random layers
+    print(f"real-width block, FP8 base against bf16: relative error {err:.4f} (residual update), "
+          f"{_rel(out, ref):.2e} (output), {_rel(out_text - text, ref_text - text):.4f} (text update)")
+    params = setup_trainable(fp8, use_lora=True, lora_r=4, lora_alpha=4, lora_target_modules=["to_q", "to_v"],
+                             adapter_dtype=torch.float32)
+    assert type(fp8.transformer_blocks[0].attn.to_q).__name__ == "TorchaoLoraLinear"
+    opt = torch.optim.SGD(params, lr=0.5)
+    target = torch.zeros_like(x)
+    losses = []
+    for _ in range(3):
+        out, _ = fp8.transformer_blocks[0](x, text, temb, mask)
+        loss = (out.float() - target.float()).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+        opt.step()
+        losses.append(loss.item())
+    assert losses[2] < losses[0], losses
+
+
+def test_a_rollout_on_the_fp8_base_stays_close_to_the_bf16_one(tiny_pipe, text_cache):
+    """The same noise, the same 4-step SDE rollout: the final latents of the FP8 base against the unquantized base
+    (the tiny model, fp32 compute; docs/performance.md states the number)."""
+    from test_rollout import _run
+
+    from sage_grpo.rollout import SamplerSettings
+
+    settings = SamplerSettings(sde_type="sage_grpo", eta=0.5, num_steps=4, shift=3.0, cfg_scale=1.0)
+    ref = _run(tiny_pipe, text_cache, settings).latents[:, -1]
+    original = tiny_pipe.transformer
+    tiny_pipe.transformer = copy.deepcopy(original)
+    try:
+        quantize_base(tiny_pipe.transformer, "cpu")
+        out = _run(tiny_pipe, text_cache, settings).latents[:, -1]
+    finally:
+        tiny_pipe.transformer = original
+    err = _rel(out, ref)
+    assert 0 < err < 0.05, err
+    print(f"4-step rollout on the tiny model, FP8 base against fp32: final latent relative error {err:.4f}")
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tiny_model, tmp_path_factory):
+    """A 2-step --fp8_base LoRA run saving at every step -> (output dir, the policy it trained, the flags)."""
+    out = tmp_path_factory.mktemp("fp8") / "run"
+    extra = ["--use_lora", "--fp8_base", "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2",
+             "--update_ref_model_step", "2", "--kl_warmup_updates", "1", "--kl_weight", "1e-2",
+             "--kl_coef", "1e-3", "--kl_min_coef", "1e-4"]
+    policies = []
+    orig = pt.load_policy
+
+    def load_policy(*a):  # the run's own transformer, to compare with what generate.py loads
+        policies.append(orig(*a))
+        return policies[-1]
+
+    pt.load_policy = load_policy
+    try:
+        pt.main(_args(tiny_model, out, "--save_interval", "1", *extra))
+    finally:
+        pt.load_policy = orig
+    return out, policies[0][0], extra
+
+
+@pytest.mark.slow
+def test_an_fp8_lora_run_trains_with_first_ratio_one_and_resumes_bitwise(tiny_model, fp8_run, tmp_path):
+    out, policy, extra = fp8_run
+    assert is_quantized(policy)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the rollout and the re-scoring run the same FP8 base: the first update's ratio is exactly 1
+    assert rows[0]["train/ratio_min"] == rows[0]["train/ratio_max"] == 1.0 and rows[0]["train/grad_norm"] > 0
+    assert rows[1]["kl/pos"] > 0  # the moving anchor (the same FP8 base, the adapter swapped) saw the update
+    ckpts = dict(list_checkpoints(out))
+    assert sorted(ckpts) == [1, 2] and not (ckpts[2] / "transformer").exists()  # the adapter only
+    trained = load_file(ckpts[2] / "lora" / "adapter_model.safetensors")
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in trained.items())
+    half = tmp_path / "half"
+    shutil.copytree(ckpts[1], half / ckpts[1].name)
+    (half / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    pt.main(_args(tiny_model, half, "--save_interval", "1", *extra, "--resume_from_checkpoint", "latest"))
+    resumed = load_file(list_checkpoints(half)[-1][1] / "lora" / "adapter_model.safetensors")
+    assert trained.keys() == resumed.keys() and all(torch.equal(trained[k], resumed[k]) for k in trained)
+    stable = [{k: v for k, v in json.loads(line).items() if not k.startswith(("perf/", "mem/"))}
+              for f in (out, half) for line in (f / "metrics.jsonl").read_text().splitlines()[1:]]
+    assert stable[0] == stable[1]
+
+
+@pytest.mark.slow
+def test_generate_from_an_fp8_run_holds_the_policy_it_trained(tiny_model, fp8_run, tmp_path, monkeypatch):
+    """generate.py --checkpoint_path of an --fp8_base run: the base quantized bitwise as in training and the adapter
+    beside it unmerged (the run's own setting; --fp8_base False merges it into the bf16 base instead)."""
+    from helpers import load_script
+
+    import sage_grpo.generation as generation
+
+    out, policy, _ = fp8_run
+    held = {}
+
+    def sample_videos(pipe, *a, **kw):  # the loaded policy; no sampling needed
+        held["state"] = {k: v for k, v in pipe.transformer.state_dict().items()}
+        return iter(())
+
+    monkeypatch.setattr(generation, "sample_videos", sample_videos)
+    generate = load_script("generate.py")
+    common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_model), "--prompt", "a ball",
+              "--output_path", str(tmp_path / "v.mp4"), "--checkpoint_path", str(list_checkpoints(out)[-1][1])]
+    generate.main(common)
+    assert _same_state(held["state"], policy.state_dict())
+    generate.main([*common, "--fp8_base", "False"])
+    assert not any("lora_" in k for k in held["state"]) and not any(hasattr(v, "qdata") for v in held["state"].values())
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--fp8_base"], 1, "--fp8_base quantizes the frozen base of a LoRA run; add --use_lora"),
+    (["--use_lora", "--fp8_matmul"], 1, "--fp8_matmul runs the layers of an FP8 base; add --fp8_base"),
+    (["--use_lora", "--fp8_base"], 2, "--fp8_base is not yet verified with FSDP2.*--enable_fsdp False"),
+])
+def test_fp8_refusals(argv, world, message):
+    cfg = load_config([*argv, "--train_video_csv", "prompts.csv"])
+    with pytest.raises(SageGRPOError, match=message):
+        validate(cfg, world)
+    validate(load_config(["--use_lora", "--fp8_base", "--enable_fsdp", "False", "--train_video_csv", "p.csv"]), 2)
+
+
+def test_full_fine_tuning_with_fp8_base_is_one_line_and_exit_code_2(tiny_model, tmp_path):
+    argv = _args(tiny_model, tmp_path / "run", "--fp8_base")
+    r = subprocess.run([sys.executable, str(ROOT / "post_train.py"), *argv], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == ("error: --fp8_base quantizes the frozen base of a LoRA run; add --use_lora (full "
+                                "fine-tuning trains every weight in --master_weight_type)")
+
+
+def test_fp8_matmul_needs_an_fp8_gpu():
+    block = _blocks(torch.nn.Linear(32, 16))
+    with pytest.raises(SageGRPOError, match="--fp8_matmul needs a CUDA GPU of compute capability 8.9"):
+        quantize_base(block, "cpu", fp8_matmul=True)
+    assert not is_quantized(block)
+
+
+def test_the_24gb_recipe_fits_24_gib_by_the_plan_and_only_with_the_fp8_base():
+    from helpers import load_script
+
+    pm = load_script("plan_memory", register=True)
+    argv = ["--config", str(ROOT / "configs/lora_24gb.yaml"), "--world_size", "1", "--gpu_memory_gib", "24",
+            "--num_prompts", "1"]
+    fp8 = pm.main([*argv, "--json"])
+    assert fp8["setting"]["fp8_base"] and fp8["fits"] and max(fp8["phases_gib"].values()) <= 24, fp8["phases_gib"]
+    bf16 = pm.main([*argv, "--fp8_base", "False", "--json"])
+    assert not bf16["fits"]
+    # the FP8 base: one byte per block-linear weight and a float32 scale per output row, the rest in bf16
+    saved = bf16["terms_gib"]["policy weights"] - fp8["terms_gib"]["policy weights"]
+    assert 7.5 < saved < 7.7, saved  # 8.15B block-linear weights: 2 bytes -> 1 (+ scales)
+
+
+def test_gpu_check_caps_the_allocator_and_puts_its_lora_runs_on_the_fp8_base(tmp_path, monkeypatch, capsys):
+    from helpers import load_script
+
+    gpu_check = load_script("gpu_check", register=True)
+    ck = gpu_check.Check(gpu_check.parse(["--out", str(tmp_path), "--tiny", "--memory_cap_gib", "24", "--fp8_base"]))
+    assert ck.gpu_gib == 24 and ck.lora_flags[-2:] == ["--fp8_base", "True"]
+    assert "no CUDA allocator on the CPU, nothing capped" in capsys.readouterr().out  # a no-op on the CPU
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 96 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: set_to.append((f, i)))
+    assert gpu_check.cap_allocator(24, "cuda") == 0.25 and set_to == [(0.25, 0)]
+    with pytest.raises(SageGRPOError, match=r"--memory_cap_gib must be in \(0, 96.0\]"):
+        gpu_check.cap_allocator(100, "cuda")
+
+
+@pytest.mark.slow
+def test_real_size_cpu_runs_its_miniature_on_the_fp8_base(tmp_path):
+    work = tmp_path / "rs"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_size_cpu.py"), "--miniature", "--fp8_base", "--work",
+                        str(work), "--threads", "1", "--stages", "train,planner"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((work / "real_size_cpu.json").read_text())
+    assert res["settings"]["fp8_base"] and res["planner"]["setting"]["fp8_base"]
+    assert res["train"]["policy_tensor_gib"] > 0 and "policy_resident_gib" in res["train"]
+    saved = json.loads((work / "run_a" / "checkpoint-2" / "train_state.json").read_text())
+    assert saved["config"]["model"]["fp8_base"] is True
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts/real_size_cpu.py"), "--miniature", "--fp8_base",
+                              "--work", str(tmp_path / "other"), "--stages", "fsdp"], cwd=ROOT, capture_output=True,
+                             text=True)
+    assert refused.returncode != 0 and "leave the fsdp stage out" in refused.stderr
