@@ -4,7 +4,6 @@ made before any model loads, and quiet third-party logging unless `--verbose`.""
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 import tempfile
@@ -85,11 +84,6 @@ def quiet_libraries(verbose: bool = False) -> None:
         return
     # DCP saving or loading in one process warns on every call, with a dangling source line after it
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-    # torchao (for --fp8_base), which diffusers imports when it is installed: on a CPU-only torch its CUDA kernel
-    # libraries fail to load with a warning each (unused by the FP8 weight-only path), and its enums trip a
-    # deprecation warning of torch's pytree
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         from diffusers.utils import logging as dlog
 
