@@ -438,24 +438,44 @@ def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, lis
 
 class PhaseClock:
     """Seconds per phase of one step (the loop's perf/* metrics). `hook(name)`, when given, is a context manager
-    entered around each phase: scripts/bench_step.py tags its counters with it."""
+    entered around each phase: scripts/bench_step.py tags its counters with it. `meter` (sage_grpo.flops.FlopMeter),
+    when given, counts the transformer's model FLOPs per phase: perf/<phase>_tflop, TFLOP/s and, with a peak, MFU."""
 
     TRAINING = ("refresh", "rollout", "reward", "plan", "anchor", "update", "optimizer")  # perf/step_s sums these
 
-    def __init__(self, hook=None):
-        self.hook = hook
+    def __init__(self, hook=None, meter=None, peak_tflops: float | None = None):
+        self.hook, self.meter, self.peak = hook, meter, peak_tflops
         self.seconds: dict[str, float] = defaultdict(float)
 
     @contextmanager
     def __call__(self, name: str):
         t0 = time.perf_counter()
-        with self.hook(name) if self.hook is not None else nullcontext():
-            yield
+        if self.meter is not None:
+            self.meter.phase = name
+        try:
+            with self.hook(name) if self.hook is not None else nullcontext():
+                yield
+        finally:
+            if self.meter is not None:
+                self.meter.phase = None
         self.seconds[name] += time.perf_counter() - t0
 
     def metrics(self) -> dict:
+        from sage_grpo.flops import mfu
+
         out = {f"perf/{k}_s": v for k, v in self.seconds.items()}
         out["perf/step_s"] = sum(self.seconds.get(k, 0.0) for k in self.TRAINING)
+        if self.meter is None:
+            return out
+        flop = self.meter.take()  # {phase: this rank's model FLOPs}
+        flop["step"] = sum(v for k, v in flop.items() if k in self.TRAINING)
+        for phase, f in flop.items():
+            seconds = out[f"perf/{phase}_s"]
+            out[f"perf/{phase}_tflop"] = f / 1e12
+            if seconds > 0:
+                out[f"perf/{phase}_tflops"] = f / 1e12 / seconds
+            if (u := mfu(f, seconds, self.peak)) is not None:
+                out[f"perf/{phase}_mfu"] = u
         return out
 
 
@@ -463,6 +483,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
     """The loop: until max_steps, or a stop signal (checkpoint, return), or too many steps without a finite reward
     (checkpoint, error). `logger` receives the metrics on rank 0 (None elsewhere); `hook` see PhaseClock;
     `final_save` False skips the checkpoint after the last step (the benchmark)."""
+    from sage_grpo.flops import device_peak_tflops
     from sage_grpo.grpo import UpdateStats
     from sage_grpo.metrics import plot_curves
     from sage_grpo.parallel.dist import mean_metrics
@@ -475,9 +496,10 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
             log_videos(logger, c, 0)
     last_saved = state.step
     live = LiveNumbers(info.is_main, o.max_steps, state.step, cfg.logging.log_interval)
+    meter, peak = flop_meter(c), device_peak_tflops(cfg.logging.peak_tflops, info.device, cfg.model.dtype)
     with StopRequest() as stop:
         while state.step < o.max_steps:
-            clock = PhaseClock(hook)
+            clock = PhaseClock(hook, meter, peak)
             # a moving anchor is refreshed between updates only, never inside an accumulation
             if state.accum_rounds == 0 and c.anchor.due(state.updates, state.anchor_refreshed_at):
                 with clock("refresh"):
@@ -559,6 +581,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                 mark_clean_stop(info, state.step)
                 break
     live.close()
+    meter.close()
     if state.hacking_warned:
         print0(info, "warning: held-out metrics moved the wrong way while the trained reward rose (possible reward "
                "hacking): " + ", ".join(f"{k} (step {s})" for k, s in state.hacking_warned.items()))
@@ -566,12 +589,26 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
         save(c, state)
 
 
+def flop_meter(c: Components):
+    """A FlopMeter on the policy and on the anchor's own module (full fine-tuning), attached after the anchor was
+    copied from the policy (a hook on the policy would be copied with it)."""
+    from sage_grpo.flops import FlopMeter
+
+    m = c.cfg.model
+    meter = FlopMeter(lora_r=m.lora_r if m.use_lora else 0, sp_size=c.info.sp_size).attach(c.transformer)
+    if c.anchor.model is not None:
+        meter.attach(c.anchor.model)
+    return meter
+
+
 class LiveNumbers:
-    """What a run shows on rank 0: on a terminal, the step bar with the reward mean, L_KL, clip fraction and seconds
-    per step; in a log file (no terminal), one compact line every log_interval steps instead of tqdm's redraws."""
+    """What a run shows on rank 0: on a terminal, the step bar with the reward mean, L_KL, clip fraction, seconds per
+    step, the step's transformer TFLOP/s and (with a known peak) MFU; in a log file (no terminal), one compact line
+    every log_interval steps instead of tqdm's redraws."""
 
     KEYS = (("reward", "reward/total_mean", "{:.4f}"), ("kl", "kl/loss", "{:.2e}"),
-            ("clip", "train/clipfrac", "{:.3f}"), ("s/step", "perf/step_s", "{:.2f}"))
+            ("clip", "train/clipfrac", "{:.3f}"), ("s/step", "perf/step_s", "{:.2f}"),
+            ("TFLOP/s", "perf/step_tflops", "{:.3g}"), ("MFU", "perf/step_mfu", "{:.1%}"))
 
     def __init__(self, main: bool, total: int, initial: int, every: int):
         self.main, self.total, self.every = main, total, every

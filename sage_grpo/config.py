@@ -423,6 +423,10 @@ class LoggingConfig:
                                "log_interval when not on a terminal, is what a run shows).")
     threads: int = opt(0, "torch CPU threads per process (intra-op); 0 = torch's default (all cores). On a shared CPU "
                           "machine 1-2 avoids oversubscription; also the environment variable OMP_NUM_THREADS.")
+    peak_tflops: float = opt(0.0, "Peak dense TFLOP/s of one device that MFU is computed against (perf/*_mfu, the log "
+                                  "line's MFU). 0 = the device's dense bf16 peak from the table in sage_grpo/flops.py "
+                                  "(H100, H200, A100, L40S, RTX 4090, ...) for --dtype bf16 or fp16; on the CPU, an "
+                                  "unknown device or fp32 compute: TFLOP/s only, no MFU.")
 
 
 GROUPS: dict[str, type] = {
@@ -823,6 +827,7 @@ def check_values(cfg: Config) -> None:
         "max_steps": o.max_steps,
         "warmup_steps": o.warmup_steps,
         "threads": cfg.logging.threads,
+        "peak_tflops": cfg.logging.peak_tflops,
         "num_workers": d.num_workers,
         "save_interval": cfg.checkpoint.save_interval,
         "validation_interval": v.validation_interval,

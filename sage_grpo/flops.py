@@ -44,6 +44,8 @@ __all__ = [
     "PEAK_BF16_TFLOPS",
     "peak_tflops_of",
     "mfu",
+    "device_peak_tflops",
+    "FlopMeter",
 ]
 
 
@@ -186,3 +188,84 @@ def mfu(flop: float, seconds: float, peak_tflops: float | None) -> float | None:
     if not peak_tflops or seconds <= 0:
         return None
     return flop / seconds / (peak_tflops * 1e12)
+
+
+def device_peak_tflops(peak_flag: float, device, dtype: str) -> float | None:
+    """The peak MFU is computed against: --peak_tflops when > 0, else the table's dense bf16 peak of a CUDA device
+    computing in bf16 or fp16 (the same figure on these cards); None (TFLOP/s only) on the CPU, for an unknown
+    device or for fp32 compute."""
+    if peak_flag > 0:
+        return float(peak_flag)
+    if getattr(device, "type", device) != "cuda" or dtype not in ("bf16", "fp16"):
+        return None
+    import torch
+
+    return peak_tflops_of(torch.cuda.get_device_name(device))
+
+
+class FlopMeter:
+    """The model FLOPs of every call of the attached transformers, summed per phase (`phase`, set by the caller):
+    a forward pre-hook reads the call's shapes: the latent [B, C, F, H, W] and the valid encoder tokens of each
+    sample (MLLM and ByT5 masks, and the image tokens unless the image embeddings are all zero, as diffusers'
+    forward decides). A call with gradients enabled on a module with trained parameters counts its backward too
+    (every such call in the loop is followed by one) and, under gradient checkpointing, the recomputation.
+
+    The valid counts stay on the device until `take()`, which reads all of a step's at once: no host sync per call.
+    Under sequence parallelism every rank of an sp group makes the same call on the full inputs; each counts its
+    1/sp share. A LoRA model whose adapters are disabled (the fixed LoRA anchor) counts without them."""
+
+    def __init__(self, *, lora_r: int = 0, sp_size: int = 1):
+        self.lora_r, self.sp_size = lora_r, sp_size
+        self.phase: str | None = None
+        # (phase, shape, n_video, valid counts [B] on the device, train, lora_r, checkpointing) per call
+        self._pending: list = []
+        self._handles: list = []
+
+    def attach(self, transformer) -> FlopMeter:
+        shape = TransformerShape.of(transformer.config)
+        trained = any(p.requires_grad for p in transformer.parameters())
+        train = ("lora" if self.lora_r else "full") if trained else None
+        lora_layer = next((m for m in transformer.modules() if hasattr(m, "lora_A")), None)
+
+        def pre(module, args, kwargs):
+            if self.phase is None:
+                return
+            import torch
+
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, C, F, H, W]
+            valid = kwargs["encoder_attention_mask"].sum(1)  # [B] valid MLLM tokens
+            if kwargs.get("encoder_attention_mask_2") is not None:
+                valid = valid + kwargs["encoder_attention_mask_2"].sum(1)  # and ByT5
+            image = kwargs.get("image_embeds")  # [B, T_img, D_img]; all zero = text-to-video, no valid image tokens
+            if image is not None:
+                valid = valid + image.ne(0).any().long() * image.shape[1]
+            r = 0 if lora_layer is None or lora_layer.disable_adapters else self.lora_r
+            self._pending.append((self.phase, shape, shape.video_tokens(*x.shape[2:]), valid.detach(),
+                                  train if torch.is_grad_enabled() else None, r,
+                                  bool(getattr(module, "gradient_checkpointing", False))))
+
+        self._handles.append(transformer.register_forward_pre_hook(pre, with_kwargs=True))
+        return self
+
+    def take(self) -> dict[str, float]:
+        """{phase: model FLOPs of this rank} since the last take (one host sync for all the calls)."""
+        import torch
+
+        if not self._pending:
+            return {}
+        device = self._pending[0][3].device
+        counts = torch.cat([p[3].reshape(-1).to(device) for p in self._pending]).tolist()
+        out: dict[str, float] = {}
+        i = 0
+        for phase, shape, n_video, valid, train, r, ckpt in self._pending:
+            texts = [int(n) for n in counts[i:i + valid.numel()]]
+            i += valid.numel()
+            f = transformer_flops(n_video, texts, shape, train=train, lora_r=r, checkpointing=ckpt)
+            out[phase] = out.get(phase, 0.0) + f.model / self.sp_size
+        self._pending.clear()
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -125,3 +125,67 @@ def test_mfu():
     assert mfu(989.4e12, 2.0, 989.4) == pytest.approx(0.5)
     assert mfu(1e12, 1.0, None) is None
     assert mfu(1e12, 0.0, 100.0) is None
+
+
+# ------------------------------------------------------------------------------------------------------ the meter
+
+
+def _metered(train: str | None, *, image=False, checkpointing=False, sp_size=1, lora_r=0, adapters=True):
+    """One call of the tiny transformer (valid-token attention) on a CFG-like batch under a FlopMeter -> (what the
+    meter counted, the valid encoder tokens per sample, the shape)."""
+    from helpers import IMG, attention_inputs, perturbed_transformer
+
+    from sage_grpo.flops import FlopMeter
+    from sage_grpo.models.attention import use_valid_token_attention
+    from sage_grpo.models.lora import setup_trainable
+
+    model = use_valid_token_attention(perturbed_transformer(torch.float32))
+    setup_trainable(model, use_lora=bool(lora_r), lora_r=lora_r or 8)
+    if train is None:
+        model.requires_grad_(False)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    if not adapters:
+        model.disable_adapters()
+    meter = FlopMeter(lora_r=lora_r, sp_size=sp_size).attach(model)
+    inputs = attention_inputs(torch.float32, txt_valid=(17, 3), b5_valid=(5, 1), image=image)
+    model(**inputs)  # outside any phase: not counted
+    meter.phase = "update"
+    with torch.set_grad_enabled(train is not None):
+        out = model(**inputs)[0]
+    if train is not None:
+        out.sum().backward()
+    meter.phase = None
+    text = [17 + 5 + IMG * image, 3 + 1 + IMG * image]
+    return meter.take(), text, TransformerShape.of(model.config)
+
+
+def test_meter_counts_a_forward_from_the_call_shapes():
+    got, text, shape = _metered(None)
+    assert text == [22, 4]
+    assert got == {"update": transformer_flops(72, text, shape).model}  # 3 x 4 x 6 latent = 72 video tokens
+    got, text, shape = _metered(None, image=True)  # image embeddings not all zero: the image tokens are valid
+    assert got == {"update": transformer_flops(72, text, shape).model}
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_meter_counts_backward_not_recomputation(lora_r):
+    train = "lora" if lora_r else "full"
+    got, text, shape = _metered(train, checkpointing=True, lora_r=lora_r)
+    want = transformer_flops(72, text, shape, train=train, lora_r=lora_r, checkpointing=True)
+    assert want.recompute > 0 and got == {"update": want.model}
+
+
+def test_meter_shares_an_sp_call_and_drops_disabled_adapters():
+    got, text, shape = _metered(None, sp_size=2)
+    assert got == {"update": transformer_flops(72, text, shape).model / 2}
+    got, text, shape = _metered(None, lora_r=4, adapters=False)  # the fixed LoRA anchor: the base alone
+    assert got == {"update": transformer_flops(72, text, shape).model}
+
+
+def test_no_default_peak_on_the_cpu_or_for_fp32():
+    from sage_grpo.flops import device_peak_tflops
+
+    assert device_peak_tflops(0.0, torch.device("cpu"), "bf16") is None
+    assert device_peak_tflops(0.0, torch.device("cuda"), "fp32") is None
+    assert device_peak_tflops(312.0, torch.device("cpu"), "bf16") == 312.0

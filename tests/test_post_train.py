@@ -63,12 +63,12 @@ def test_train_state_restores_every_field():
 def test_two_steps_write_everything_and_train(tiny_model, tmp_path, capsys):
     out = tmp_path / "run"
     pt.main(_args(tiny_model, out, "--validation_interval", "2", "--validation_num_inference_steps", "2",
-                  "--validate_video_length", "5"))
+                  "--validate_video_length", "5", "--peak_tflops", "0.5"))
     # not a terminal: one compact line per step with the live numbers, no progress-bar redraws, no library noise
     shown = capsys.readouterr()
     for step in (1, 2):
         assert re.search(rf"\[post_train\] step {step}/2  reward 0\.\d{{4}}  kl \d\.\d\de[+-]\d\d  clip \d\.\d{{3}}  "
-                         r"s/step \d+\.\d\d", shown.out), shown.out
+                         r"s/step \d+\.\d\d  TFLOP/s \d\.\d+(e-\d\d)?  MFU \d+\.\d%", shown.out), shown.out
     assert "\r" not in shown.err and "it/s" not in shown.err and "torch.distributed is disabled" not in shown.err
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
@@ -76,6 +76,13 @@ def test_two_steps_write_everything_and_train(tiny_model, tmp_path, capsys):
         for k, v in r.items():
             assert v is not None and (not isinstance(v, float) or math.isfinite(v)), (k, v)
     assert rows[0]["train/ratio_min"] == rows[0]["train/ratio_max"] == 1.0  # re-scored in the rollout's chunks
+    for r in rows:  # the transformer's model FLOPs per phase, their rate and MFU against --peak_tflops
+        for phase in ("rollout", "update", "step"):
+            assert r[f"perf/{phase}_tflop"] > 0
+            assert r[f"perf/{phase}_tflops"] == pytest.approx(r[f"perf/{phase}_tflop"] / r[f"perf/{phase}_s"])
+            assert r[f"perf/{phase}_mfu"] == pytest.approx(r[f"perf/{phase}_tflops"] / 0.5)
+        assert "perf/reward_tflop" not in r
+    assert rows[1]["perf/validation_tflop"] > 0
     assert rows[1]["val/videos"] == 4
     assert (out / "curves.png").stat().st_size > 0 and (out / "config.yaml").is_file()
     videos = sorted((out / "samples" / "step_000002").glob("*.mp4"))
