@@ -397,6 +397,7 @@ def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, lis
     `sage_grpo.models.parallelize` (sequence parallelism, activation checkpointing, FSDP2). Under FSDP2 it is built
     on the meta device and each rank reads only its rows of the weights (no rank ever holds the whole model);
     otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
+    from sage_grpo.models.attention import set_attention_backend
     from sage_grpo.models.loading import attach_transformer, load_transformer
     from sage_grpo.models.lora import setup_trainable
     from sage_grpo.models.parallelize import load_sharded_transformer, parallelize
@@ -429,6 +430,7 @@ def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, lis
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
         trainable = setup_trainable(transformer, **lora)
         parallelize(transformer, info, gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
+    set_attention_backend(transformer, m.attention_backend)  # every block's processor, Ulysses' included
     return transformer, trainable
 
 
@@ -1398,6 +1400,7 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     from sage_grpo.checkpoint import resolve_resume, run_outputs
     from sage_grpo.data import read_prompts
     from sage_grpo.metrics import check_report_to
+    from sage_grpo.models.attention import check_attention_backend
     from sage_grpo.models.image_cond import check_reference_images
     from sage_grpo.models.loading import locate_model
     from sage_grpo.rewards import get_reward_builder
@@ -1421,6 +1424,9 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     if ck.resume_from_checkpoint and ck.overwrite_output_dir:
         raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
+    # on the device init_distributed will pick (CUDA whenever it is there), in the compute dtype, with its backward
+    check_attention_backend(cfg.model.attention_backend, "cuda" if torch.cuda.is_available() else "cpu",
+                            torch_dtype(cfg.model.dtype), training=True)
     prompts = read_prompts(cfg.data.train_video_csv)  # one task per file (sage_grpo.data)
     val_records = load_validation_records(cfg, prompts)
     validation_metrics_spec(cfg, val_records)

@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from .errors import SageGRPOError
+from .models.attention import ATTENTION_BACKENDS
 from .sde import CPS_LOGPROB_MODES, SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule
 
 __all__ = [
@@ -103,6 +104,14 @@ class ModelConfig:
                                "anchor and validation forwards, and in generate.py. The first forwards of a run pay "
                                "the compilation (a few graphs, see sage_grpo/models/compile.py); inductor on the CPU "
                                "needs a C compiler.")
+    attention_backend: str = opt("auto", "Kernel of the transformer's valid-token attention: a backend of diffusers' "
+                                         "attention dispatcher (native: torch's SDPA choosing flash / memory-"
+                                         "efficient / cuDNN; _native_*: one SDPA kernel; flex; flash, _flash_3 "
+                                         "(packages) and *_hub (Hub kernels); sage (no backward: generation only); "
+                                         "xformers). auto keeps diffusers' active backend (native unless "
+                                         "DIFFUSERS_ATTN_BACKEND says otherwise). One the machine cannot run is "
+                                         "refused before any model loads, naming the ones it can.",
+                                 ATTENTION_BACKENDS)
     use_lora: bool = opt(False, "Train LoRA adapters (peft) instead of the full transformer.")
     lora_r: int = opt(8, "LoRA rank.")
     lora_alpha: int = opt(16, "LoRA alpha (scale = alpha / r).")
