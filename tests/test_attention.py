@@ -185,6 +185,21 @@ def test_every_backend_that_runs_on_the_cpu_gives_natives_outputs_and_gradients(
         assert max(float((g[k] - g_n[k]).abs().max()) for k in g_n) <= 1e-5 * g_max, name
 
 
+def test_a_backend_that_runs_only_forward_on_the_cpu_gives_natives_outputs():
+    """flex runs a forward on the CPU in fp32 (no backward there): generation can use it, with native's outputs."""
+    from sage_grpo.models.attention import set_attention_backend
+
+    forward_only = [b for b in _cpu_backends(training=False) if b not in _cpu_backends()]
+    assert "flex" in forward_only
+    inputs = attention_inputs(torch.float32)
+    model = use_valid_token_attention(perturbed_transformer(torch.float32))
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        for name in forward_only:
+            out = set_attention_backend(model, name)(**inputs)[0]
+            assert (out - ref).abs().max() <= 1e-5 * ref.abs().max(), name
+
+
 def test_the_backend_reaches_every_processor_and_survives_switching_and_sequence_parallelism():
     from sage_grpo.models.attention import attention_backend_of, set_attention_backend
     from sage_grpo.models.sequence_parallel import UlyssesAttnProcessor
