@@ -662,9 +662,10 @@ def ratio_text(fr: dict) -> str:
 
 
 def flops_cells(res: dict, phase: str) -> str:
-    """'TFLOP/s | MFU (of the measured matmul rate)' of a run's phase: '-' for a phase without transformer work,
-    NOT_MEASURED where the run measured none (the CPU, or a report without them)."""
-    if phase not in ("rollout", "anchor", "update"):
+    """'TFLOP/s | MFU (of the measured matmul rate)' of a run's phase: '-' for a phase without transformer work or
+    that ran no forward ("not run"), NOT_MEASURED where the run measured none (the CPU, or a report without them)."""
+    ran = all(row["verdict"] != "not run" for row in res.get("plan_comparison", []) if row["phase"] == phase)
+    if phase not in ("rollout", "anchor", "update") or not ran:  # no transformer work, or no forward this time
         return "- | -"
     u = (res.get("utilisation") or {}).get(phase) or {}
     if u.get("tflops") is None:

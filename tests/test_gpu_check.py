@@ -251,12 +251,16 @@ def _run_report(out: Path, stage: str, tflops: dict, peak, matmul) -> None:
 def test_tables_show_tflops_and_mfu_against_the_datasheet_and_the_measured_matmul(tmp_path):
     _run_report(tmp_path, "lora", {"rollout": 300.0, "anchor": float("nan"), "update": 250.0, "step": 200.0},
                 peak=1000.0, matmul=750.0)
+    report = tmp_path / "gpu_check_lora.json"
+    data = json.loads(report.read_text())
+    data["results"]["plan_comparison"][2]["verdict"] = "not run"  # the anchor of a first step: no forward
+    report.write_text(json.dumps(data))
     summary = gpu_check.render_summary(tmp_path)
     assert "| run | phase | s per video | TFLOP/s | MFU (of the measured bf16 matmul rate) | peak GiB |" in summary
     row = next(line for line in summary.splitlines() if line.startswith("| LoRA, "))
     # rollout / decode+reward / anchor (no forward) / update / optimizer step
-    assert "| 300 / - / not yet measured on a GPU / 250 / - |" in row
-    assert "| 30% (40%) / - / not yet measured on a GPU / 25% (33%) / - |" in row
+    assert "| 300 / - / - / 250 / - |" in row
+    assert "| 30% (40%) / - / - / 25% (33%) / - |" in row
     # the full fine-tuning run is not measured: every cell says so
     assert "| full fine-tuning | " + " / ".join(gpu_check.PHASE_MAP.values()) + " | " + " | ".join(
         [gpu_check.NOT_MEASURED] * 6) + " |" in summary
