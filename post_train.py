@@ -1397,6 +1397,8 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     world size (and the processes per node: a sequence-parallel group must not cross nodes), the resume target, the
     metrics sinks and the prompt files. `scripts/check_launch.py` runs it for the launchers before torchrun spawns
     a worker, so a user error is one line, not one per rank."""
+    import os
+
     from sage_grpo.checkpoint import resolve_resume, run_outputs
     from sage_grpo.data import read_prompts
     from sage_grpo.metrics import check_report_to
@@ -1424,9 +1426,10 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     if ck.resume_from_checkpoint and ck.overwrite_output_dir:
         raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
-    # on the device init_distributed will pick (CUDA whenever it is there), in the compute dtype, with its backward
-    check_attention_backend(cfg.model.attention_backend, "cuda" if torch.cuda.is_available() else "cpu",
-                            torch_dtype(cfg.model.dtype), training=True)
+    # on the device init_distributed will pick (this rank's GPU whenever there is one), in the compute dtype, with
+    # its backward; "auto" touches no device
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
+    check_attention_backend(cfg.model.attention_backend, device, torch_dtype(cfg.model.dtype), training=True)
     prompts = read_prompts(cfg.data.train_video_csv)  # one task per file (sage_grpo.data)
     val_records = load_validation_records(cfg, prompts)
     validation_metrics_spec(cfg, val_records)

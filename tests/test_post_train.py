@@ -562,6 +562,12 @@ def test_two_rank_layouts_train_resume_and_match_one_process(tiny_model, two_ran
         assert x["reward/total_mean"] == pytest.approx(y["reward/total_mean"], rel=1e-5)
         assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-4)  # (the loss itself is ~1e-8:
         # ratio 1 makes it a sum of advantages that cancel, so it compares float noise)
+        # the transformer's model FLOPs, counted per rank (an sp pair counts half of each call it makes together):
+        # the two ranks' mean is half of one process's; the rollout's only without a shared prefix, which each rank
+        # runs for the prompt of its part of the group
+        assert x["perf/update_tflop"] == pytest.approx(y["perf/update_tflop"] / 2, rel=1e-9)
+        if "--shared_prefix" not in LAYOUTS[layout][1]:
+            assert x["perf/rollout_tflop"] == pytest.approx(y["perf/rollout_tflop"] / 2, rel=1e-9)
     # the update: after 2 steps the 2-rank weights are those of one process up to a fraction of how far training
     # moved them. Both optimizers are ill-conditioned here, so the strong check is the gradient norm above: Adam's
     # first steps are ~lr * sign(g), flipped by float noise where g ~ 0 (measured 0.2% with full fine-tuning, 0.005%
