@@ -34,6 +34,7 @@ from sage_grpo.cli import CLIParser, check_output_file, check_writable_dir, quie
 from sage_grpo.config import DTYPES, parse_bool, parse_size
 from sage_grpo.errors import SageGRPOError, run_cli
 from sage_grpo.hostmem import free_host_memory_eagerly
+from sage_grpo.models.attention import ATTENTION_BACKENDS
 from sage_grpo.sde import SAMPLERS
 
 MAX_SEED = 2**63 - 1  # seeds are hashed as signed 64-bit integers
@@ -101,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
       "(float8_e4m3fn, per-output-channel scales; dequantized as each layer runs), as post_train.py --fp8_base "
       "trains them; a LoRA adapter stays beside them unmerged (default: the run's own setting for a --checkpoint_path "
       f"of a LoRA run, else model.fp8_base, {str(m.fp8_base).lower()})")
+    a("--attention_backend", default=None, choices=ATTENTION_BACKENDS, help="kernel of the transformer's attention "
+      f"(default: model.attention_backend, {m.attention_backend}; post_train.py's flag: sage runs here, having no "
+      "backward; one this machine cannot run is one line before any model loads)")
     a("--sp_size", type=int, default=1, help="Ulysses sequence-parallel degree under torchrun: each group of sp_size "
       "ranks samples one video at a time (must divide the world size and the 16 heads; default %(default)s; the "
       "prompts are split over the world_size / sp_size groups)")
@@ -212,6 +216,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         "offload_text_encoder": m.offload_text_encoder,
         "vae_tiling": m.vae_tiling,
         "compile": m.compile,
+        "attention_backend": m.attention_backend,
     }
     explicit_clamp = args.sage_sigma_clamp is not None
     # set by the user (flag or the YAML's validation key) or the run: the checkpoint's own default never replaces them
@@ -412,6 +417,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
                             f"(torchrun --nproc_per_node x nodes)")
 
     from sage_grpo.generation import record_noise_seed, sample_videos, write_sample
+    from sage_grpo.models.attention import check_attention_backend, set_attention_backend
     from sage_grpo.models.fp8 import quantize_base
     from sage_grpo.models.loading import (
         attach_transformer,
@@ -430,6 +436,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     info = init_distributed(args.sp_size, 1)  # no process group for one process
     rank, device = info.rank, info.device
     dtype = resolve_dtype(args.dtype)
+    check_attention_backend(args.attention_backend, device, dtype, training=False)  # before any model loads
 
     ensure_tiny_checkpoint(args.model_path, is_main=rank == 0, log=lambda msg: print(f"[generate] {msg}", flush=True))
     from sage_grpo.models.image_cond import ImageConditioningCache, check_task
@@ -486,6 +493,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         setup_trainable(pipe.transformer, use_lora=True, lora_r=args.lora["r"], lora_alpha=args.lora["alpha"],
                         lora_target_modules=args.lora["targets"], pretrained_lora_path=adapter)
     pipe.transformer.requires_grad_(False).eval()
+    set_attention_backend(pipe.transformer, args.attention_backend)
     # an sp group samples each of its videos together: same prompts and seeds on every peer, so the same inputs
     parallelize(pipe.transformer, info, compile=args.compile)
     written = []

@@ -398,6 +398,7 @@ def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, lis
     `sage_grpo.models.parallelize` (sequence parallelism, activation checkpointing, FSDP2). Under FSDP2 it is built
     on the meta device and each rank reads only its rows of the weights (no rank ever holds the whole model);
     otherwise the whole model is loaded and the LoRA adapter (if any) injected."""
+    from sage_grpo.models.attention import set_attention_backend
     from sage_grpo.models.fp8 import quantize_base
     from sage_grpo.models.loading import attach_transformer, load_transformer
     from sage_grpo.models.lora import setup_trainable
@@ -434,6 +435,7 @@ def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, lis
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices are drawn from the global generator
         trainable = setup_trainable(transformer, **lora)
         parallelize(transformer, info, gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
+    set_attention_backend(transformer, m.attention_backend)  # every block's processor, Ulysses' included
     return transformer, trainable
 
 
@@ -443,24 +445,44 @@ def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, lis
 
 class PhaseClock:
     """Seconds per phase of one step (the loop's perf/* metrics). `hook(name)`, when given, is a context manager
-    entered around each phase: scripts/bench_step.py tags its counters with it."""
+    entered around each phase: scripts/bench_step.py tags its counters with it. `meter` (sage_grpo.flops.FlopMeter),
+    when given, counts the transformer's model FLOPs per phase: perf/<phase>_tflop, TFLOP/s and, with a peak, MFU."""
 
     TRAINING = ("refresh", "rollout", "reward", "plan", "anchor", "update", "optimizer")  # perf/step_s sums these
 
-    def __init__(self, hook=None):
-        self.hook = hook
+    def __init__(self, hook=None, meter=None, peak_tflops: float | None = None):
+        self.hook, self.meter, self.peak = hook, meter, peak_tflops
         self.seconds: dict[str, float] = defaultdict(float)
 
     @contextmanager
     def __call__(self, name: str):
         t0 = time.perf_counter()
-        with self.hook(name) if self.hook is not None else nullcontext():
-            yield
+        if self.meter is not None:
+            self.meter.phase = name
+        try:
+            with self.hook(name) if self.hook is not None else nullcontext():
+                yield
+        finally:
+            if self.meter is not None:
+                self.meter.phase = None
         self.seconds[name] += time.perf_counter() - t0
 
     def metrics(self) -> dict:
+        from sage_grpo.flops import mfu
+
         out = {f"perf/{k}_s": v for k, v in self.seconds.items()}
         out["perf/step_s"] = sum(self.seconds.get(k, 0.0) for k in self.TRAINING)
+        if self.meter is None:
+            return out
+        flop = self.meter.take()  # {phase: this rank's model FLOPs}
+        flop["step"] = sum(v for k, v in flop.items() if k in self.TRAINING)
+        for phase, f in flop.items():
+            seconds = out[f"perf/{phase}_s"]
+            out[f"perf/{phase}_tflop"] = f / 1e12
+            if seconds > 0:
+                out[f"perf/{phase}_tflops"] = f / 1e12 / seconds
+            if (u := mfu(f, seconds, self.peak)) is not None:
+                out[f"perf/{phase}_mfu"] = u
         return out
 
 
@@ -468,6 +490,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
     """The loop: until max_steps, or a stop signal (checkpoint, return), or too many steps without a finite reward
     (checkpoint, error). `logger` receives the metrics on rank 0 (None elsewhere); `hook` see PhaseClock;
     `final_save` False skips the checkpoint after the last step (the benchmark)."""
+    from sage_grpo.flops import device_peak_tflops
     from sage_grpo.grpo import UpdateStats
     from sage_grpo.metrics import plot_curves
     from sage_grpo.parallel.dist import mean_metrics
@@ -481,9 +504,10 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
             log_videos(logger, c, 0)
     last_saved = state.step
     live = LiveNumbers(info.is_main, o.max_steps, state.step, cfg.logging.log_interval)
+    meter, peak = flop_meter(c), device_peak_tflops(cfg.logging.peak_tflops, info.device, cfg.model.dtype)
     with StopRequest() as stop:
         while state.step < o.max_steps:
-            clock = PhaseClock(hook)
+            clock = PhaseClock(hook, meter, peak)
             # a moving anchor is refreshed between updates only, never inside an accumulation
             if state.accum_rounds == 0 and c.anchor.due(state.updates, state.anchor_refreshed_at):
                 with clock("refresh"):
@@ -565,6 +589,7 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
                 mark_clean_stop(info, state.step)
                 break
     live.close()
+    meter.close()
     if state.hacking_warned:
         print0(info, "warning: held-out metrics moved the wrong way while the trained reward rose (possible reward "
                "hacking): " + ", ".join(f"{k} (step {s})" for k, s in state.hacking_warned.items()))
@@ -572,12 +597,26 @@ def train(c: Components, state: TrainState, logger=None, *, hook=None, final_sav
         save(c, state)
 
 
+def flop_meter(c: Components):
+    """A FlopMeter on the policy and on the anchor's own module (full fine-tuning), attached after the anchor was
+    copied from the policy (a hook on the policy would be copied with it)."""
+    from sage_grpo.flops import FlopMeter
+
+    m = c.cfg.model
+    meter = FlopMeter(lora_r=m.lora_r if m.use_lora else 0, sp_size=c.info.sp_size).attach(c.transformer)
+    if c.anchor.model is not None:
+        meter.attach(c.anchor.model)
+    return meter
+
+
 class LiveNumbers:
-    """What a run shows on rank 0: on a terminal, the step bar with the reward mean, L_KL, clip fraction and seconds
-    per step; in a log file (no terminal), one compact line every log_interval steps instead of tqdm's redraws."""
+    """What a run shows on rank 0: on a terminal, the step bar with the reward mean, L_KL, clip fraction, seconds per
+    step, the step's transformer TFLOP/s and (with a known peak) MFU; in a log file (no terminal), one compact line
+    every log_interval steps instead of tqdm's redraws."""
 
     KEYS = (("reward", "reward/total_mean", "{:.4f}"), ("kl", "kl/loss", "{:.2e}"),
-            ("clip", "train/clipfrac", "{:.3f}"), ("s/step", "perf/step_s", "{:.2f}"))
+            ("clip", "train/clipfrac", "{:.3f}"), ("s/step", "perf/step_s", "{:.2f}"),
+            ("TFLOP/s", "perf/step_tflops", "{:.3g}"), ("MFU", "perf/step_mfu", "{:.1%}"))
 
     def __init__(self, main: bool, total: int, initial: int, every: int):
         self.main, self.total, self.every = main, total, every
@@ -1221,9 +1260,12 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     world size (and the processes per node: a sequence-parallel group must not cross nodes), the resume target, the
     metrics sinks and the prompt files. `scripts/check_launch.py` runs it for the launchers before torchrun spawns
     a worker, so a user error is one line, not one per rank."""
+    import os
+
     from sage_grpo.checkpoint import resolve_resume, run_outputs
     from sage_grpo.data import read_prompts
     from sage_grpo.metrics import check_report_to
+    from sage_grpo.models.attention import check_attention_backend
     from sage_grpo.models.image_cond import check_reference_images
     from sage_grpo.models.loading import locate_model
     from sage_grpo.rewards import get_reward_builder
@@ -1247,6 +1289,10 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     if ck.resume_from_checkpoint and ck.overwrite_output_dir:
         raise SageGRPOError("--overwrite_output_dir deletes what --resume_from_checkpoint would continue; pass one")
     check_report_to(cfg.logging.report_to)
+    # on the device init_distributed will pick (this rank's GPU whenever there is one), in the compute dtype, with
+    # its backward; "auto" touches no device
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
+    check_attention_backend(cfg.model.attention_backend, device, torch_dtype(cfg.model.dtype), training=True)
     prompts = read_prompts(cfg.data.train_video_csv)  # one task per file (sage_grpo.data)
     val_records = load_validation_records(cfg, prompts)
     validation_metrics_spec(cfg, val_records)

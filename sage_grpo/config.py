@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from .errors import SageGRPOError
+from .models.attention import ATTENTION_BACKENDS
 from .sde import CPS_LOGPROB_MODES, SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule
 
 __all__ = [
@@ -103,6 +104,14 @@ class ModelConfig:
                                "anchor and validation forwards, and in generate.py. The first forwards of a run pay "
                                "the compilation (a few graphs, see sage_grpo/models/compile.py); inductor on the CPU "
                                "needs a C compiler.")
+    attention_backend: str = opt("auto", "Kernel of the transformer's valid-token attention: a backend of diffusers' "
+                                         "attention dispatcher (native: torch's SDPA choosing flash / memory-"
+                                         "efficient / cuDNN; _native_*: one SDPA kernel; flex; flash, _flash_3 "
+                                         "(packages) and *_hub (Hub kernels); sage (no backward: generation only); "
+                                         "xformers). auto keeps diffusers' active backend (native unless "
+                                         "DIFFUSERS_ATTN_BACKEND says otherwise). One the machine cannot run is "
+                                         "refused before any model loads, naming the ones it can.",
+                                 ATTENTION_BACKENDS)
     use_lora: bool = opt(False, "Train LoRA adapters (peft) instead of the full transformer.")
     lora_r: int = opt(8, "LoRA rank.")
     lora_alpha: int = opt(16, "LoRA alpha (scale = alpha / r).")
@@ -435,6 +444,10 @@ class LoggingConfig:
                                "log_interval when not on a terminal, is what a run shows).")
     threads: int = opt(0, "torch CPU threads per process (intra-op); 0 = torch's default (all cores). On a shared CPU "
                           "machine 1-2 avoids oversubscription; also the environment variable OMP_NUM_THREADS.")
+    peak_tflops: float = opt(0.0, "Peak dense TFLOP/s of one device that MFU is computed against (perf/*_mfu, the log "
+                                  "line's MFU). 0 = the device's dense bf16 peak from the table in sage_grpo/flops.py "
+                                  "(H100, H200, A100, L40S, RTX 4090, ...) for --dtype bf16 or fp16; on the CPU, an "
+                                  "unknown device or fp32 compute: TFLOP/s only, no MFU.")
 
 
 GROUPS: dict[str, type] = {
@@ -836,6 +849,7 @@ def check_values(cfg: Config) -> None:
         "max_steps": o.max_steps,
         "warmup_steps": o.warmup_steps,
         "threads": cfg.logging.threads,
+        "peak_tflops": cfg.logging.peak_tflops,
         "num_workers": d.num_workers,
         "save_interval": cfg.checkpoint.save_interval,
         "validation_interval": v.validation_interval,

@@ -11,8 +11,15 @@ Alternatives measured for the CFG pair (attention call only): one packed `varlen
 [B,1,1,S] key-padding mask. A correctness check compares ours with diffusers' processor on the device first
 (fp32 outputs and gradients, and the bf16 block outputs at the measured size).
 
+With --backends (comma list of --attention_backend names), the valid-token block on the CFG pair once per attention
+backend of diffusers' dispatcher: forward and forward+backward with checkpointing (median ms), TFLOP/s of the
+model FLOPs (sage_grpo.flops: the forward's, and forward + backward of full fine-tuning; the recomputation is not
+counted) and the output's largest difference from native's. A backend this machine cannot run is listed with the
+reason; one without a backward (sage) is timed forward only.
+
     python scripts/bench_attention.py                 # GPU, writes $OUT/bench_attention.json when OUT is set
     python scripts/bench_attention.py --cpu           # small CPU sanity mode (a few seconds)
+    python scripts/bench_attention.py --backends _native_flash,_native_cudnn,_native_efficient,flash,_flash_3,flex
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ def parse(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="directory for bench_attention.json")
+    p.add_argument("--backends", default="", help="comma list of attention backends (--attention_backend names) to "
+                   "measure one after another on the valid-token block; native, the reference, is always measured")
     a = p.parse_args(argv)
     if a.cpu:
         a.heads, a.head_dim, a.latent, a.mllm, a.byt5, a.image = 4, 32, "3,8,12", 100, 32, 64
@@ -266,6 +275,8 @@ def main(argv=None):
     gen = torch.Generator(device=dev).manual_seed(0)
     for batch in (1, 2):
         rows += measure_batch(args, batch, block, freqs, n_video, d, dev, dtype, gen, res)
+    if args.backends:
+        res["backends"] = measure_backends(args, block, freqs, n_video, d, dev, dtype, gen)
     block.attn.set_processor(stock_proc)
     res["rows"] = rows
     print({k: v for k, v in res.items() if k.endswith(("diff", "abs"))})
@@ -283,6 +294,59 @@ def main(argv=None):
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_attention.json").write_text(json.dumps(res, indent=1))
     return res
+
+
+def measure_backends(args, block, freqs, n_video, d, dev, dtype, gen) -> list[dict]:
+    """The valid-token block on the CFG pair under each of --backends (native first: the reference) -> one row each."""
+    from sage_grpo.flops import TransformerShape, block_flops
+
+    x, enc, temb, mask, valid = inputs(args, 2, n_video, d, dev, dtype, gen)
+    shape = TransformerShape(hidden=d, blocks=1)
+    fwd_flop = sum(block_flops(n_video, v, shape)[0] for v in valid)
+    train_flop = sum(sum(block_flops(n_video, v, shape, train="full")) for v in valid)
+    gvid = torch.randn_like(x)
+
+    def fwd():
+        with torch.no_grad():
+            return block(x, enc, temb, mask, freqs)
+
+    def fwdbwd():
+        xi = x.detach().requires_grad_(True)
+        torch.utils.checkpoint.checkpoint(block, xi, enc, temb, mask, freqs, use_reentrant=False)[0].backward(gvid)
+        block.zero_grad(set_to_none=True)
+
+    use(block, "ours")
+    holder = _Holder(block)
+    names = ["native"] + [n.strip() for n in args.backends.split(",") if n.strip() and n.strip() != "native"]
+    rows, ref = [], None
+    for name in names:
+        reason = A.probe_attention_backend(name, dev, dtype, training=True)
+        forward_only = reason is not None and reason.startswith("has no backward")
+        if reason is not None and not forward_only:
+            rows.append({"backend": name, "runs": False, "reason": reason})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        A.set_attention_backend(holder, name)
+        out = fwd()[0].float()
+        ref = out if ref is None else ref
+        f_ms = median_ms(fwd, dev, args.reps)
+        fb_ms = None if forward_only else median_ms(fwdbwd, dev, max(3, args.reps // 2))
+        rows.append({"backend": name, "runs": True, "reason": reason, "forward_ms": f_ms, "fwdbwd_ckpt_ms": fb_ms,
+                     "forward_tflops": fwd_flop / f_ms / 1e9,
+                     "fwdbwd_tflops": train_flop / fb_ms / 1e9 if fb_ms else None,
+                     "out_max_abs_diff_vs_native": float((out - ref).abs().max()), "valid": valid})
+        print(json.dumps(rows[-1]), flush=True)
+    A.set_attention_backend(holder, "auto")
+    use(block, "diffusers")
+    print(f"{'backend':>18} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'max |out - native|':>19}")
+    for r in rows:
+        if not r["runs"]:
+            print(f"{r['backend']:>18}  cannot run here: {r['reason']}")
+            continue
+        fb = ("-", "-") if r["fwdbwd_ckpt_ms"] is None else (f"{r['fwdbwd_ckpt_ms']:.2f}", f"{r['fwdbwd_tflops']:.3g}")
+        print(f"{r['backend']:>18} {r['forward_ms']:>9.2f} {r['forward_tflops']:>8.3g} {fb[0]:>11} {fb[1]:>8} "
+              f"{r['out_max_abs_diff_vs_native']:>19.3g}")
+    return rows
 
 
 class _Holder:

@@ -16,7 +16,8 @@ Reported per configuration (JSON: $OUT/bench_step.json when OUT is set, else out
              VAE decode B samples and one reward call per step; the text encoder once per distinct prompt per run.
   overhead   step wall time / time inside transformer forward + backward, VAE decode and reward calls (same clock,
              same run; steps after the first); the remainder per phase says where the rest goes.
-  phases     seconds per phase (the loop's perf/* numbers), peak RSS, peak allocated GPU memory per phase on CUDA.
+  phases     seconds per phase (the loop's perf/* numbers), peak RSS, peak allocated GPU memory per phase on CUDA;
+             the transformer's model FLOPs per phase (sage_grpo.flops), TFLOP/s and MFU against --peak_tflops.
   pipeline   our rollout phase vs diffusers' HunyuanVideo15Pipeline (same T, CFG, prompts, batch; latents out).
 
     python scripts/bench_step.py                              # tiny + small on CPU, K = 4
@@ -462,6 +463,10 @@ def summarise(cfg, c, meter: Meter, steps: list[dict], train_s: float, setup_s: 
             "remainder_s": remainder, "peak_gpu_gib": rec["peak_gpu_gib"], "mem_peak_gib": m.get("mem/peak_gib"),
             "ratio_min": m.get("train/ratio_min"), "ratio_max": m.get("train/ratio_max"),
             "approx_kl": m.get("train/approx_kl"),
+            # the loop's transformer model FLOPs per phase (sage_grpo.flops), their rate and MFU (with a peak)
+            "tflop": {k: m.get(f"perf/{k}_tflop", 0.0) for k in (*PHASES, "step")},
+            "tflops": {k: m.get(f"perf/{k}_tflops") for k in (*PHASES, "step")},
+            "mfu": {k: m.get(f"perf/{k}_mfu") for k in (*PHASES, "step")},
         })
     timed = per_step[1:] if len(per_step) > 1 else per_step  # the first step pays one-time costs
     needed = text_prompts_needed(cfg, c)
@@ -488,6 +493,8 @@ def summarise(cfg, c, meter: Meter, steps: list[dict], train_s: float, setup_s: 
             "phase_s": {k: _median([s["phase_s"][k] for s in timed]) for k in timed[0]["phase_s"]},
             "inside_s": {k: _median([s["inside_s"][k] for s in timed]) for k in timed[0]["inside_s"]},
             "remainder_s": {k: _median([s["remainder_s"][k] for s in timed]) for k in timed[0]["remainder_s"]},
+            "tflops": {k: _median([s["tflops"][k] for s in timed]) for k in (*PHASES, "step")},
+            "mfu": {k: _median([s["mfu"][k] for s in timed]) for k in (*PHASES, "step")},
         },
         "aggregate_overhead_ratio": (sum(s["step_s"] for s in timed)
                                      / max(sum(s["inside_total_s"] for s in timed), 1e-12)),
@@ -536,6 +543,8 @@ def parse(argv=None):
     ap.add_argument("--model_path", default="", help="tiny checkpoint to use (default: build one in a temp dir)")
     ap.add_argument("--json", default="", help="output JSON (default $OUT/bench_step.json or outputs/bench/)")
     ap.add_argument("--extra", default="", help="more post_train overrides for every preset, e.g. '--kl_weight 0'")
+    ap.add_argument("--peak_tflops", type=float, default=0.0, help="peak TFLOP/s of the device for MFU (post_train's "
+                    "--peak_tflops; 0 = the device's dense bf16 peak from sage_grpo/flops.py, none on the CPU)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default); 1 on a "
                     "shared CPU avoids oversubscription")
     ap.add_argument("--recipes", default="", help="comma list of cheaper-steps recipes to run on every preset (their "
@@ -584,7 +593,7 @@ def main(argv=None) -> int:
 
     for preset in a.presets:
         for recipe in a.recipes or [None]:
-            extra = shlex.split(a.extra)
+            extra = ["--peak_tflops", str(a.peak_tflops), *shlex.split(a.extra)]
             if preset == "real":
                 model = write_real_width_checkpoint(tmp / "real" / "hv", a.real_blocks)
                 extra = ["--grpo_sampling_steps", str(a.real_sampling_steps), *extra]
@@ -664,6 +673,11 @@ def report_preset(preset: str, res: dict) -> None:
           f"(transformer only {md['overhead_ratio_transformer_only']:.3f}); phases "
           + ", ".join(f"{k} {v:.3f}" for k, v in md["phase_s"].items()))
     print("   remainder: " + ", ".join(f"{k} {v:.4f}" for k, v in md["remainder_s"].items()))
+    print("   transformer TFLOP/s (model FLOPs / phase seconds): "
+          + ", ".join(f"{k} {v:.4g}" for k, v in md["tflops"].items() if math.isfinite(v))
+          + ("; MFU " + ", ".join(f"{k} {v:.1%}" for k, v in md["mfu"].items() if math.isfinite(v))
+             if math.isfinite(md["mfu"]["step"]) else "; MFU: no peak (the CPU or a device not in the table: "
+             "--peak_tflops)"))
     print(f"   peak RSS {res['peak_rss_gib']:.2f} GiB" + (f", GPU peak by phase {res['peak_gpu_gib_by_phase']}"
                                                         if res["peak_gpu_gib_by_phase"] else ""))
     pc = res["pipeline_comparison"]

@@ -22,9 +22,11 @@ outputs/gpu_check/ without $OUT) and rewriting gpu_check.md, the markdown tables
              scripts/bench_step.py's instrumentation) at 81x352x624, LoRA on a bf16 frozen base, valid-token
              attention, gradient checkpointing, tiled decode: seconds per phase and per video, per-sample transformer
              forwards per phase, peak GiB per phase next to scripts/plan_memory.py's plan for the same flags
-             (PASS within --tolerance, else FAIL; "not run" for a forward phase that did no forward), and the first
-             update's ratio (1 to float32 rounding, and whether exactly: re-scoring reproduces the rollout's
-             log-probs).
+             (PASS within --tolerance, else FAIL; "not run" for a forward phase that did no forward), the
+             transformer's TFLOP/s per phase with MFU against the card's dense bf16 peak (--peak_tflops, default
+             the datasheet's, sage_grpo/flops.py) and against its own bf16 matmul rate (measured once, 8192^3), and
+             the first update's ratio (1 to float32 rounding, and whether exactly: re-scoring reproduces the
+             rollout's log-probs).
   full       the same for full fine-tuning (fp32 master weights, AdamW + Muon, anchor copy), at the depth the planner
              says fits this GPU.
   compile    the lora flags at --compile_blocks blocks, eager and --compile: seconds per phase of each.
@@ -255,6 +257,34 @@ def frozen_parts(ck, blocks: int) -> dict:
     return {**count_frozen_parts(), "reward": 0}
 
 
+def matmul_tflops(device: str, n: int = 8192, reps: int = 20) -> float | None:
+    """The card's own dense bf16 matrix rate (TFLOP/s): [n, n] @ [n, n] in bf16, timed with CUDA events after a
+    warm-up, 2 n^3 FLOPs each. None on the CPU (the --tiny check)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(a)
+    for _ in range(3):
+        torch.mm(a, b, out=out)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        torch.mm(a, b, out=out)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def utilisation(tflops: dict, peak: float | None, matmul: float | None) -> dict:
+    """Per phase: TFLOP/s, MFU against the datasheet peak and against the card's measured matmul rate (None where
+    not measured)."""
+    ok = lambda x: x is not None and math.isfinite(x)  # noqa: E731
+    return {ph: {"tflops": v if ok(v) else None, "mfu": v / peak if ok(v) and peak else None,
+                 "of_matmul": v / matmul if ok(v) and matmul else None} for ph, v in tflops.items()}
+
+
 # ------------------------------------------------------------------------------------------------ context
 
 
@@ -283,12 +313,24 @@ class Check:
         self.ckpts = Path(a.ckpt_dir)
         self.frames, self.height, self.width = geometry(a.tiny, a.version)
         self.parts = None  # frozen_parts, computed once
+        self._matmul: list = []  # the card's measured bf16 matmul TFLOP/s, measured once
         self.gpu_gib = (a.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / GIB
                                              if self.device == "cuda" else 16.0))
         if a.memory_cap_gib:  # every plan is judged against the cap, and the allocator refuses more than it
             self.gpu_gib = a.memory_cap_gib
             cap_allocator(a.memory_cap_gib, self.device)
         self.lora_flags = [*LORA_FLAGS, *(["--fp8_base", "True"] if a.fp8_base else [])]
+
+    def matmul_tflops(self) -> float | None:
+        if not self._matmul:
+            self._matmul.append(matmul_tflops(self.device))
+        return self._matmul[0]
+
+    def peak_tflops(self) -> float | None:
+        """The dense bf16 peak MFU is computed against: --peak_tflops, else the datasheet table's for this card."""
+        from sage_grpo.flops import device_peak_tflops
+
+        return device_peak_tflops(self.a.peak_tflops, self.device, "bf16")
 
     def real_weights(self, blocks: int) -> bool:
         return bool(self.a.model_path) and blocks == self.tcfg_of_model_path()["num_layers"]
@@ -348,7 +390,7 @@ class Check:
                 "--batch_size", "2", "--num_generations", "2", "--grpo_sampling_steps", str(self.a.sampling_steps),
                 "--enable_gradient_checkpointing", "True", "--vae_tiling", "True", "--offload_text_encoder", "True",
                 "--max_steps", str(self.a.steps), "--save_interval", "0", "--validation_interval", "0",
-                "--log_interval", "1", "--report_to", "none", *flags]
+                "--log_interval", "1", "--report_to", "none", "--peak_tflops", f"{self.a.peak_tflops:g}", *flags]
 
     def write(self, stage: str, ratios: dict, results: dict, notes: list[str]) -> Path:
         from sage_grpo.benchjson import write_report
@@ -514,6 +556,10 @@ def measured_run(ck: Check, stage: str, kind: str, blocks: int, flags: list[str]
         "minimum_forwards_per_step": [s["minimum"] for s in res["per_step"]],
         "peak_gib_by_phase": measured, "plan_phases_gib": pl["phases_gib"], "plan_terms_gib": pl["terms_gib"],
         "plan_comparison": rows,
+        # the transformer's model FLOPs per second of each phase (sage_grpo.flops; medians of the timed steps) and
+        # MFU against the datasheet's dense bf16 peak and against this card's measured bf16 matmul rate
+        "peak_tflops": ck.peak_tflops(), "matmul_tflops": ck.matmul_tflops(),
+        "utilisation": utilisation(res["median"]["tflops"], ck.peak_tflops(), ck.matmul_tflops()),
         # step 1 re-scores the rollout before any optimizer update: every ratio 1, to float32 rounding
         "first_update_ratio": {"min": first["ratio_min"], "max": first["ratio_max"], "approx_kl": first["approx_kl"],
                                **ratio_verdict(first["ratio_min"], first["ratio_max"])},
@@ -638,6 +684,21 @@ def ratio_text(fr: dict) -> str:
     return "not logged" if fr["min"] is None or fr["max"] is None else f"{fr['min']:.9g} to {fr['max']:.9g}"
 
 
+def flops_cells(res: dict, phase: str) -> str:
+    """'TFLOP/s | MFU (of the measured matmul rate)' of a run's phase: '-' for a phase without transformer work or
+    that ran no forward ("not run"), NOT_MEASURED where the run measured none (the CPU, or a report without them)."""
+    ran = all(row["verdict"] != "not run" for row in res.get("plan_comparison", []) if row["phase"] == phase)
+    if phase not in ("rollout", "anchor", "update") or not ran:  # no transformer work, or no forward this time
+        return "- | -"
+    u = (res.get("utilisation") or {}).get(phase) or {}
+    if u.get("tflops") is None:
+        return f"{NOT_MEASURED} | {NOT_MEASURED}"
+    mfu = NOT_MEASURED if u["mfu"] is None else f"{u['mfu']:.0%}"
+    if u["of_matmul"] is not None:
+        mfu += f" ({u['of_matmul']:.0%})"
+    return f"{u['tflops']:.0f} | {mfu}"
+
+
 def render_markdown(out: Path) -> str:
     """The tables of every stage report in `out`."""
     reports = read_reports(out)
@@ -656,13 +717,17 @@ def render_markdown(out: Path) -> str:
         lines += [f"**{stage}** ({res['version']} {size}, {res['blocks']} blocks, {res['videos_per_step']} videos "
                   f"per step, {steps} step{'s' if steps > 1 else ''}; first update's ratio {ratio}: "
                   f"{fr['verdict']})", "",
-                  f"| phase | s per step | s per video | per-sample forwards (step {steps}) | peak GiB | plan GiB | "
-                  "error | plan check |", "|---|---|---|---|---|---|---|---|"]
+                  f"bf16 matmul rate of this card: {_f(res.get('matmul_tflops'), '{:.0f}')} TFLOP/s measured, "
+                  f"{_f(res.get('peak_tflops'), '{:g}')} on the datasheet (dense); MFU: the transformer's model "
+                  "FLOPs per second against the datasheet's peak (against the measured rate)", "",
+                  f"| phase | s per step | s per video | per-sample forwards (step {steps}) | TFLOP/s | MFU | peak GiB "
+                  "| plan GiB | error | plan check |", "|---|---|---|---|---|---|---|---|---|---|"]
         last = res["forwards_per_step"][-1]
         for row in res["plan_comparison"]:
             ph = row["phase"]
             lines.append(f"| {ph} | {_f(res['seconds_per_phase'].get(ph))} | "
                          f"{_f(res['seconds_per_phase_per_video'].get(ph))} | {last.get(ph, '-')} | "
+                         f"{flops_cells(res, ph)} | "
                          f"{_f(row['measured_gib'])} | {_f(row['planned_gib'])} | "
                          f"{'-' if row['verdict'] == 'not run' else _f(row['error'], '{:+.0%}')} | "
                          f"{row['verdict']} |")
@@ -708,14 +773,16 @@ def render_summary(out: Path) -> str:
     reports = read_reports(out)
     res = {stage: r["results"] for stage, r in reports.items()}
     lines = [host_line(reports) if reports else f"GPU: {NOT_MEASURED}.", "",
-             "| run | phase | s per video | peak GiB | plan GiB | plan check |", "|---|---|---|---|---|---|"]
+             "| run | phase | s per video | TFLOP/s | MFU (of the measured bf16 matmul rate) | peak GiB | plan GiB | "
+             "plan check |", "|---|---|---|---|---|---|---|---|"]
     for stage, name in (("lora", "LoRA"), ("full", "full fine-tuning")):
         r = res.get(stage)
         if r is None:
-            lines.append(f"| {name} | {' / '.join(PHASE_MAP.values())} | " + " | ".join([NOT_MEASURED] * 4) + " |")
+            lines.append(f"| {name} | {' / '.join(PHASE_MAP.values())} | " + " | ".join([NOT_MEASURED] * 6) + " |")
             continue
         per_video = r["seconds_per_phase_per_video"]
-        cells = [[row["plan_phase"], _f(per_video.get(row["phase"]), "{:.1f}"), _f(row["measured_gib"], "{:.1f}"),
+        cells = [[row["plan_phase"], _f(per_video.get(row["phase"]), "{:.1f}"),
+                  *flops_cells(r, row["phase"]).split(" | "), _f(row["measured_gib"], "{:.1f}"),
                   _f(row["planned_gib"], "{:.1f}"), row["verdict"]] for row in r["plan_comparison"]]
         lines.append(f"| {name}, {r['version']} {'x'.join(map(str, r['geometry']))}, {r['blocks']} blocks | "
                      + " | ".join(" / ".join(column) for column in zip(*cells)) + " |")
@@ -723,15 +790,15 @@ def render_summary(out: Path) -> str:
     depth = f", {c['blocks']} blocks" if c else ""
     lines.append(f"| `--compile` vs eager (LoRA{depth}) | seconds per phase, compiled / eager | "
                  + (", ".join(f"{k} {v:.2f}" for k, v in c["compiled_over_eager"].items()) if c else NOT_MEASURED)
-                 + " | | | |")
+                 + " | | | | | |")
     rc = res.get("recipes")
     lines.append("| cheaper-step recipes (LoRA) | step seconds / the paper recipe's | " + (
         ", ".join(f"{k} {x['step_s_over_paper']:.2f}" for k, x in rc["recipes"].items()) if rc else NOT_MEASURED)
-        + " | | | |")
+        + " | | | | | |")
     ratios = [f"{name} {ratio_text(res[s]['first_update_ratio'])} ({res[s]['first_update_ratio']['verdict']})"
               for s, name in (("lora", "LoRA"), ("full", "full")) if s in res]
     lines.append(f"| first update's ratio (bf16, CUDA) | 1 to float32 rounding | "
-                 f"{', '.join(ratios) or NOT_MEASURED} | | | |")
+                 f"{', '.join(ratios) or NOT_MEASURED} | | | | | |")
     a = res.get("attention")
     if a:
         b2 = next((x for x in a["bench_attention"]["rows"]
@@ -739,7 +806,7 @@ def render_summary(out: Path) -> str:
         speed = f"; CFG pair, fwd+bwd with checkpointing {b2['fwdbwd_ratio']:.2f} of diffusers' time" if b2 else ""
         att = ", ".join(f"{k} {v}" for k, v in a["verdicts"].items()) + speed
     lines.append("| valid-token vs diffusers' attention (bf16, real size) | equal to bf16 rounding | "
-                 f"{att if a else NOT_MEASURED} | | | |")
+                 f"{att if a else NOT_MEASURED} | | | | | |")
     return "\n".join(lines)
 
 
@@ -797,6 +864,9 @@ def parse(argv=None):
     ap.add_argument("--compile_blocks", type=int, default=8, help="blocks of the compile stage's model (default 8)")
     ap.add_argument("--compile_backend", default="", help="torch.compile backend of the compile stage (default "
                     "inductor; eager with --tiny, which keeps the CPU check quick)")
+    ap.add_argument("--peak_tflops", type=float, default=0.0, help="dense bf16 peak TFLOP/s of the card for MFU "
+                    "(default: the datasheet figure of sage_grpo/flops.py's table; the measured matmul rate is "
+                    "reported beside it)")
     ap.add_argument("--update_readme", action="store_true", help="write a summary of every stage measured in --out "
                     "into README.md's 'Measured on a GPU' block (the whole tables: gpu_check.md)")
     ap.add_argument("--verbose", action="store_true")

@@ -475,6 +475,9 @@ def stage_train(a, res: dict) -> None:
     r["step_phases_s"] = [{p: steps[k].get(f"perf/{p}_s") for p in ("rollout", "reward", "anchor", "update",
                                                                     "optimizer")} for k in sorted(steps)]
     r["reward"] = [steps[k].get("reward/total_mean") for k in sorted(steps)]
+    # the transformer's model FLOPs per second of each phase (sage_grpo.flops); MFU only with a device peak
+    r["step_tflops"] = [{p: steps[k].get(f"perf/{p}_tflops") for p in FLOP_PHASES} for k in sorted(steps)]
+    r["step_mfu"] = [{p: steps[k].get(f"perf/{p}_mfu") for p in FLOP_PHASES} for k in sorted(steps)]
     res["train"] = r
 
 
@@ -646,6 +649,28 @@ def stage_authors(a, res: dict) -> None:
 # ------------------------------------------------------------------------------------------------------ report
 
 
+FLOP_PHASES = ("rollout", "anchor", "update", "step")
+
+
+def flops_table(train: dict) -> list[str]:
+    """The training run's transformer TFLOP/s (and MFU where the run had a peak) per step and phase."""
+    if not train.get("step_tflops"):
+        return []
+
+    def cell(tflops, mfu):
+        if tflops is None:
+            return "-"
+        return f"{tflops:.4g}" + (f" ({mfu:.1%} MFU)" if mfu is not None else "")
+
+    lines = ["", "The training run's transformer TFLOP/s per step (model FLOPs of sage_grpo.flops over the phase's "
+             "seconds; MFU needs a device peak, none on the CPU):", "",
+             "| step | " + " | ".join(FLOP_PHASES) + " |", "|---|" + "---|" * len(FLOP_PHASES)]
+    for i, (tf, mf) in enumerate(zip(train["step_tflops"], train.get("step_mfu") or [{}] * len(train["step_tflops"])),
+                                 start=1):
+        lines.append(f"| {i} | " + " | ".join(cell(tf.get(p), mf.get(p)) for p in FLOP_PHASES) + " |")
+    return lines
+
+
 def table(res: dict) -> str:
     lines = ["| run | phase | peak RSS GiB | of it anonymous GiB | seconds |", "|---|---|---|---|---|"]
 
@@ -668,6 +693,7 @@ def table(res: dict) -> str:
         lines += ["", f"policy after its load{' (FP8 base)' if res['settings'].get('fp8_base') else ''}: RSS "
                   f"{resident:.2f} GiB more than before it, its parameter storage {storage:.2f} GiB; planned "
                   f"{plan:.2f} GiB (RSS {resident / plan - 1:+.1%})"]
+    lines += flops_table(res.get("train", {}))
     ranks = res.get("fsdp", {}).get("ranks", [])
     if ranks:
         keys = [*TENSOR_OWNERS, "heap", "anonymous mappings", "written file pages", "safetensors file pages",

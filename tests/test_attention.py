@@ -154,3 +154,100 @@ def test_not_a_hunyuan_transformer():
 
 def test_load_pipeline_makes_it_the_default(tiny_pipe):
     assert valid_token_attention_enabled(tiny_pipe.transformer)
+
+
+# ------------------------------------------------------------------------------------------------ --attention_backend
+
+
+def _cpu_backends(training=True):
+    from sage_grpo.models.attention import ATTENTION_BACKENDS, probe_attention_backend
+
+    return [b for b in ATTENTION_BACKENDS[1:] if not b.endswith("_hub")
+            and probe_attention_backend(b, "cpu", torch.float32, training) is None]
+
+
+def test_every_backend_that_runs_on_the_cpu_gives_natives_outputs_and_gradients():
+    from sage_grpo.models.attention import attention_backend_of, set_attention_backend
+
+    backends = _cpu_backends()
+    assert {"native", "_native_math", "_native_flash"} <= set(backends)  # torch's SDPA kernels of the CPU
+    inputs = attention_inputs(torch.float32)
+    w = torch.randn(2, tiny_transformer_config()["out_channels"], 3, 4, 6, generator=torch.Generator().manual_seed(2),
+                    dtype=torch.float64)
+    model = use_valid_token_attention(perturbed_transformer(torch.float32))
+    out_n, g_n, gx_n = _run(set_attention_backend(model, "native"), inputs, w)
+    for name in backends:
+        out, g, gx = _run(set_attention_backend(model, name), inputs, w)
+        assert attention_backend_of(model) == name
+        assert (out - out_n).abs().max() <= 1e-5 * out_n.abs().max(), name
+        assert max_rel(gx, gx_n) <= 1e-5, name
+        g_max = max(float(x.abs().max()) for x in g_n.values())
+        assert max(float((g[k] - g_n[k]).abs().max()) for k in g_n) <= 1e-5 * g_max, name
+
+
+def test_a_backend_that_runs_only_forward_on_the_cpu_gives_natives_outputs():
+    """flex runs a forward on the CPU in fp32 (no backward there): generation can use it, with native's outputs."""
+    from sage_grpo.models.attention import set_attention_backend
+
+    forward_only = [b for b in _cpu_backends(training=False) if b not in _cpu_backends()]
+    assert "flex" in forward_only
+    inputs = attention_inputs(torch.float32)
+    model = use_valid_token_attention(perturbed_transformer(torch.float32))
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        for name in forward_only:
+            out = set_attention_backend(model, name)(**inputs)[0]
+            assert (out - ref).abs().max() <= 1e-5 * ref.abs().max(), name
+
+
+def test_the_backend_reaches_every_processor_and_survives_switching_and_sequence_parallelism():
+    from sage_grpo.models.attention import attention_backend_of, set_attention_backend
+    from sage_grpo.models.sequence_parallel import UlyssesAttnProcessor
+
+    model = use_valid_token_attention(perturbed_transformer(torch.float32))
+    assert attention_backend_of(model) == "auto"  # today's default: the dispatcher's active backend
+    set_attention_backend(model, "_native_math")
+    use_diffusers_attention(model)
+    use_valid_token_attention(model)
+    assert attention_backend_of(model) == "_native_math"
+    for block in model.transformer_blocks:  # what enable_sequence_parallel installs
+        block.attn.set_processor(UlyssesAttnProcessor(state=None))
+    set_attention_backend(model, "native")
+    assert {b.attn.processor._attention_backend.value for b in model.transformer_blocks} == {"native"}
+    assert set_attention_backend(model, "auto") and attention_backend_of(model) == "auto"
+
+
+def test_a_backend_without_backward_is_refused_for_training_only(monkeypatch):
+    """SageAttention's kernels have no backward: the probe runs one, so training refuses what generation takes."""
+    from diffusers.models import attention_dispatch
+
+    from sage_grpo.models.attention import check_attention_backend, probe_attention_backend
+
+    monkeypatch.setattr(attention_dispatch, "dispatch_attention_fn", lambda q, k, v, backend: q.detach() * 2)
+    assert probe_attention_backend("native", "cpu", torch.float32, training=False) is None
+    assert probe_attention_backend("native", "cpu", torch.float32, training=True) == (
+        "has no backward (inference only: generate.py)")
+    with pytest.raises(SageGRPOError, match=r"--attention_backend native cannot run training here: has no backward"):
+        check_attention_backend("native", "cpu", torch.float32, training=True)
+
+
+def test_a_backend_this_machine_lacks_is_one_line_before_any_model_loads(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    missing = tmp_path / "no_model"  # a model that is not there: the backend is refused before anything loads it
+    p = subprocess.run([sys.executable, str(root / "post_train.py"), "--config", str(root / "configs/tiny_cpu.yaml"),
+                        "--model_path", str(missing), "--output_dir", str(tmp_path / "run"), "--report_to", "none",
+                        "--train_video_csv", str(root / "configs/tiny_prompts.txt"), "--attention_backend", "flash"],
+                       capture_output=True, text=True, cwd=root, timeout=300, env={**__import__("os").environ,
+                                                                                   "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 2, p.stderr[-2000:]
+    # the one line is the last; importing diffusers may log its own import warnings before it (torchao here)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert [line for line in lines if line.startswith("error")] == lines[-1:] and "Traceback" not in p.stderr, p.stderr
+    lines = lines[-1:]
+    assert lines[0].startswith("error: --attention_backend flash cannot run training here: not installed (")
+    assert lines[0].endswith("this machine runs: auto, " + ", ".join(_cpu_backends()))
+    assert not (tmp_path / "run").exists()

@@ -58,6 +58,13 @@ def test_counts_at_minimum_dual_kl_moving_anchor(tiny_model, tmp_path):
     assert [s["counts"]["vae_samples"] for s in res["per_step"]] == [4] * 3
     assert [s["counts"]["reward_calls"] for s in res["per_step"]] == [1] * 3
     assert res["text_encoder"]["distinct_prompts"] == 9  # 8 training prompts + the empty negative prompt
+    # model FLOPs: step 2's anchor forwards are the update's trained pairs without gradient, so the update (full
+    # fine-tuning: forward + a backward of 2 forwards) counts exactly 3x the anchor's
+    s1, s2, _ = res["per_step"]
+    assert s1["tflop"]["anchor"] == 0 < s1["tflop"]["rollout"]
+    assert s2["tflop"]["update"] == pytest.approx(3 * s2["tflop"]["anchor"], rel=1e-9)
+    assert s2["tflops"]["update"] == pytest.approx(s2["tflop"]["update"] / s2["phase_s"]["update"])
+    assert s2["mfu"]["step"] is None  # the CPU: no peak, no MFU
     s = res["per_step"][-1]
     assert s["inside_total_s"] > 0 and s["step_s"] >= s["inside_total_s"] * 0.999
 

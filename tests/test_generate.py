@@ -157,6 +157,8 @@ FLAG_ERRORS = [
     (["--num_inferenc", "3"], "unrecognized arguments"),
     (["--sp_size", "0"], "--sp_size must be >= 1"),
     (["--sp_size", "2"], "--sp_size 2 must divide the number of processes 1"),  # one process, no torchrun
+    (["--attention_backend", "flash"], "--attention_backend flash cannot run generation here: not installed"),
+    (["--attention_backend", "fast"], "invalid choice: 'fast'"),
 ]
 
 

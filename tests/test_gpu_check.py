@@ -230,3 +230,50 @@ def test_tiny_gpu_check_of_a_720p_i2v_version(tmp_path, capsys, monkeypatch):
     assert lora["first_update_ratio"]["verdict"] == "PASS"
     assert all(v is not None for v in lora["plan_phases_gib"].values())
     assert "**lora** (720p_i2v 9x48x48" in (out / "gpu_check.md").read_text()
+
+
+def _run_report(out: Path, stage: str, tflops: dict, peak, matmul) -> None:
+    """A lora/full report as measured_run writes it, with only what the tables read."""
+    from sage_grpo.benchjson import write_report
+
+    phases = list(gpu_check.PHASE_MAP)
+    rows = [{"phase": ph, "plan_phase": gpu_check.PHASE_MAP[ph], "measured_gib": 20.0, "planned_gib": 20.5,
+             "error": 0.025, "verdict": "PASS"} for ph in phases]
+    res = {"tiny": False, "version": "480p_t2v", "geometry": [81, 352, 624], "blocks": 54, "videos_per_step": 2,
+           "seconds_per_phase": {ph: 10.0 for ph in phases}, "seconds_per_phase_per_video": {ph: 5.0 for ph in phases},
+           "forwards_per_step": [{"rollout": 32, "anchor": 0, "update": 32}], "plan_comparison": rows,
+           "first_update_ratio": {"min": 1.0, "max": 1.0, "exact": True, "verdict": "PASS"},
+           "peak_tflops": peak, "matmul_tflops": matmul,
+           "utilisation": gpu_check.utilisation(tflops, peak, matmul)}
+    write_report(out / f"gpu_check_{stage}.json", f"gpu_check_{stage}", "cpu", {}, res, [])
+
+
+def test_tables_show_tflops_and_mfu_against_the_datasheet_and_the_measured_matmul(tmp_path):
+    _run_report(tmp_path, "lora", {"rollout": 300.0, "anchor": float("nan"), "update": 250.0, "step": 200.0},
+                peak=1000.0, matmul=750.0)
+    report = tmp_path / "gpu_check_lora.json"
+    data = json.loads(report.read_text())
+    data["results"]["plan_comparison"][2]["verdict"] = "not run"  # the anchor of a first step: no forward
+    report.write_text(json.dumps(data))
+    summary = gpu_check.render_summary(tmp_path)
+    assert "| run | phase | s per video | TFLOP/s | MFU (of the measured bf16 matmul rate) | peak GiB |" in summary
+    row = next(line for line in summary.splitlines() if line.startswith("| LoRA, "))
+    # rollout / decode+reward / anchor (no forward) / update / optimizer step
+    assert "| 300 / - / - / 250 / - |" in row
+    assert "| 30% (40%) / - / - / 25% (33%) / - |" in row
+    # the full fine-tuning run is not measured: every cell says so
+    assert "| full fine-tuning | " + " / ".join(gpu_check.PHASE_MAP.values()) + " | " + " | ".join(
+        [gpu_check.NOT_MEASURED] * 6) + " |" in summary
+    assert all(line.count("|") == 9 for line in summary.splitlines() if line.startswith("|"))  # 8 columns each
+    md = gpu_check.render_markdown(tmp_path)
+    assert "bf16 matmul rate of this card: 750 TFLOP/s measured, 1000 on the datasheet" in md
+    assert "| update | 10.00 | 5.00 | 32 | 250 | 25% (33%) | 20.00 |" in md
+
+
+def test_an_unknown_card_has_tflops_without_mfu(tmp_path):
+    _run_report(tmp_path, "lora", {"rollout": 300.0, "anchor": None, "update": 250.0, "step": 200.0},
+                peak=None, matmul=None)
+    row = next(line for line in gpu_check.render_summary(tmp_path).splitlines() if line.startswith("| LoRA, "))
+    assert "| 300 / - / not yet measured on a GPU / 250 / - |" in row
+    assert "not yet measured on a GPU / - / not yet measured on a GPU / not yet measured on a GPU / -" in row
+    assert gpu_check.matmul_tflops("cpu") is None

@@ -63,12 +63,12 @@ def test_train_state_restores_every_field():
 def test_two_steps_write_everything_and_train(tiny_model, tmp_path, capsys):
     out = tmp_path / "run"
     pt.main(_args(tiny_model, out, "--validation_interval", "2", "--validation_num_inference_steps", "2",
-                  "--validate_video_length", "5"))
+                  "--validate_video_length", "5", "--peak_tflops", "0.5"))
     # not a terminal: one compact line per step with the live numbers, no progress-bar redraws, no library noise
     shown = capsys.readouterr()
     for step in (1, 2):
         assert re.search(rf"\[post_train\] step {step}/2  reward 0\.\d{{4}}  kl \d\.\d\de[+-]\d\d  clip \d\.\d{{3}}  "
-                         r"s/step \d+\.\d\d", shown.out), shown.out
+                         r"s/step \d+\.\d\d  TFLOP/s \d\.\d+(e-\d\d)?  MFU \d+\.\d%", shown.out), shown.out
     assert "\r" not in shown.err and "it/s" not in shown.err and "torch.distributed is disabled" not in shown.err
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
@@ -76,6 +76,13 @@ def test_two_steps_write_everything_and_train(tiny_model, tmp_path, capsys):
         for k, v in r.items():
             assert v is not None and (not isinstance(v, float) or math.isfinite(v)), (k, v)
     assert rows[0]["train/ratio_min"] == rows[0]["train/ratio_max"] == 1.0  # re-scored in the rollout's chunks
+    for r in rows:  # the transformer's model FLOPs per phase, their rate and MFU against --peak_tflops
+        for phase in ("rollout", "update", "step"):
+            assert r[f"perf/{phase}_tflop"] > 0
+            assert r[f"perf/{phase}_tflops"] == pytest.approx(r[f"perf/{phase}_tflop"] / r[f"perf/{phase}_s"])
+            assert r[f"perf/{phase}_mfu"] == pytest.approx(r[f"perf/{phase}_tflops"] / 0.5)
+        assert "perf/reward_tflop" not in r
+    assert rows[1]["perf/validation_tflop"] > 0
     assert rows[1]["val/videos"] == 4
     assert (out / "curves.png").stat().st_size > 0 and (out / "config.yaml").is_file()
     videos = sorted((out / "samples" / "step_000002").glob("*.mp4"))
@@ -555,6 +562,12 @@ def test_two_rank_layouts_train_resume_and_match_one_process(tiny_model, two_ran
         assert x["reward/total_mean"] == pytest.approx(y["reward/total_mean"], rel=1e-5)
         assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-4)  # (the loss itself is ~1e-8:
         # ratio 1 makes it a sum of advantages that cancel, so it compares float noise)
+        # the transformer's model FLOPs, counted per rank (an sp pair counts half of each call it makes together):
+        # the two ranks' mean is half of one process's; the rollout's only without a shared prefix, which each rank
+        # runs for the prompt of its part of the group
+        assert x["perf/update_tflop"] == pytest.approx(y["perf/update_tflop"] / 2, rel=1e-9)
+        if "--shared_prefix" not in LAYOUTS[layout][1]:
+            assert x["perf/rollout_tflop"] == pytest.approx(y["perf/rollout_tflop"] / 2, rel=1e-9)
     # the update: after 2 steps the 2-rank weights are those of one process up to a fraction of how far training
     # moved them. Both optimizers are ill-conditioned here, so the strong check is the gradient norm above: Adam's
     # first steps are ~lr * sign(g), flipped by float noise where g ~ 0 (measured 0.2% with full fine-tuning, 0.005%

@@ -24,6 +24,7 @@ def test_miniature_run_trains_resumes_bitwise_exports_and_generates(tmp_path):
     for name in ("load conditioning", "text encoding", "load policy", "rollout", "reward", "update", "save"):
         assert phases[name]["peak_rss_gib"] > 0.1 and phases[name]["seconds"] >= 0
     assert len(res["train"]["step_s"]) == 2
+    assert all(step["update"] > 0 and step["step"] > 0 for step in res["train"]["step_tflops"])
     # step 2 of the resumed run equals step 2 of the uninterrupted one, and step 2 did change the adapter
     assert res["resume"]["bitwise"] and res["resume"]["step2_change"] > 0
     assert "load checkpoint" in {ph["phase"] for ph in res["resume"]["phases"]}
@@ -65,3 +66,15 @@ def test_a_work_folder_of_other_settings_is_refused_before_anything_runs(tmp_pat
     monkeypatch.setattr(rs, "check_resources", stop)
     with pytest.raises(SystemExit, match="reached the resource check"):
         rs.main(["--work", str(work), "--stages", "fsdp"])
+
+
+def test_the_table_shows_the_training_runs_tflops():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import load_script
+
+    rs = load_script("real_size_cpu")
+    train = {"phases": [], "step_tflops": [{"rollout": 0.0123, "anchor": None, "update": 0.0456, "step": 0.02}],
+             "step_mfu": [{"rollout": 0.25, "anchor": None, "update": None, "step": None}]}
+    text = rs.table({"train": train})
+    assert "| step | rollout | anchor | update | step |" in text
+    assert "| 1 | 0.0123 (25.0% MFU) | - | 0.0456 | 0.02 |" in text

@@ -30,6 +30,8 @@ is CUDA-only); SDPA with a [B,1,1,S] key-padding mask (memory-efficient kernel) 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from sage_grpo.errors import SageGRPOError
@@ -43,6 +45,11 @@ __all__ = [
     "prefix_attention",
     "encoder_qkv",
     "dual_stream_blocks",
+    "ATTENTION_BACKENDS",
+    "set_attention_backend",
+    "attention_backend_of",
+    "probe_attention_backend",
+    "check_attention_backend",
 ]
 
 _LENGTHS_ATTR = "_sage_grpo_valid_lengths"
@@ -228,3 +235,83 @@ def use_diffusers_attention(transformer):
 
 def valid_token_attention_enabled(transformer) -> bool:
     return all(isinstance(b.attn.processor, ValidTokenAttnProcessor) for b in dual_stream_blocks(transformer))
+
+
+# --attention_backend: "auto" (the processors' default: diffusers' active backend, torch's SDPA unless
+# DIFFUSERS_ATTN_BACKEND names another) or a backend of diffusers' attention dispatcher that needs no mask: torch's
+# SDPA choosing its kernel (native) or forced to one (_native_math / _native_flash / _native_efficient /
+# _native_cudnn), flex attention, flash-attn 2 / 3 from their packages or from the Hub (`kernels`), flash 4 from the
+# Hub, SageAttention (no backward: generation only) and xformers. Which of them this machine runs is probed, not
+# assumed (`check_attention_backend`).
+ATTENTION_BACKENDS = ("auto", "native", "_native_math", "_native_flash", "_native_efficient", "_native_cudnn", "flex",
+                      "flash", "flash_hub", "_flash_3", "_flash_3_hub", "flash_4_hub", "sage", "sage_hub", "xformers")
+
+
+def set_attention_backend(transformer, name: str):
+    """Every dual-stream block's valid-token (or Ulysses) processor calls diffusers' dispatcher with backend `name`
+    ("auto": None, the dispatcher's active backend). Only this transformer: diffusers' own `set_attention_backend`
+    also changes the process-wide active backend. Returns the transformer."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    backend = None if name == "auto" else AttentionBackendName(name)
+    for block in dual_stream_blocks(transformer):
+        block.attn.processor._attention_backend = backend
+    return transformer
+
+
+def attention_backend_of(transformer) -> str:
+    """The backend name `set_attention_backend` gave the transformer ("auto" when none)."""
+    backend = dual_stream_blocks(transformer)[0].attn.processor._attention_backend
+    return "auto" if backend is None else getattr(backend, "value", str(backend))
+
+
+def probe_attention_backend(name: str, device, dtype: torch.dtype, training: bool) -> str | None:
+    """Why this machine cannot run backend `name` (None: it can): its package is missing, or one attention call
+    [1, 16 tokens, 2 heads, 128] in `dtype` on `device` fails, or (training) its backward does. A Hub backend
+    downloads its kernel here, as diffusers' set_attention_backend would."""
+    if name == "auto":
+        return None
+    from diffusers.models import attention_dispatch as dispatch
+    from diffusers.models.attention_dispatch import (
+        AttentionBackendName,
+        _check_attention_backend_requirements,
+        _maybe_download_kernel_for_backend,
+    )
+
+    try:
+        backend = AttentionBackendName(name)
+    except ValueError:
+        return "not a backend of the installed diffusers"
+    try:
+        _check_attention_backend_requirements(backend)
+        if name.endswith("_hub"):
+            _maybe_download_kernel_for_backend(backend)
+    except Exception as err:  # noqa: BLE001 - diffusers raises RuntimeError / ImportError / hub errors alike
+        return f"not installed ({str(err).splitlines()[0]})"
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 128, generator=g).to(device, dtype).requires_grad_(training) for _ in range(3))
+    try:
+        with warnings.catch_warnings():  # flex attention warns that it is not compiled: true of any probe
+            warnings.simplefilter("ignore")
+            out = dispatch.dispatch_attention_fn(q, k, v, backend=backend)
+    except Exception as err:  # noqa: BLE001 - each backend fails in its own words on a device or dtype it lacks
+        return f"does not run on {torch.device(device).type} in {dtype} ({type(err).__name__})"
+    if training:
+        try:
+            out.float().sum().backward()
+        except Exception:  # noqa: BLE001
+            return "has no backward (inference only: generate.py)"
+    return None
+
+
+def check_attention_backend(name: str, device, dtype: torch.dtype, *, training: bool, flag: str = "--attention_backend"
+                            ) -> None:
+    """One line (SageGRPOError) when this machine cannot run backend `name`, naming the ones it can (Hub backends,
+    which would download kernels, are not probed for that list). Call it before any model loads."""
+    reason = probe_attention_backend(name, device, dtype, training)
+    if reason is None:
+        return
+    can = ["auto"] + [b for b in ATTENTION_BACKENDS[1:] if not b.endswith("_hub") and b != name
+                      and probe_attention_backend(b, device, dtype, training) is None]
+    what = "training" if training else "generation"
+    raise SageGRPOError(f"{flag} {name} cannot run {what} here: {reason}; this machine runs: {', '.join(can)}")

@@ -174,12 +174,14 @@ def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch
 def build_sharded_anchor(policy: nn.Module, info, *, param_dtype: torch.dtype | None = None,
                          offload: bool = False) -> ShardedAnchor:
     """A frozen copy of the FSDP2 full-fine-tuning `policy`, built on meta from its config (no weights read),
-    parallelised with the policy's settings (sequence parallelism and compiled blocks included) and filled from its
-    local shards."""
+    parallelised with the policy's settings (sequence parallelism, compiled blocks and attention backend included)
+    and filled from its local shards."""
+    from sage_grpo.models.attention import attention_backend_of, set_attention_backend
     from sage_grpo.models.compile import blocks_compiled
 
     master = next(policy.parameters()).dtype
     module, _ = build_meta_transformer(dict(policy.config), dtype=master)
     parallelize(module, info, fsdp=True, param_dtype=param_dtype or master, master_dtype=master, offload=offload,
                 compile=blocks_compiled(policy))
+    set_attention_backend(module, attention_backend_of(policy))
     return ShardedAnchor(module, policy, torch.device("cpu") if offload else info.device)
