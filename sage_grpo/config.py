@@ -5,12 +5,14 @@ are the authors' (snake_case, one namespace across groups), so their launch scri
 `--flag` alone or `--flag True|False|1|0|yes|no|on|off`; lists are space separated.
 
 `validate(cfg, world_size)` rejects impossible batch geometry with messages that say what to change. The resolved
-config is written into the output directory by `dump_yaml` and loads back identically with `load_config`.
+config is written into the output directory by `dump_yaml` and loads back identically with `load_config`. A resumed
+run's settings are the saved run's, with the command line's flags on top (`resume_settings`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import json
@@ -47,6 +49,8 @@ __all__ = [
     "config_to_dict",
     "config_from_dict",
     "dump_yaml",
+    "resume_settings",
+    "LAUNCH_KEYS",
     "validate",
     "parse_bool",
     "parse_size",
@@ -402,7 +406,8 @@ class CheckpointConfig:
                                        "given).")
     save_interval: int = opt(100, "Steps between checkpoints (a final one is always written).")
     resume_from_checkpoint: str = opt("", "Checkpoint directory to resume from, or 'latest' for the newest complete "
-                                          "one in output_dir.")
+                                          "one in output_dir. The run continues with its saved settings; flags given "
+                                          "on the command line override them (the --config file's values do not).")
     checkpoints_total_limit: int = opt(0, "Keep at most this many checkpoints (oldest deleted first); 0 keeps all.")
     overwrite_output_dir: bool = opt(False, "Start a new run in an --output_dir that already holds one: its "
                                             "checkpoints, metrics, curves, samples, validation references and "
@@ -694,8 +699,57 @@ def load_config(argv: list[str] | None = None, *, prog: str | None = None, descr
     _apply(cfg, args)
     # the keys the user set (YAML or flag): defaults read from the checkpoint (post_train.py) never override them
     cfg.explicit = frozenset(from_yaml) | frozenset(args)
+    cfg.command_line = frozenset(args)
+    # what the user gave, kept apart from cfg, which a resume turns into the saved run's settings (resume_settings)
+    cfg.given = {name: copy.deepcopy(_value(cfg, name)) for name in cfg.explicit}
     check_values(cfg)
     return cfg
+
+
+def _value(cfg: Config, name: str) -> Any:
+    return getattr(getattr(cfg, FIELDS[name][0]), name)
+
+
+# this launch's values on a resume, never the saved run's: where the run is, what this launch does with it, and how
+# it is spread over the GPUs (the parallel group; a checkpoint continues on any valid layout and none of it changes
+# what is trained)
+LAUNCH_KEYS = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir",
+               *(f.name for f in dataclasses.fields(ParallelConfig)))
+
+
+def resume_settings(cfg: Config, saved: dict[str, dict[str, Any]]
+                    ) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
+    """Make `cfg` (from load_config) the settings of a resumed run, in place: the saved run's config (config_to_dict
+    layout, the checkpoint's train state) is the base and the flags given on the command line override it. The
+    `--config` file's values do not: the run took them when it started, under that launch's flags, so
+    `--config tiny.yaml --sde_type flow_grpo` resumed with `--config tiny.yaml` keeps flow_grpo; to change a setting
+    on a resume, pass its flag. LAUNCH_KEYS are always this launch's; a key the checkpoint predates keeps this
+    launch's value. The same result however often it is called (it reads what the user gave from `cfg.given`); a
+    Config not from load_config counts as given on the command line, every key of it.
+    -> (overridden: {"group.key": (saved, flag)} where a flag changes the run, kept: {"group.key": (saved, file)}
+    where the --config file's value differs from the run's and was not applied)."""
+    if not hasattr(cfg, "given"):
+        cfg.given = {name: copy.deepcopy(_value(cfg, name)) for name in FIELDS}
+        cfg.command_line = cfg.explicit = frozenset(FIELDS)
+    overridden, kept = {}, {}
+    for group, values in saved.items():
+        for name, old in values.items():
+            if name in LAUNCH_KEYS or FIELDS.get(name, (None,))[0] != group:  # a flag this version no longer has
+                continue
+            old = _coerce(name, old)
+            new = cfg.given.get(name, old)
+            if name in cfg.command_line:
+                if new != old:
+                    overridden[f"{group}.{name}"] = (old, new)
+                setattr(getattr(cfg, group), name, copy.deepcopy(new))
+                continue
+            if new != old:
+                kept[f"{group}.{name}"] = (old, new)
+            setattr(getattr(cfg, group), name, old)
+    # the saved run resolved these already: the model's own defaults (post_train.resolve_checkpoint_defaults) apply
+    # only to keys it predates
+    cfg.explicit = cfg.explicit | {name for values in saved.values() for name in values if name in FIELDS}
+    return overridden, kept
 
 
 # ---------------------------------------------------------------------------------------------- validation
