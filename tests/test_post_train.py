@@ -428,6 +428,10 @@ def test_a_lora_checkpoint_exports_for_from_pretrained_and_generates_the_trained
     r = subprocess.run([sys.executable, str(ROOT / "scripts/export_checkpoint.py"), "--checkpoint", str(ckpt),
                         "--out", str(tmp_path / "exp")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
+    for noise in ("Guiders are currently", "Unable to import", "SiglipImageProcessor"):  # as generate.py: hidden
+        assert noise not in r.stderr, r.stderr[-2000:]
+    card = (tmp_path / "exp" / "README.md").read_text()  # a tiny model's run: no hub model is named its base
+    assert "base_model" not in card and f"the model at `{tiny_model}`" in card
     exported = HunyuanVideo15Transformer3DModel.from_pretrained(tmp_path / "exp").state_dict()
     trained = _weights(out)
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
