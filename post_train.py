@@ -17,11 +17,10 @@ checkpoints resume exactly.
     torchrun --nproc_per_node 8 post_train.py --config configs/single_node_8gpu.yaml   # FSDP2 + Ulysses sp 2
     bash run_post_train.sh                                                       # the same, with AUTO_RESUME=1
     NNODES=8 NODE_RANK=... MASTER_ADDR=... bash run_post_train_multinode.sh     # 64 GPUs, c10d rendezvous
-
-The file reads in run order: the two state objects (`Components`, built once; `TrainState`, everything a resume
-restores), `setup`, `train` (which owns the accumulate-then-step decision), the phases in the order `train` calls
-them, checkpoints, `main`.
 """
+# The file reads in run order: the two state objects (`Components`, built once; `TrainState`, everything a resume
+# restores), `setup`, `train` (which owns the accumulate-then-step decision), the phases in the order `train` calls
+# them, checkpoints, `main`. (The docstring above is `--help`'s description.)
 
 from __future__ import annotations
 

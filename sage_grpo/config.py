@@ -683,8 +683,9 @@ def build_parser(prog: str | None = None, description: str | None = None) -> arg
             else:
                 kwargs.update(metavar=f.name.upper())
             g.add_argument(f"--{f.name}", **kwargs)
-    # ArgumentDefaultsHelpFormatter would print "==SUPPRESS==": the default is already in the help text.
-    parser.formatter_class = argparse.HelpFormatter
+    # ArgumentDefaultsHelpFormatter would print "==SUPPRESS==": the default is already in the help text. The
+    # description keeps its lines (a script's docstring: examples one per line)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 

@@ -394,6 +394,20 @@ def test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_mo
     assert (tmp_path / "exp" / "diffusion_pytorch_model.safetensors").is_file()
 
 
+def test_help_shows_the_examples_one_per_line_and_nothing_about_the_files_layout(capsys):
+    """--help's description is the docstring with its lines kept: each launch example on a line of its own (argparse's
+    default formatter ran them into one paragraph); the notes on how the file reads are for its readers."""
+    with pytest.raises(SystemExit) as exc:
+        pt.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    lines = out.splitlines()
+    for example in ("python post_train.py --config configs/tiny_cpu.yaml", "torchrun --nproc_per_node 8 post_train.py",
+                    "bash run_post_train.sh", "NNODES=8 NODE_RANK=... MASTER_ADDR=..."):
+        assert any(line.strip().startswith(example) for line in lines), example
+    assert "reads in run order" not in out and "--resume_from_checkpoint" in out
+
+
 def test_user_errors_before_any_model_loads(tmp_path):
     with pytest.raises(SageGRPOError, match="sp_size 2 must divide the world size 1"):
         pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--sp_size", "2", "--num_generations", "2",
