@@ -855,6 +855,7 @@ def check_values(cfg: Config) -> None:
     """Value checks that need no world size: ranges, sizes, frame counts, JSON."""
     r, o, v, d, k = cfg.rollout, cfg.optim, cfg.validation, cfg.data, cfg.kl
     positive = {
+        "max_steps": o.max_steps,  # 0 would train nothing and leave a run folder that a next launch counts as a run
         "batch_size": d.batch_size,
         "num_generations": d.num_generations,
         "grpo_sampling_steps": r.grpo_sampling_steps,
@@ -875,7 +876,6 @@ def check_values(cfg: Config) -> None:
     if d.num_generations < 2:
         raise SageGRPOError(f"--num_generations must be >= 2 for group-relative advantages, got {d.num_generations}")
     nonneg = {
-        "max_steps": o.max_steps,
         "warmup_steps": o.warmup_steps,
         "threads": cfg.logging.threads,
         "num_workers": d.num_workers,

@@ -173,6 +173,7 @@ def test_dump_and_load_back_identically(tmp_path):
     (["--sde_type", "cps", "--eta", "1.5"], "--eta must be <= 1 for cps"),
     (["--clip_range", "0"], "--clip_range must be > 0"),
     (["--batch_size", "0"], "--batch_size must be >= 1"),
+    (["--max_steps", "0"], "--max_steps must be >= 1, got 0"),
 ])
 def test_bad_values_name_the_key(argv, message):
     with pytest.raises(SageGRPOError, match=message):

@@ -424,6 +424,10 @@ def test_user_errors_before_any_model_loads(tmp_path):
     with pytest.raises(SageGRPOError, match="hacking_metric_drop must be > 0"):
         pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--hacking_metric_drop", "0",
                  "--output_dir", str(tmp_path)])
+    with pytest.raises(SageGRPOError, match="--max_steps must be >= 1, got 0"):  # no folder a next launch refuses
+        pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--max_steps", "0",
+                 "--output_dir", str(tmp_path / "zero")])
+    assert not (tmp_path / "zero").exists()
 
 
 @pytest.mark.slow
