@@ -17,11 +17,10 @@ checkpoints resume exactly.
     torchrun --nproc_per_node 8 post_train.py --config configs/single_node_8gpu.yaml   # FSDP2 + Ulysses sp 2
     bash run_post_train.sh                                                       # the same, with AUTO_RESUME=1
     NNODES=8 NODE_RANK=... MASTER_ADDR=... bash run_post_train_multinode.sh     # 64 GPUs, c10d rendezvous
-
-The file reads in run order: the two state objects (`Components`, built once; `TrainState`, everything a resume
-restores), `setup`, `train` (which owns the accumulate-then-step decision), the phases in the order `train` calls
-them, checkpoints, `main`.
 """
+# The file reads in run order: the two state objects (`Components`, built once; `TrainState`, everything a resume
+# restores), `setup`, `train` (which owns the accumulate-then-step decision), the phases in the order `train` calls
+# them, checkpoints, `main`. (The docstring above is `--help`'s description.)
 
 from __future__ import annotations
 
@@ -1189,7 +1188,7 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
 def main(argv: list[str] | None = None) -> Path:
     import os
 
-    from sage_grpo.checkpoint import clear_run, read_train_state
+    from sage_grpo.checkpoint import clear_run, read_train_state, record_resume
     from sage_grpo.cli import quiet_libraries
     from sage_grpo.hostmem import free_host_memory_eagerly
     from sage_grpo.metrics import MetricsLogger, plot_curves
@@ -1209,7 +1208,9 @@ def main(argv: list[str] | None = None) -> Path:
         resume = agreed_resume(cfg, info)
         if ck.resume_from_checkpoint and resume is None:
             print0(info, f"no checkpoint in {ck.output_dir}: starting from step 0")
+        overridden = {}
         if resume is not None:
+            overridden = take_run_settings(cfg, info, resume)
             report_layout_change(cfg, info, resume)
         if resume is not None and read_train_state(resume)["step"] >= cfg.optim.max_steps:
             print0(info, f"{resume.name} is already at --max_steps {cfg.optim.max_steps}: nothing to train (raise "
@@ -1221,6 +1222,8 @@ def main(argv: list[str] | None = None) -> Path:
         c, state = setup(cfg, info, resume)
         if info.is_main:
             dump_yaml(cfg, c.out / "config.yaml")
+            if resume is not None:
+                record_resume(c.out, resume, state.step, overridden)
             logger = MetricsLogger(c.out, report_to=cfg.logging.report_to, run_name=cfg.logging.run_name,
                                    project=cfg.logging.wandb_project, config=config_to_dict(cfg),
                                    resume_step=state.step if resume is not None else None)
@@ -1232,6 +1235,23 @@ def main(argv: list[str] | None = None) -> Path:
         logger.close()
         plot_curves(c.out / "metrics.jsonl", c.out / "curves.png")
     return c.out
+
+
+def take_run_settings(cfg: Config, info: DistInfo, path: Path) -> dict:
+    """The settings of the run `path` belongs to, with the command line's flags on top (sage_grpo.config.
+    resume_settings), from the checkpoint all ranks agreed on (preflight took those of the one this process found:
+    the same unless a node's listing was stale), said once -> the overridden {"group.key": (saved, flag)}."""
+    from sage_grpo.checkpoint import read_train_state
+    from sage_grpo.config import resume_settings
+
+    overridden, kept = resume_settings(cfg, read_train_state(path)["config"])
+    validate(cfg, world_size=info.world_size)
+    if overridden:
+        print0(info, "overridden on resume: " + "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in overridden.items()))
+    if kept:
+        print0(info, "the run keeps its own settings where --config differs (pass the flag to change one): "
+               + "; ".join(f"{k}: {a!r} (--config: {b!r})" for k, (a, b) in kept.items()))
+    return overridden
 
 
 def report_layout_change(cfg: Config, info: DistInfo, path: Path) -> None:
@@ -1256,13 +1276,15 @@ def report_layout_change(cfg: Config, info: DistInfo, path: Path) -> None:
 
 
 def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> None:
-    """Every check that needs no model, in one process, before any collective or model load: flags against the
-    world size (and the processes per node: a sequence-parallel group must not cross nodes), the resume target, the
-    metrics sinks and the prompt files. `scripts/check_launch.py` runs it for the launchers before torchrun spawns
+    """Every check that needs no model, in one process, before any collective or model load, on the settings of the
+    run a resume continues (its saved config, the command line's flags on top): flags against the world size (and
+    the processes per node: a sequence-parallel group must not cross nodes), the resume target, the metrics sinks
+    and the prompt files. `scripts/check_launch.py` runs it for the launchers before torchrun spawns
     a worker, so a user error is one line, not one per rank."""
     import os
 
-    from sage_grpo.checkpoint import resolve_resume, run_outputs
+    from sage_grpo.checkpoint import read_train_state, resolve_resume, run_outputs
+    from sage_grpo.config import resume_settings
     from sage_grpo.data import read_prompts
     from sage_grpo.metrics import check_report_to
     from sage_grpo.models.attention import check_attention_backend
@@ -1270,14 +1292,16 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     from sage_grpo.models.loading import locate_model
     from sage_grpo.rewards import get_reward_builder
 
+    ck = cfg.checkpoint
+    resume = resolve_resume(ck.resume_from_checkpoint, ck.output_dir)
+    if resume is not None:  # the saved run's settings, the command line's flags on top
+        resume_settings(cfg, read_train_state(resume)["config"])
     validate(cfg, world_size=world_size)
     sp = cfg.parallel.sp_size
     if nproc_per_node is not None and nproc_per_node % sp:
         raise SageGRPOError(f"--sp_size {sp} must divide the processes per node ({nproc_per_node}): a "
                             "sequence-parallel group exchanges activations in every attention layer and must stay "
                             "inside one node")
-    ck = cfg.checkpoint
-    resume = resolve_resume(ck.resume_from_checkpoint, ck.output_dir)
     if resume is not None:
         check_resume_fits(cfg, resume)
     previous = run_outputs(ck.output_dir)

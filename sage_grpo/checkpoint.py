@@ -41,7 +41,8 @@ from sage_grpo.parallel.dist import DistInfo, all_gather_cat, all_reduce_sum, ba
 __all__ = ["TRAIN_STATE", "CheckpointWriteError", "list_checkpoints", "resolve_resume", "save_checkpoint", "dcp_save",
            "dcp_load", "load_rng_state", "read_train_state", "exactness_diff", "file_digests", "resolved_settings",
            "EXACT_KEYS", "NEUTRAL_REWARD_KEYS", "CONTENT_KEYS", "RESOLVED_KEYS", "saved_layout", "layout_change",
-           "pending_gradients", "load_pending_gradients", "pending_kl_by_dp_rank", "spread_pending_kl", "run_base"]
+           "pending_gradients", "load_pending_gradients", "pending_kl_by_dp_rank", "spread_pending_kl", "run_base",
+           "record_resume", "RESUMES"]
 
 TRAIN_STATE = "train_state.json"
 
@@ -88,7 +89,8 @@ def resolve_resume(spec: str, output_dir: str | Path) -> Path | None:
     return p
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "curves.png", "samples", "tensorboard", "wandb", "config.yaml",
+RESUMES = "resumes.jsonl"
+RUN_OUTPUTS = ("metrics.jsonl", "curves.png", "samples", "tensorboard", "wandb", "config.yaml", RESUMES,
                "validation_reference")
 
 
@@ -105,6 +107,16 @@ def clear_run(output_dir: str | Path) -> None:
     """Delete `run_outputs(output_dir)` (--overwrite_output_dir)."""
     for p in run_outputs(output_dir):
         shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def record_resume(output_dir: str | Path, checkpoint: Path, step: int, overridden: dict) -> None:
+    """Append a resume to output_dir/resumes.jsonl: the step it continued from, the checkpoint, and the settings its
+    flags changed, {"group.key": [saved, new]}. config.yaml holds the settings of the latest launch; with these
+    records (undone newest first) it gives every earlier launch's."""
+    line = {"step": step, "checkpoint": Path(checkpoint).name,
+            "overridden": {k: [old, new] for k, (old, new) in overridden.items()}}
+    with open(Path(output_dir) / RESUMES, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def read_train_state(path: str | Path) -> dict:

@@ -5,12 +5,14 @@ are the authors' (snake_case, one namespace across groups), so their launch scri
 `--flag` alone or `--flag True|False|1|0|yes|no|on|off`; lists are space separated.
 
 `validate(cfg, world_size)` rejects impossible batch geometry with messages that say what to change. The resolved
-config is written into the output directory by `dump_yaml` and loads back identically with `load_config`.
+config is written into the output directory by `dump_yaml` and loads back identically with `load_config`. A resumed
+run's settings are the saved run's, with the command line's flags on top (`resume_settings`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import json
@@ -48,6 +50,8 @@ __all__ = [
     "config_to_dict",
     "config_from_dict",
     "dump_yaml",
+    "resume_settings",
+    "LAUNCH_KEYS",
     "validate",
     "parse_bool",
     "parse_size",
@@ -423,7 +427,8 @@ class CheckpointConfig:
                                        "given).")
     save_interval: int = opt(100, "Steps between checkpoints (a final one is always written).")
     resume_from_checkpoint: str = opt("", "Checkpoint directory to resume from, or 'latest' for the newest complete "
-                                          "one in output_dir.")
+                                          "one in output_dir. The run continues with its saved settings; flags given "
+                                          "on the command line override them (the --config file's values do not).")
     checkpoints_total_limit: int = opt(0, "Keep at most this many checkpoints (oldest deleted first); 0 keeps all.")
     overwrite_output_dir: bool = opt(False, "Start a new run in an --output_dir that already holds one: its "
                                             "checkpoints, metrics, curves, samples, validation references and "
@@ -703,8 +708,9 @@ def build_parser(prog: str | None = None, description: str | None = None) -> arg
             else:
                 kwargs.update(metavar=f.name.upper())
             g.add_argument(f"--{f.name}", **kwargs)
-    # ArgumentDefaultsHelpFormatter would print "==SUPPRESS==": the default is already in the help text.
-    parser.formatter_class = argparse.HelpFormatter
+    # ArgumentDefaultsHelpFormatter would print "==SUPPRESS==": the default is already in the help text. The
+    # description keeps its lines (a script's docstring: examples one per line)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 
@@ -719,8 +725,57 @@ def load_config(argv: list[str] | None = None, *, prog: str | None = None, descr
     _apply(cfg, args)
     # the keys the user set (YAML or flag): defaults read from the checkpoint (post_train.py) never override them
     cfg.explicit = frozenset(from_yaml) | frozenset(args)
+    cfg.command_line = frozenset(args)
+    # what the user gave, kept apart from cfg, which a resume turns into the saved run's settings (resume_settings)
+    cfg.given = {name: copy.deepcopy(_value(cfg, name)) for name in cfg.explicit}
     check_values(cfg)
     return cfg
+
+
+def _value(cfg: Config, name: str) -> Any:
+    return getattr(getattr(cfg, FIELDS[name][0]), name)
+
+
+# this launch's values on a resume, never the saved run's: where the run is, what this launch does with it, and how
+# it is spread over the GPUs (the parallel group; a checkpoint continues on any valid layout and none of it changes
+# what is trained)
+LAUNCH_KEYS = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir",
+               *(f.name for f in dataclasses.fields(ParallelConfig)))
+
+
+def resume_settings(cfg: Config, saved: dict[str, dict[str, Any]]
+                    ) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
+    """Make `cfg` (from load_config) the settings of a resumed run, in place: the saved run's config (config_to_dict
+    layout, the checkpoint's train state) is the base and the flags given on the command line override it. The
+    `--config` file's values do not: the run took them when it started, under that launch's flags, so
+    `--config tiny.yaml --sde_type flow_grpo` resumed with `--config tiny.yaml` keeps flow_grpo; to change a setting
+    on a resume, pass its flag. LAUNCH_KEYS are always this launch's; a key the checkpoint predates keeps this
+    launch's value. The same result however often it is called (it reads what the user gave from `cfg.given`); a
+    Config not from load_config counts as given on the command line, every key of it.
+    -> (overridden: {"group.key": (saved, flag)} where a flag changes the run, kept: {"group.key": (saved, file)}
+    where the --config file's value differs from the run's and was not applied)."""
+    if not hasattr(cfg, "given"):
+        cfg.given = {name: copy.deepcopy(_value(cfg, name)) for name in FIELDS}
+        cfg.command_line = cfg.explicit = frozenset(FIELDS)
+    overridden, kept = {}, {}
+    for group, values in saved.items():
+        for name, old in values.items():
+            if name in LAUNCH_KEYS or FIELDS.get(name, (None,))[0] != group:  # a flag this version no longer has
+                continue
+            old = _coerce(name, old)
+            new = cfg.given.get(name, old)
+            if name in cfg.command_line:
+                if new != old:
+                    overridden[f"{group}.{name}"] = (old, new)
+                setattr(getattr(cfg, group), name, copy.deepcopy(new))
+                continue
+            if new != old:
+                kept[f"{group}.{name}"] = (old, new)
+            setattr(getattr(cfg, group), name, old)
+    # the saved run resolved these already: the model's own defaults (post_train.resolve_checkpoint_defaults) apply
+    # only to keys it predates
+    cfg.explicit = cfg.explicit | {name for values in saved.values() for name in values if name in FIELDS}
+    return overridden, kept
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -826,6 +881,7 @@ def check_values(cfg: Config) -> None:
     """Value checks that need no world size: ranges, sizes, frame counts, JSON."""
     r, o, v, d, k = cfg.rollout, cfg.optim, cfg.validation, cfg.data, cfg.kl
     positive = {
+        "max_steps": o.max_steps,  # 0 would train nothing and leave a run folder that a next launch counts as a run
         "batch_size": d.batch_size,
         "num_generations": d.num_generations,
         "grpo_sampling_steps": r.grpo_sampling_steps,
@@ -846,7 +902,6 @@ def check_values(cfg: Config) -> None:
     if d.num_generations < 2:
         raise SageGRPOError(f"--num_generations must be >= 2 for group-relative advantages, got {d.num_generations}")
     nonneg = {
-        "max_steps": o.max_steps,
         "warmup_steps": o.warmup_steps,
         "threads": cfg.logging.threads,
         "peak_tflops": cfg.logging.peak_tflops,

@@ -64,7 +64,7 @@ echo "   videos:       $out/before_after/before/ and $out/before_after/after/"
 echo "   frame strip:  $out/before_after/strip.png (before / after rows per prompt)"
 echo "   summary:      $out/before_after/summary.json (paired_std_errors: the reward's rise on fixed seeds)"
 echo "   I2V motion:   $out/i2v_train/curves.png, $out/i2v_before_after/strip.png and summary.json"
-echo "   world model:  $out/world_eval/grid.png and eval.md"
+echo "   world model:  $out/world_eval/grid.png and eval.md (12 captions; the documented figures are of 42)"
 echo "== verdicts (the ranges and the hacking check as measured: docs/world_model.md#what-bash-scriptsdemosh-shows)"
 for s in "$out/before_after/summary.json" "$out/i2v_before_after/summary.json"; do
   python -c 'import json, sys; s = json.load(open(sys.argv[1])); print("  ", s["verdict"]); print("   hacking check:", s["hacking_check"], "(measured:", s["hacking_expected"] + ")")' "$s"

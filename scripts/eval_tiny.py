@@ -122,7 +122,10 @@ def main(argv=None) -> dict:
               "passed": passed, "seconds": round(seconds, 1), "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
-    rows = ["| measure | value | target |", "|---|---|---|"]
+    n = len(captions)
+    rows = [f"{n} {a.split} captions (one video each, noise seed {a.seed}, {a.steps} ODE steps, CFG {a.cfg_scale:g}): "
+            f"each share moves in steps of 1/{n}; docs/world_model.md's figures are of the default 42 captions.", "",
+            "| measure | value | target |", "|---|---|---|"]
     for k in ("color", "shape", "motion", "motion_small", "motion_large", "size", "background", "sharpness_ratio",
               "temporal_consistency",
               *(["first_frame_error"] if a.i2v else [])):

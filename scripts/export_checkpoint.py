@@ -25,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sage_grpo.cli import CLIParser, check_writable_dir  # noqa: E402
+from sage_grpo.cli import CLIParser, check_writable_dir, quiet_libraries  # noqa: E402
 from sage_grpo.config import parse_bool  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
 from sage_grpo.files import usual_permissions  # noqa: E402
 from sage_grpo.models.lora_formats import FORMATS, from_peft, write_lora  # noqa: E402
-from sage_grpo.models.model_card import base_model_id, model_card  # noqa: E402
+from sage_grpo.models.model_card import base_model_id, model_card, released_base  # noqa: E402
 
 
 def main(argv=None) -> Path:
@@ -45,7 +45,10 @@ def main(argv=None) -> Path:
                    "original HunyuanVideo-1.5 keys (original) or ComfyUI's (comfy); no model is loaded")
     p.add_argument("--dtype", default="", choices=["", "fp32", "bf16", "fp16"],
                    help="dtype of the exported weights; default: the checkpoint's master weight type")
+    p.add_argument("--verbose", action="store_true", help="show the libraries' warnings (hidden by default, as in "
+                   "post_train.py and generate.py)")
     args = p.parse_args(argv)
+    quiet_libraries(args.verbose)
     if args.lora_format and args.lora_format not in FORMATS:
         raise SageGRPOError(f"--lora_format {args.lora_format!r} is not one of {', '.join(FORMATS)}")
     if args.lora_format and args.merge_lora is not None:
@@ -69,7 +72,8 @@ def main(argv=None) -> Path:
         if not lora.is_dir():
             raise SageGRPOError(f"--lora_format {args.lora_format}: {args.checkpoint!r} is a full fine-tuning "
                                 "checkpoint (no lora/ adapter); export its weights without --lora_format")
-        return _export_lora(lora, out, args.lora_format, args.dtype, cfg, step, metrics, train_state.get("task", "t2v"))
+        return _export_lora(lora, out, args.lora_format, args.dtype, cfg, step, metrics, train_state.get("task", "t2v"),
+                            released_base(cfg))
 
     from sage_grpo.checkpoint import run_base
     from sage_grpo.config import torch_dtype
@@ -90,13 +94,14 @@ def main(argv=None) -> Path:
         shutil.copytree(lora, tmp / "lora")
     files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     (tmp / "README.md").write_text(model_card(cfg, step=step, kind="merged", files=files, metrics_file=metrics,
-                                              task=train_state.get("task", "t2v")))
+                                              task=train_state.get("task", "t2v"), released=released_base(cfg)))
     return _commit(tmp, out)
 
 
 def _export_lora(lora_dir: Path, out: Path, fmt: str, dtype: str, cfg: dict, step: int, metrics: Path,
-                 task: str = "t2v") -> Path:
-    """The adapter of checkpoint-N/lora, converted by sage_grpo.models.lora_formats (tensors only: no model)."""
+                 task: str = "t2v", released: bool = True) -> Path:
+    """The adapter of checkpoint-N/lora, converted by sage_grpo.models.lora_formats (tensors only: no model).
+    released: the run's model is HunyuanVideo-1.5's released architecture (the card names the hub base)."""
     from sage_grpo.config import torch_dtype
     from sage_grpo.models.lora import read_adapter, saved_lora_settings
 
@@ -109,10 +114,10 @@ def _export_lora(lora_dir: Path, out: Path, fmt: str, dtype: str, cfg: dict, ste
     adapter = from_peft(state, settings)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    path = write_lora(adapter, tmp, fmt, base_model=base_model_id(cfg, "diffusers", task))
+    path = write_lora(adapter, tmp, fmt, base_model=base_model_id(cfg, "diffusers", task) if released else "")
     files = sorted(f.name for f in tmp.iterdir())
     (tmp / "README.md").write_text(model_card(cfg, step=step, kind=fmt, files=files, metrics_file=metrics,
-                                              lora_settings=settings, task=task))
+                                              lora_settings=settings, task=task, released=released))
     out = _commit(tmp, out)
     print(f"[export] {out / path.name} ({fmt} layout)")
     return out

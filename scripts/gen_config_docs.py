@@ -41,7 +41,9 @@ hides in a dataclass (`--eta`, `--cfg_scale`, `--grpo_sampling_steps`, `--clip_r
 `--timestep_fraction`, `--kl_compute_mode`, `--use_same_noise`, ...). **Booleans** accept `--flag` alone or
 `--flag True|False|1|0|yes|no|on|off`; **lists** are space separated (`--lora_target_modules to_q to_k`, nothing
 after the flag = empty list); a float shown as `none` takes `none`. The resolved config is written to
-`output_dir/config.yaml` and loads back identically.
+`output_dir/config.yaml` and loads back identically. **On a resume** the saved run's settings are the base and only
+the flags given on the command line change them
+([training.md](training.md#checkpoints-and-resume)).
 
 Unknown keys and bad values fail with one `error:` line naming the key and the allowed values, exit code 2, before
 any model loads (the same rules check the flags of `generate.py`, `scripts/score_videos.py`, `scripts/plot_sde.py`,

@@ -8,7 +8,16 @@
 It takes the same `--config` and flags as post_train.py (sage_grpo.config.load_config / validate: an impossible
 geometry ends with one message), plus `--world_size`, `--gpu_memory_gib` (80), `--text_tokens`, `--attention`,
 `--fsdp_param_dtype`, `--overhead_gib`, `--num_prompts` / `--prompt_tokens` / `--glyph_tokens` (the text cache's
-host memory), `--gpus_per_node` (8) and `--json`.
+host memory), `--gpus_per_node` (8) and `--json`. A --batch_size whose videos per step do not make whole groups of
+--num_generations (which post_train.py refuses) is planned at the next one that does, with a note.
+
+When the peak does not fit `--gpu_memory_gib`, the plan lists the changes that lower it (LoRA, bf16 master weights,
+the reward on its own GPUs, CFG off, fewer videos per rank, shorter videos, the memory switches), each re-planned
+alone, largest saving first, then the same changes applied one after another until the plan fits, and exits 1
+(0 when it fits, 2 for a user error):
+
+    python scripts/plan_memory.py --world_size 1 --gpu_memory_gib 24 --use_lora True --master_weight_type bf16 \
+        --enable_fsdp False --batch_size 4 --num_generations 4
 
 Where each number comes from
 ----------------------------
@@ -72,16 +81,18 @@ Gradients are resident from the update to the optimizer step, and across rounds 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sage_grpo.config import Config, build_parser, dp_degree, load_config, torch_dtype, validate  # noqa: E402
+from sage_grpo.config import FIELDS, Config, build_parser, dp_degree, load_config, torch_dtype, validate  # noqa: E402
 from sage_grpo.errors import SageGRPOError, run_cli  # noqa: E402
 from sage_grpo.models.full_size import real_configs  # noqa: E402
 
@@ -606,6 +617,140 @@ def layout_choices(cfg: Config, opts: PlanOptions, counts: dict, frozen: dict) -
     return rows
 
 
+# ------------------------------------------------------------------------------------------------- a way to fit
+
+
+REMOTE_URL = "http://rewardhost:8000"  # a placeholder: the remote reward's plan does not depend on the server
+
+
+def whole_groups_batch(cfg: Config, world_size: int) -> int:
+    """The smallest --batch_size >= cfg's whose videos per step (batch_size x dp) make whole groups of
+    --num_generations (what post_train.py requires; the memory of a rank depends on its batch_size only)."""
+    dp, g = dp_degree(cfg, world_size), cfg.data.num_generations
+    step = g // math.gcd(g, dp)  # batch_size x dp is a multiple of g iff batch_size is a multiple of this
+    return max(cfg.data.batch_size, step) if cfg.data.batch_size % step == 0 else (
+        cfg.data.batch_size // step + 1) * step
+
+
+def _frames(cfg: Config, opts: PlanOptions, fits_at) -> tuple[list[str], Callable] | None:
+    """--sample_n_frames: the longest 4k + 1 video shorter than cfg's that fits (`fits_at(frames)`), down to a
+    quarter of its length (that floor when none fits)."""
+    n = cfg.rollout.sample_n_frames
+    floor = max(5, 4 * ((n - 1) // 16) + 1)
+    if n - 4 < floor:
+        return None
+    frames = next((f for f in range(n - 4, floor - 1, -4) if fits_at(f)), floor)
+    return [f"--sample_n_frames {frames}"], lambda c: setattr(c.rollout, "sample_n_frames", frames)
+
+
+def memory_changes(cfg: Config, opts: PlanOptions) -> list[tuple[list[str], Callable]]:
+    """The settings that lower a rank's peak and that cfg does not use yet -> [(flags, apply(cfg))]: LoRA, bf16
+    master weights, the reward on its own GPUs, CFG off, fewer videos per rank, the memory switches
+    (checkpointing, offloads, VAE tiling, micro-batch 1) and the FSDP2 layout under torchrun. Shorter videos are
+    `_frames` (their length depends on what fits)."""
+    m, p, r, o, k = cfg.model, cfg.parallel, cfg.rollout, cfg.optim, cfg.kl
+    out: list[tuple[list[str], Callable]] = []
+
+    def change(flags: list[str], **values) -> None:
+        def apply(c: Config) -> None:
+            for name, value in values.items():
+                setattr(getattr(c, FIELDS[name][0]), name, value)
+        out.append((flags, apply))
+
+    if not m.use_lora:
+        change(["--use_lora True"], use_lora=True)
+    if m.master_weight_type == "fp32" and m.dtype != "fp32":
+        change([f"--master_weight_type {m.dtype}"], master_weight_type=m.dtype)
+    if "videoalign_local" in [n.strip().lower() for n in cfg.reward.reward_model.split(",")]:
+        change(["--reward_model remote --reward_url URL"], reward_model="remote", reward_url=REMOTE_URL)
+    if r.cfg_scale != 1:
+        change(["--cfg_scale 1"], cfg_scale=1.0)
+    g = min(cfg.data.num_generations, 2)  # the smallest group with an advantage: two videos of a prompt
+    fewer = dataclasses.replace(cfg.data, batch_size=1, num_generations=g)
+    b = whole_groups_batch(dataclasses.replace(cfg, data=fewer), opts.world_size)
+    if b < cfg.data.batch_size:
+        change([f"--batch_size {b}"] + ([f"--num_generations {g}"] if g != cfg.data.num_generations else []),
+               batch_size=b, num_generations=g)
+    if not m.enable_gradient_checkpointing:
+        change(["--enable_gradient_checkpointing True"], enable_gradient_checkpointing=True)
+    if not m.offload_text_encoder:
+        change(["--offload_text_encoder True"], offload_text_encoder=True)
+    if not m.vae_tiling:
+        change(["--vae_tiling True"], vae_tiling=True)
+    if o.mini_batch_size_per_update > 1:
+        change(["--mini_batch_size_per_update 1"], mini_batch_size_per_update=1)
+    if not m.use_lora and not k.reference_mode_offload:
+        change(["--reference_mode_offload True"], reference_mode_offload=True)
+    if opts.world_size > 1 and not p.enable_fsdp:
+        change(["--enable_fsdp True"], enable_fsdp=True)
+    if opts.world_size > 1 and p.enable_fsdp and not p.rollout_reshard_after_forward:
+        change(["--rollout_reshard_after_forward True"], rollout_reshard_after_forward=True)
+    return out
+
+
+def fitting_changes(cfg: Config, opts: PlanOptions, counts: dict, frozen: dict) -> dict:
+    """What would make a plan that does not fit `opts.gpu_memory_gib` fit, each change re-planned:
+    "alone": every change of `memory_changes` (and shorter videos) applied alone, largest saving first;
+    "together": those changes applied one after another in that order (the video length chosen last, the longest
+    that fits) until the plan fits, with the peak after each; "fits": whether the last one does.
+    -> {"alone": [{"flags", "peak_gib", "saving_gib", "fits"}], "together": [...the same...], "fits": bool}"""
+    import copy
+
+    lora_counts: dict = {}
+
+    def peak(c: Config) -> float | None:
+        n = counts
+        if c.model.use_lora != cfg.model.use_lora:  # LoRA's trainable adapters: counted on meta once
+            if not lora_counts:
+                lora_counts.update(count_transformer(
+                    build_transformer(TRANSFORMER_CONFIGS[c.model.pretrained_transformer_version]), use_lora=True,
+                    lora_r=c.model.lora_r, lora_alpha=c.model.lora_alpha,
+                    lora_target_modules=c.model.lora_target_modules))
+            n = lora_counts
+        try:
+            return plan(c, opts, n, frozen)["peak_gib"]
+        except SageGRPOError:  # a change this config does not allow (e.g. a window longer than the video)
+            return None
+
+    def applied(c: Config, apply) -> Config:
+        c = copy.deepcopy(c)
+        apply(c)
+        return c
+
+    def frames_of(c: Config) -> tuple[list[str], Callable] | None:
+        def fits_at(f: int) -> bool:
+            value = peak(applied(c, lambda x: setattr(x.rollout, "sample_n_frames", f)))
+            return value is not None and value <= opts.gpu_memory_gib
+        return _frames(c, opts, fits_at)
+
+    base = plan(cfg, opts, counts, frozen)["peak_gib"]
+    alone, shorter = [], frames_of(cfg)
+    for flags, apply in [*memory_changes(cfg, opts), *([shorter] if shorter else [])]:
+        value = peak(applied(cfg, apply))
+        if value is not None and base - value >= 0.05:  # a change that saves nothing worth naming is left out
+            alone.append({"flags": " ".join(flags), "peak_gib": value, "saving_gib": base - value,
+                          "fits": value <= opts.gpu_memory_gib, "apply": apply})
+    alone.sort(key=lambda row: -row["saving_gib"])
+    together, current, value = [], cfg, base
+    video = next((row for row in alone if row["flags"].startswith("--sample_n_frames")), None)
+    for row in [row for row in alone if row is not video] + ([video] if video else []):
+        if value <= opts.gpu_memory_gib:
+            break
+        if row is video:  # the longest video that fits with the changes before it
+            flags, apply = frames_of(current) or shorter
+            row = {"flags": " ".join(flags), "apply": apply}
+        nxt = applied(current, row["apply"])
+        new = peak(nxt)
+        if new is None or new >= value:
+            continue
+        current, value = nxt, new
+        together.append({"flags": row["flags"], "peak_gib": value, "saving_gib": base - value,
+                         "fits": value <= opts.gpu_memory_gib})
+    for row in alone:
+        del row["apply"]
+    return {"alone": alone, "together": together, "fits": value <= opts.gpu_memory_gib}
+
+
 # ------------------------------------------------------------------------------------------------- validation
 
 
@@ -679,7 +824,10 @@ def render(pl: dict) -> str:
                          f"{row['intra_node_gib']:10.1f}{'' if row['fits'] else '  does NOT fit'}")
     verdict = "fits" if pl["fits"] else "does NOT fit"
     lines += ["", f"peak {pl['peak_gib']:.1f} GiB ({pl['peak_phase']}) {verdict} in {pl['gpu_memory_gib']:g} GiB "
-              f"(headroom {pl['headroom_gib']:.1f} GiB). (est) = estimate not measured on a GPU; see the docstring."]
+              f"(headroom {pl['headroom_gib']:.1f} GiB). (est) = estimate not measured on a GPU; --help says where "
+              "each number comes from."]
+    if pl.get("note"):
+        lines.append(f"note: {pl['note']}")
     rw = pl["reward"]
     if rw["remote"]:
         lines.append(f"reward: remote (scripts/serve_reward.py), none on these GPUs; VideoAlign on every rank would "
@@ -697,12 +845,34 @@ def render(pl: dict) -> str:
               f"({h['files_gb']:.2f} GB of files, read per batch)",
               f"  padded to 1000 + 256 tokens (before)         {h['padded_before_gb']:8.2f} GB per rank",
               f"  this run: {h['per_rank_gb']:.2f} GB per rank; each rank encodes {h['encoded_per_rank']:,} prompts"]
+    ch = pl.get("changes")
+    if ch is not None:
+        lines += render_changes(ch, pl["gpu_memory_gib"])
     return "\n".join(lines)
+
+
+def render_changes(ch: dict, gib: float) -> list[str]:
+    """The lines of `fitting_changes`: each change alone, then together until the plan fits."""
+    def row(r: dict) -> str:
+        fits = "  fits" if r["fits"] else ""
+        return f"  {r['flags']:56s} peak {r['peak_gib']:5.1f} GiB  (-{r['saving_gib']:.1f}){fits}"
+
+    lines = ["", "changes that lower the peak, each alone (re-planned; largest saving first):"]
+    lines += [row(r) for r in ch["alone"]] or ["  none: every memory setting the planner knows is already on"]
+    if ch["together"]:
+        lines += ["together, in that order, until it fits:"] + [row(r) for r in ch["together"]]
+    if ch["fits"]:
+        lines.append(f"fits {gib:g} GiB with: {' '.join(r['flags'] for r in ch['together'])}")
+    else:
+        lines.append(f"nothing above fits {gib:g} GiB: plan more GPUs (--world_size, with --enable_fsdp True and "
+                     "--sp_size) or a smaller video (--height, --width)")
+    return lines
 
 
 def parse_args(argv: list[str] | None):
     d = PlanOptions()
-    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own = argparse.ArgumentParser(prog="plan_memory.py", description=__doc__, add_help=False, allow_abbrev=False,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     own.add_argument("--world_size", type=int, default=int(os.environ.get("WORLD_SIZE", d.world_size)),
                      help=f"GPUs of the run (default {d.world_size}, or $WORLD_SIZE).")
     own.add_argument("--gpu_memory_gib", type=float, default=d.gpu_memory_gib,
@@ -747,16 +917,37 @@ def parse_args(argv: list[str] | None):
     return cfg, opts, args
 
 
+def whole_groups(cfg: Config, world_size: int) -> str | None:
+    """A --batch_size whose videos per step do not make whole groups (post_train.py refuses it) is raised to the
+    smallest that does, so that the plan is of a run that trains -> the note saying so (None when it already does)."""
+    if world_size < 1 or world_size % cfg.parallel.sp_size:
+        return None  # validate says what is wrong
+    b, d = whole_groups_batch(cfg, world_size), cfg.data
+    if b == d.batch_size:
+        return None
+    dp = dp_degree(cfg, world_size)
+    note = (f"--batch_size {d.batch_size} on {dp} data-parallel rank(s) makes {d.batch_size * dp} videos per step, not "
+            f"whole groups of --num_generations {d.num_generations} (post_train.py refuses it): planned with "
+            f"--batch_size {b}, the smallest that does (or lower --num_generations)")
+    d.batch_size = b
+    return note
+
+
 def main(argv: list[str] | None = None) -> dict:
+    """Plan, print -> the plan (with "changes" when it does not fit); the exit status is 1 then."""
     cfg, opts, args = parse_args(argv)
+    note = whole_groups(cfg, opts.world_size)
     counts = count_transformer(build_transformer(TRANSFORMER_CONFIGS[cfg.model.pretrained_transformer_version]),
                                use_lora=cfg.model.use_lora, lora_r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha,
                                lora_target_modules=cfg.model.lora_target_modules) \
         if cfg.model.pretrained_transformer_version in TRANSFORMER_CONFIGS else None
     frozen = count_frozen_parts()
     pl = plan(cfg, opts, counts, frozen)
+    pl["note"] = note
     if opts.world_size > 1 and cfg.parallel.enable_fsdp:
         pl["choices"] = layout_choices(cfg, opts, counts, frozen)
+    if not pl["fits"]:
+        pl["changes"] = fitting_changes(cfg, opts, counts, frozen)
     if args.validate:
         pl["validation"] = validate_against_gpu_facts()
     if args.json:
@@ -769,5 +960,10 @@ def main(argv: list[str] | None = None) -> dict:
     return pl
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """The exit status: 0 when the plan fits, 1 when it does not (a user error: 2, from run_cli)."""
+    return 0 if run_cli(main, argv)["fits"] else 1
+
+
 if __name__ == "__main__":
-    run_cli(main)
+    sys.exit(cli())

@@ -117,7 +117,10 @@ def metric_names(spec: str) -> list[str]:
     if not names:
         raise SageGRPOError("--metrics is empty")
     for n in names:
-        get_reward_builder(n)  # an unknown name raises with the list of valid ones
+        try:
+            get_reward_builder(n)  # an unknown name raises with the closest name and the list of valid ones
+        except SageGRPOError as err:
+            raise SageGRPOError(str(err).replace("--reward_model", "--metrics")) from None
     return names
 
 
@@ -322,11 +325,15 @@ def run(argv: list[str] | None) -> int:
     if dead:
         what = ("every video failed to score" if len(dead) == len(means)
                 else f"no video could be scored for {', '.join(dead)}")
-        raise SageGRPOError(f"{what} ({len(rows)} videos; see the warnings above); the tables are in {tables}")
-    print(f"scored {len(rows)} videos -> {tables}")
+        raise SageGRPOError(f"{what} ({videos(len(rows))}; see the warnings above); the tables are in {tables}")
+    print(f"scored {videos(len(rows))} -> {tables}")
     for k, v in means.items():
         print(f"  {k:>12s}: {v: .4f}" + (f"  ({failed[k]} failed)" if failed[k] else ""))
     return 0
+
+
+def videos(n: int) -> str:
+    return f"{n} video{'' if n == 1 else 's'}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from sage_grpo.config import (
     load_config,
     parse_bool,
     parse_size,
+    resume_settings,
     validate,
 )
 from sage_grpo.errors import SageGRPOError
@@ -71,6 +72,32 @@ def test_layering_defaults_yaml_cli(tmp_path):
     assert cfg.rollout.sde_type == "flow_grpo"  # YAML beats default
     assert cfg.optim.learning_rate == 2e-6
     assert cfg.data.batch_size == 2  # default
+
+
+def test_a_resume_takes_the_saved_runs_settings_and_the_command_lines_flags(tmp_path):
+    """On a resume the saved run's config is the base: a flag given on the command line overrides it (reported), a
+    setting not given keeps the run's value, the --config file's values do not override (the run took them at its
+    start, under its flags) and are reported where they differ; where the run is and its layout come from this
+    launch."""
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  sde_type: sage_grpo\n  eta: 0.3\noptim:\n  max_steps: 60\n")
+    run = load_config(["--config", str(p), "--sde_type", "flow_grpo", "--max_steps", "3", "--lora_r", "4",
+                       "--output_dir", "/old/place", "--overwrite_output_dir", "--sp_size", "2"])
+    saved = json.loads(json.dumps(config_to_dict(run)))  # as the checkpoint's train_state.json holds it
+    cfg = load_config(["--config", str(p), "--max_steps", "5", "--eta", "0.3", "--output_dir", "/new/place",
+                       "--resume_from_checkpoint", "latest"])
+    overridden, kept = resume_settings(cfg, saved)
+    assert cfg.rollout.sde_type == "flow_grpo"  # not given: the run's sampler, not the file's
+    assert cfg.model.lora_r == 4  # not given: the run's, not the default
+    assert (cfg.optim.max_steps, cfg.rollout.eta) == (5, 0.3)  # given: the flags'
+    assert (cfg.checkpoint.output_dir, cfg.checkpoint.resume_from_checkpoint) == ("/new/place", "latest")
+    assert cfg.checkpoint.overwrite_output_dir is False  # the first launch's --overwrite_output_dir is not repeated
+    assert cfg.parallel.sp_size == 1  # the layout is this launch's (a checkpoint continues on any valid one)
+    assert overridden == {"optim.max_steps": (3, 5)}  # eta given with the run's own value: no change
+    assert kept == {"rollout.sde_type": ("flow_grpo", "sage_grpo")}  # max_steps is given: overridden, not kept
+    assert resume_settings(cfg, saved) == (overridden, kept)  # again (the agreed checkpoint): the same result
+    assert cfg.rollout.sde_type == "flow_grpo" and cfg.optim.max_steps == 5
+    assert {"sde_type", "lora_r", "flow_shift", "cfg_scale"} <= cfg.explicit  # the model's own defaults stay off
 
 
 @pytest.mark.parametrize("text,expected", [("True", True), ("false", False), ("1", True), ("0", False),
@@ -146,6 +173,7 @@ def test_dump_and_load_back_identically(tmp_path):
     (["--sde_type", "cps", "--eta", "1.5"], "--eta must be <= 1 for cps"),
     (["--clip_range", "0"], "--clip_range must be > 0"),
     (["--batch_size", "0"], "--batch_size must be >= 1"),
+    (["--max_steps", "0"], "--max_steps must be >= 1, got 0"),
 ])
 def test_bad_values_name_the_key(argv, message):
     with pytest.raises(SageGRPOError, match=message):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,8 +48,23 @@ def _adapted():
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    """(checkpoint-7 of a LoRA run, the adapted transformer); metrics.jsonl with validation at steps 5 and 9."""
+def released_model(tmp_path_factory) -> Path:
+    """A diffusers-layout folder whose transformer config.json is the released HunyuanVideo-1.5's (480p_t2v; the
+    weights are a tiny model's: only the config is read for the model card)."""
+    from sage_grpo.models.full_size import real_transformer_config
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    root = write_tiny_checkpoint(tmp_path_factory.mktemp("released") / "hv")
+    config = json.loads((root / "transformer" / "config.json").read_text())
+    config.update({k: list(v) if isinstance(v, tuple) else v for k, v in real_transformer_config("480p_t2v").items()})
+    (root / "transformer" / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, released_model):
+    """(checkpoint-7 of a LoRA run of the released model, the adapted transformer); metrics.jsonl with validation
+    at steps 5 and 9."""
     run = tmp_path_factory.mktemp("run")
     ckpt = run / "checkpoint-7"
     ckpt.mkdir()
@@ -57,6 +73,7 @@ def lora_run(tmp_path_factory):
     cfg = Config()
     cfg.model.use_lora, cfg.model.lora_r, cfg.model.lora_alpha = True, 2, 3
     cfg.optim.max_steps = 10
+    cfg.model.model_path = str(released_model)
     (ckpt / "train_state.json").write_text(json.dumps({"step": 7, "config": config_to_dict(cfg)}))
     rows = [{"step": 5, "val/reward_total": 0.25, "val/videos": 4}, {"step": 7, "reward/total": 1.0},
             {"step": 9, "val/reward_total": 0.75}]
@@ -132,6 +149,43 @@ def test_model_card_of_an_i2v_run_names_the_i2v_pipeline_and_base(tmp_path):
         assert "HunyuanVideo-1.5-Diffusers-480p_i2v" in card and ("--image " in card) == (kind != "merged")
     t2v = model_card(config_to_dict(Config()), step=3, kind="merged", files=["config.json"])
     assert "HunyuanVideo15Pipeline.from_pretrained" in t2v and "480p_t2v" in t2v and "--image" not in t2v
+
+
+def test_the_card_of_another_model_than_the_released_one_names_its_folder_not_the_hub(lora_run, released_model,
+                                                                                      tmp_path):
+    """A run of a tiny model (or the world model) is not a fine-tune of the hub's HunyuanVideo-1.5: its card has no
+    base_model, names the run's model folder and loads with generate.py --model_path; a model that cannot be found
+    is not claimed either. The released architecture keeps the hub base (test_lora_export_writes_the_layout_...)."""
+    from sage_grpo.models.model_card import released_base
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    tiny = write_tiny_checkpoint(tmp_path / "tiny" / "hv")
+    config = json.loads((lora_run[0] / "train_state.json").read_text())["config"]
+    assert released_base(config)
+    assert not released_base({"model": {**config["model"], "model_path": str(tiny)}})
+    assert not released_base({"model": {**config["model"], "model_path": str(tmp_path / "gone")}})
+    ckpt = tmp_path / "run" / "checkpoint-7"
+    shutil.copytree(lora_run[0], ckpt)
+    config["model"]["model_path"] = str(tiny)
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 7, "config": config}))
+    for fmt in ("peft", "comfy"):
+        out = export_checkpoint.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / fmt), "--lora_format", fmt])
+        card = (out / "README.md").read_text()
+        meta = card.split("---\n")[1]
+        assert "base_model" not in meta and "huggingface.co" not in card and "tencent/" not in card, card
+        assert f"the model at `{tiny}`" in card and f"generate.py --model_path {tiny} --lora_path" in card
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+
+
+def test_export_hides_the_libraries_warnings_unless_verbose(lora_run, tmp_path, monkeypatch):
+    """As post_train.py and generate.py: the libraries' warnings (diffusers' "Guiders are experimental", the
+    torchao import note) are silenced before anything loads; --verbose shows them."""
+    calls = []
+    monkeypatch.setattr(export_checkpoint, "quiet_libraries", calls.append)
+    for i, extra in enumerate(([], ["--verbose"])):
+        export_checkpoint.main(["--checkpoint", str(lora_run[0]), "--out", str(tmp_path / str(i)), "--lora_format",
+                                "peft", *extra])
+    assert calls == [False, True]
 
 
 def test_lora_export_user_errors(lora_run, tmp_path):

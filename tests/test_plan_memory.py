@@ -29,6 +29,12 @@ def counts():
     return pm.count_transformer(pm.build_transformer(pm.TRANSFORMER_CONFIGS["480p_t2v"])), pm.count_frozen_parts()
 
 
+@pytest.fixture(scope="module")
+def lora_counts():
+    """The same transformer's counts with LoRA adapters (r 8, every linear layer of the blocks)."""
+    return pm.count_transformer(pm.build_transformer(pm.TRANSFORMER_CONFIGS["480p_t2v"]), use_lora=True)
+
+
 def test_meta_count_equals_real_tiny_model():
     cfg = tiny_transformer_config()
     meta = pm.count_transformer(pm.build_transformer(cfg, "meta"))
@@ -143,7 +149,6 @@ def test_cli_json(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--world_size", "6"], "num_generations"),  # dp 3 x batch 2 = 6 videos, G = 4
     (["--world_size", "8", "--sp_size", "3"], "--sp_size 3 must divide"),
     (["--world_size", "8", "--pretrained_transformer_version", "720p_i2v_distilled_sparse"], "no transformer config"),
 ])
@@ -155,6 +160,69 @@ def test_impossible_geometry_is_one_message(argv, needle, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_batch_of_incomplete_groups_is_planned_with_the_next_batch_that_makes_whole_ones(counts):
+    """dp 3 x batch 2 = 6 videos are not whole groups of 4: post_train.py refuses them, so the plan is of --batch_size
+    4 (12 videos, 3 groups), said in a note; a batch that already makes whole groups is left as it is."""
+    cfg = _cfg()  # sp 2, batch 2, G 4
+    note = pm.whole_groups(cfg, 6)
+    assert cfg.data.batch_size == 4 and "--batch_size 2 on 3 data-parallel rank(s) makes 6 videos" in note
+    assert "planned with --batch_size 4" in note
+    pm.plan(cfg, pm.PlanOptions(world_size=6), *counts)  # a geometry validate accepts
+    again = _cfg()
+    assert pm.whole_groups(again, 8) is None and again.data.batch_size == 2  # dp 4 x 2 = 8 videos: two groups
+    assert [pm.whole_groups_batch(_cfg(batch_size=b), 2) for b in (1, 2, 3, 5)] == [4, 4, 4, 8]  # dp 1: G | batch
+
+
+def test_a_plan_that_does_not_fit_lists_what_would_fit_each_re_planned(counts, lora_counts):
+    """The README's one-GPU LoRA flags on a 24 GiB card: every change listed alone is re-planned (the same peak as a
+    plan of the flags it names), largest saving first; together, in that order, they end in a plan that fits, and
+    the flags of the last line, planned from scratch, give its peak."""
+    from sage_grpo.config import load_config
+
+    c, frozen = counts
+    lora = lora_counts
+    base = ["--use_lora", "True", "--master_weight_type", "bf16", "--enable_fsdp", "False", "--batch_size", "4",
+            "--num_generations", "4"]
+    opts = pm.PlanOptions(world_size=1, gpu_memory_gib=24)
+
+    def peak(flags: str) -> float:
+        return pm.plan(load_config(base + flags.replace("URL", pm.REMOTE_URL).split()), opts, lora, frozen)["peak_gib"]
+
+    assert not pm.plan(load_config(base), opts, lora, frozen)["fits"]
+    ch = pm.fitting_changes(load_config(base), opts, lora, frozen)
+    savings = [r["saving_gib"] for r in ch["alone"]]
+    assert savings == sorted(savings, reverse=True) and len(savings) >= 3 and savings[-1] > 0
+    names = " ".join(r["flags"] for r in ch["alone"])
+    assert "--reward_model remote" in names and "--cfg_scale 1" in names and "--use_lora" not in names  # has LoRA
+    for r in ch["alone"]:
+        assert r["peak_gib"] == pytest.approx(peak(r["flags"])), r["flags"]
+    together = ch["together"]
+    assert ch["fits"] and together[-1]["fits"] and together[-1]["peak_gib"] <= 24
+    assert all(a["peak_gib"] > b["peak_gib"] for a, b in zip(together, together[1:]))
+    assert together[-1]["peak_gib"] == pytest.approx(peak(" ".join(r["flags"] for r in together)))
+    assert not any(r["fits"] for r in together[:-1])  # it stops at the first that fits
+
+
+def test_the_cli_exits_1_with_the_changes_when_the_plan_does_not_fit(counts, lora_counts, capsys, monkeypatch):
+    """`plan_memory.py --world_size 1 --gpu_memory_gib 24` (the defaults: full fine-tuning of 2 videos, G 4) plans
+    (batch 4, said in a note), does not fit, names the flags that fit 24 GiB and exits 1; at 160 GiB it fits and
+    exits 0 with no changes listed; --help describes it."""
+    c, frozen = counts
+    monkeypatch.setattr(pm, "build_transformer", lambda config: None)  # the counts of the fixtures, counted once
+    monkeypatch.setattr(pm, "count_transformer", lambda model, use_lora=False, **kw: lora_counts if use_lora else c)
+    monkeypatch.setattr(pm, "count_frozen_parts", lambda: frozen)
+    assert pm.cli(["--world_size", "1", "--gpu_memory_gib", "24"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit in 24 GiB" in out and "note: --batch_size 2 on 1 data-parallel rank(s)" in out
+    assert "  --use_lora True " in out and "\nfits 24 GiB with: --use_lora True" in out
+    assert pm.cli(["--world_size", "1", "--gpu_memory_gib", "160"]) == 0
+    out = capsys.readouterr().out
+    assert "fits in 160 GiB" in out and "changes that lower the peak" not in out
+    with pytest.raises(SystemExit) as exc:
+        pm.main(["--help"])
+    assert exc.value.code == 0 and "Per-GPU memory plan of a post_train.py run" in capsys.readouterr().out
 
 
 def test_text_cache_host_memory_per_rank(counts, tiny_pipe):

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from post_train_helpers import ROOT, _args, _stable, _weights, pt
 
 from sage_grpo.checkpoint import list_checkpoints
@@ -400,6 +401,20 @@ def test_generate_loads_a_checkpoint_and_its_export_alike_with_the_usual_file_mo
     assert (tmp_path / "exp" / "diffusion_pytorch_model.safetensors").is_file()
 
 
+def test_help_shows_the_examples_one_per_line_and_nothing_about_the_files_layout(capsys):
+    """--help's description is the docstring with its lines kept: each launch example on a line of its own (argparse's
+    default formatter ran them into one paragraph); the notes on how the file reads are for its readers."""
+    with pytest.raises(SystemExit) as exc:
+        pt.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    lines = out.splitlines()
+    for example in ("python post_train.py --config configs/tiny_cpu.yaml", "torchrun --nproc_per_node 8 post_train.py",
+                    "bash run_post_train.sh", "NNODES=8 NODE_RANK=... MASTER_ADDR=..."):
+        assert any(line.strip().startswith(example) for line in lines), example
+    assert "reads in run order" not in out and "--resume_from_checkpoint" in out
+
+
 def test_user_errors_before_any_model_loads(tmp_path):
     with pytest.raises(SageGRPOError, match="sp_size 2 must divide the world size 1"):
         pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--sp_size", "2", "--num_generations", "2",
@@ -416,6 +431,10 @@ def test_user_errors_before_any_model_loads(tmp_path):
     with pytest.raises(SageGRPOError, match="hacking_metric_drop must be > 0"):
         pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--hacking_metric_drop", "0",
                  "--output_dir", str(tmp_path)])
+    with pytest.raises(SageGRPOError, match="--max_steps must be >= 1, got 0"):  # no folder a next launch refuses
+        pt.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--max_steps", "0",
+                 "--output_dir", str(tmp_path / "zero")])
+    assert not (tmp_path / "zero").exists()
 
 
 @pytest.mark.slow
@@ -434,6 +453,10 @@ def test_a_lora_checkpoint_exports_for_from_pretrained_and_generates_the_trained
     r = subprocess.run([sys.executable, str(ROOT / "scripts/export_checkpoint.py"), "--checkpoint", str(ckpt),
                         "--out", str(tmp_path / "exp")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
+    for noise in ("Guiders are currently", "Unable to import", "SiglipImageProcessor"):  # as generate.py: hidden
+        assert noise not in r.stderr, r.stderr[-2000:]
+    card = (tmp_path / "exp" / "README.md").read_text()  # a tiny model's run: no hub model is named its base
+    assert "base_model" not in card and f"the model at `{tiny_model}`" in card
     exported = HunyuanVideo15Transformer3DModel.from_pretrained(tmp_path / "exp").state_dict()
     trained = _weights(out)
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
@@ -639,11 +662,31 @@ def test_a_run_folder_is_never_silently_overwritten(tiny_model, tmp_path, capsys
         pt.main(_args(tiny_model, tmp_path / "notes.txt" / "run", "--resume_from_checkpoint", "latest"))
 
 
+def test_a_resume_keeps_the_runs_settings_and_records_the_flags_that_change_them(tiny_model, tmp_path, capsys):
+    """Trained with --sde_type flow_grpo, resumed with the same --config but without the sampler flag: the run goes
+    on with its own sampler (the file's sage_grpo is named, not applied); the flags given override and are said;
+    config.yaml holds the settings now and resumes.jsonl what each resume's flags changed."""
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "1", "--sde_type", "flow_grpo", "--eta", "0.7"))
+    capsys.readouterr()
+    pt.main(_args(tiny_model, out, "--eta", "0.6", "--resume_from_checkpoint", "latest"))
+    shown = capsys.readouterr().out
+    assert "overridden on resume: rollout.eta: 0.7 -> 0.6; optim.max_steps: 1 -> 2" in shown, shown
+    assert "rollout.sde_type: 'flow_grpo' (--config: 'sage_grpo')" in shown, shown
+    saved = json.loads((out / "checkpoint-2" / "train_state.json").read_text())["config"]
+    assert (saved["rollout"]["sde_type"], saved["rollout"]["eta"]) == ("flow_grpo", 0.6)
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert (written["rollout"]["sde_type"], written["rollout"]["eta"]) == ("flow_grpo", 0.6)
+    records = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
+    assert records == [{"step": 1, "checkpoint": "checkpoint-1",
+                        "overridden": {"rollout.eta": [0.7, 0.6], "optim.max_steps": [1, 2]}}]
+
+
 def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     """A full fine-tuning checkpoint resumed with --use_lora, or a LoRA one without it: one line naming the
     mismatch, before setup loads anything; the matching flag gets through to setup."""
     from sage_grpo.checkpoint import TRAIN_STATE
-    from sage_grpo.config import Config, config_to_dict
+    from sage_grpo.config import config_to_dict, load_config
 
     class Loaded(Exception):
         pass
@@ -654,18 +697,20 @@ def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_pa
     monkeypatch.setattr(pt, "setup", setup)
     for saved_lora in (False, True):
         out = tmp_path / f"lora_{saved_lora}"
-        cfg = config_to_dict(Config())
+        args = _args("unused", out, "--max_steps", "4", "--resume_from_checkpoint", "latest")
+        cfg = config_to_dict(load_config(args))
         cfg["model"]["use_lora"] = saved_lora
         (out / "checkpoint-3").mkdir(parents=True)
         (out / "checkpoint-3" / TRAIN_STATE).write_text(json.dumps({"step": 3, "config": cfg}))
-        args = _args("unused", out, "--max_steps", "4", "--resume_from_checkpoint", "latest")
-        mismatch = [] if saved_lora else ["--use_lora"]
+        mismatch = ["--use_lora", str(not saved_lora)]
         kinds = ("a LoRA run", "a full fine-tuning run")[:: 1 if saved_lora else -1]
         with pytest.raises(SageGRPOError, match=rf"checkpoint-3 is {kinds[0]} \(use_lora {saved_lora}\) but this run "
                            rf"is {kinds[1]} \(--use_lora {not saved_lora}\): resume it with --use_lora {saved_lora}"):
             pt.main(args + mismatch)
         with pytest.raises(Loaded):
-            pt.main(args + (["--use_lora"] if saved_lora else []))
+            pt.main(args + ["--use_lora", str(saved_lora)])
+        with pytest.raises(Loaded):  # not given: the run's own kind
+            pt.main(args)
 
 
 def test_a_pending_update_that_could_never_be_taken_is_refused_before_any_model_loads(tmp_path, monkeypatch):
@@ -673,7 +718,7 @@ def test_a_pending_update_that_could_never_be_taken_is_refused_before_any_model_
     the update is taken when the pending rounds reach it, which they never would; refused in one line before setup.
     With 4 (or more) it gets through."""
     from sage_grpo.checkpoint import TRAIN_STATE
-    from sage_grpo.config import Config, config_to_dict
+    from sage_grpo.config import config_to_dict, load_config
 
     class Loaded(Exception):
         pass
@@ -682,12 +727,12 @@ def test_a_pending_update_that_could_never_be_taken_is_refused_before_any_model_
         raise Loaded
 
     monkeypatch.setattr(pt, "setup", setup)
-    cfg = config_to_dict(Config())
+    args = _args("unused", tmp_path / "run", "--max_steps", "8", "--resume_from_checkpoint", "latest")
+    cfg = config_to_dict(load_config(args))
     cfg["optim"]["gradient_accumulation_steps"] = 4
     (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)
     (tmp_path / "run" / "checkpoint-3" / TRAIN_STATE).write_text(json.dumps({"step": 3, "accum_rounds": 3,
                                                                              "config": cfg}))
-    args = _args("unused", tmp_path / "run", "--max_steps", "8", "--resume_from_checkpoint", "latest")
     with pytest.raises(SageGRPOError, match=r"checkpoint-3 holds 3 accumulated round\(s\) of an update; "
                        r"--gradient_accumulation_steps 2 would never take it: resume with "
                        r"--gradient_accumulation_steps > 3 \(the saved run's is 4\)"):

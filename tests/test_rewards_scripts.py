@@ -152,7 +152,7 @@ def test_score_videos_one_mp4_and_exact_prompt(video_folder, tmp_path, capsys):
     (d / "clip.txt").write_text("  a dog, running \n", encoding="utf-8")
     rc, out, err = _run(sv, ["--videos", str(d / "clip.mp4"), "--out", str(tmp_path / "t"), "--metrics", "brightness",
                              "--device", "cpu"], capsys)
-    assert rc == 0 and "scored 1 videos" in out and err == ""
+    assert rc == 0 and "scored 1 video -> " in out and err == ""
     rows = list(csv.DictReader((tmp_path / "t.csv").open(encoding="utf-8")))
     assert rows[0]["prompt"] == "  a dog, running "
 
@@ -190,6 +190,8 @@ def test_score_videos_every_video_failed_exits_2(tmp_path, capsys):
         (["--min_pixels", "5000", "--max_pixels", "4000"], "--min_pixels (5000) must be <= --max_pixels (4000)"),
         (["--max_pixels", "4000"], "below VideoAlign's default --min_pixels"),
         (["--metrics", "brightness,bogus"], "unknown reward 'bogus'"),
+        (["--metrics", "world_motoin"], "unknown reward 'world_motoin'; did you mean world_motion? valid names for "
+                                        "--metrics are:"),
         (["--device", "tpu:x"], "--device 'tpu:x' is not a device"),
         (["--max_pixels", "lots"], "invalid int value"),
     ],

@@ -5,7 +5,9 @@ validation metrics of the exported step (from the run's metrics.jsonl when prese
 
 Only the train_state.json config is read, through `.get` with the flags shown only when present, so a checkpoint
 of an older or newer config still gets a card. `task` (train_state.json's "task", written since image-to-video
-runs exist; "t2v" when absent) picks the pipeline class, the hub tag and the --image in the usage lines."""
+runs exist; "t2v" when absent) picks the pipeline class, the hub tag and the --image in the usage lines. A run of
+another model than HunyuanVideo-1.5's (a tiny test model, the world model; `released_base` reads its transformer
+config, no weights) names its own folder as the base, and no hub base_model."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["model_card", "validation_metrics", "base_model_id"]
+__all__ = ["model_card", "validation_metrics", "base_model_id", "released_base"]
 
 AUTHORS_REPO = "tencent/HunyuanVideo-1.5"
 DIFFUSERS_REPO = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{version}"
@@ -41,6 +43,30 @@ def base_model_id(config: dict, layout: str, task: str = "t2v") -> str:
     elif task == "t2v" and "i2v" in version:
         version = version.replace("i2v", "t2v")
     return DIFFUSERS_REPO.format(version=version) if layout == "diffusers" else AUTHORS_REPO
+
+
+# the transformer config keys that tell HunyuanVideo-1.5's released architecture from a smaller model
+ARCHITECTURE_KEYS = ("num_layers", "num_refiner_layers", "num_attention_heads", "attention_head_dim", "text_embed_dim")
+
+
+def released_base(config: dict) -> bool:
+    """Whether the run's model (its config's --model_path / --pretrained_model_root) has the architecture of the
+    released HunyuanVideo-1.5 (its transformer config.json against sage_grpo.models.full_size's), so that the hub
+    repository may be named as its base. A model that cannot be found or read is not claimed to be it."""
+    from sage_grpo.errors import SageGRPOError
+    from sage_grpo.models.full_size import real_transformer_config
+    from sage_grpo.models.loading import locate_model
+
+    m = config.get("model", {})
+    version = m.get("pretrained_transformer_version") or "480p_t2v"
+    try:
+        loc = locate_model(m.get("pretrained_model_root", "ckpts"), m.get("model_path", ""), version)
+        folder = loc.root / "transformer" / (version if loc.layout == "authors" else "")
+        found = json.loads((folder / "config.json").read_text())
+        real = real_transformer_config(version)
+    except (SageGRPOError, OSError, ValueError):
+        return False
+    return all(found.get(k, real[k]) == real[k] for k in ARCHITECTURE_KEYS)
 
 
 def validation_metrics(metrics_file: Path, step: int) -> tuple[int, dict[str, float]] | None:
@@ -82,12 +108,15 @@ def _fmt(v) -> str:
 
 
 def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_file: Path | None = None,
-               lora_settings: dict | None = None, task: str = "t2v") -> str:
+               lora_settings: dict | None = None, task: str = "t2v", released: bool = True) -> str:
     """README.md text. kind: "merged" (a diffusers transformer folder) or a LoRA layout of
-    sage_grpo.models.lora_formats (peft, diffusers, original, comfy)."""
+    sage_grpo.models.lora_formats (peft, diffusers, original, comfy). released: the run's model is HunyuanVideo-1.5's
+    released architecture (`released_base`); else its folder is named as the base, and no hub repository."""
     is_lora = kind != "merged"
     layout = "authors" if kind in ("original", "comfy") else "diffusers"
-    base = base_model_id(config, layout, task)
+    m = config.get("model", {})
+    base = base_model_id(config, layout, task) if released else (m.get("model_path") or
+                                                                 m.get("pretrained_model_root") or "?")
     tag = "image-to-video" if task == "i2v" else "text-to-video"
     optim = config.get("optim", {})
     tags = [tag, "hunyuanvideo-1.5", "grpo", "sage-grpo", "reinforcement-learning"]
@@ -96,8 +125,7 @@ def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_
     library = "peft" if kind == "peft" else "diffusers"
     meta = [
         "---",
-        f"base_model: {base}",
-        f"base_model_relation: {'adapter' if is_lora else 'finetune'}",
+        *([f"base_model: {base}", f"base_model_relation: {'adapter' if is_lora else 'finetune'}"] if released else []),
         f"library_name: {library}",
         f"pipeline_tag: {tag}",
         "tags:",
@@ -106,8 +134,11 @@ def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_
     ]
     what = f"LoRA ({kind} layout)" if is_lora else "fine-tuned transformer (diffusers layout, LoRA merged if any)"
     out = [*meta, "", f"# HunyuanVideo-1.5 SAGE-GRPO {what}, step {step}", ""]
+    source = (f"[{base}](https://huggingface.co/{base})" if released else
+              f"the model at `{base}` (not HunyuanVideo-1.5's released model: its transformer config has another "
+              "architecture, e.g. a tiny test model, or was not found at export)")
     out += [
-        f"Post-trained from [{base}](https://huggingface.co/{base}) with SAGE-GRPO (\"Manifold-Aware Exploration for "
+        f"Post-trained from {source} with SAGE-GRPO (\"Manifold-Aware Exploration for "
         "Reinforcement Learning in Video Generation\", arXiv 2603.21872): GRPO with a manifold-aware SDE for the "
         "rollouts, a gradient-norm equalizer and a dual trust region (KL to a moving anchor and step-wise).",
         "",
@@ -132,11 +163,11 @@ def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_
         out += [f"At step {vstep} (metrics.jsonl):", "", "| metric | value |", "|---|---|"]
         out += [f"| {k} | {v:.6g} |" for k, v in sorted(vals.items())]
     out += ["", "## Files", "", *[f"- `{f}`" for f in files], "", "## How to load", ""]
-    out += _how_to_load(kind, files, base, task)
+    out += _how_to_load(kind, files, base, task, released)
     return "\n".join(out) + "\n"
 
 
-def _how_to_load(kind: str, files: list[str], base: str, task: str = "t2v") -> list[str]:
+def _how_to_load(kind: str, files: list[str], base: str, task: str = "t2v", released: bool = True) -> list[str]:
     weights = next((f for f in files if f.endswith(".safetensors")), "")
     cls = "HunyuanVideo15ImageToVideoPipeline" if task == "i2v" else "HunyuanVideo15Pipeline"
     if kind == "merged":
@@ -172,6 +203,7 @@ def _how_to_load(kind: str, files: list[str], base: str, task: str = "t2v") -> l
                   "`.alpha`), for tools that read the original checkpoint's names; for ComfyUI export "
                   "`--lora_format comfy`.", ""]
     lines += ["This repository (any of the four layouts; detected from the keys):", "", "```bash",
-              "python generate.py --pretrained_model_root ckpts --lora_path <this folder> --prompt \"...\""
+              f"python generate.py {'--pretrained_model_root ckpts' if released else '--model_path ' + base} "
+              "--lora_path <this folder> --prompt \"...\""
               + (" --image first_frame.png" if task == "i2v" else ""), "```"]
     return lines

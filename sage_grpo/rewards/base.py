@@ -8,6 +8,7 @@ good or very bad) reward (defect 9 of the authors' code).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -89,8 +90,10 @@ def get_reward_builder(name: str) -> Callable[..., Reward]:
         return _plugin_builder(name.strip())
     key = name.strip().lower()
     if key not in _REGISTRY:
+        close = difflib.get_close_matches(key, reward_names(), n=1)
         raise SageGRPOError(
-            f"unknown reward {name!r}; valid names for --reward_model are: {', '.join(reward_names())} "
+            f"unknown reward {name!r}; {f'did you mean {close[0]}? ' if close else ''}valid names for --reward_model "
+            f"are: {', '.join(reward_names())} "
             "(several may be combined with commas, e.g. 'videoalign_local,clipscore'), or an import path "
             "'package.module:factory' / 'path/to/file.py:factory'"
         )
