@@ -31,10 +31,9 @@ import time
 from pathlib import Path
 
 from sage_grpo.cli import CLIParser, check_output_file, check_writable_dir, quiet_libraries, show_progress
-from sage_grpo.config import DTYPES, parse_bool, parse_size
+from sage_grpo.config import ATTENTION_BACKENDS, DTYPES, parse_bool, parse_size
 from sage_grpo.errors import SageGRPOError, run_cli
 from sage_grpo.hostmem import free_host_memory_eagerly
-from sage_grpo.models.attention import ATTENTION_BACKENDS
 from sage_grpo.sde import SAMPLERS
 
 MAX_SEED = 2**63 - 1  # seeds are hashed as signed 64-bit integers

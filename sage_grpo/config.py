@@ -29,7 +29,6 @@ import torch
 import yaml
 
 from .errors import SageGRPOError
-from .models.attention import ATTENTION_BACKENDS
 from .sde import CPS_LOGPROB_MODES, SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule
 
 __all__ = [
@@ -76,6 +75,16 @@ VIDEO_FPS = 24
 JUDGE_SCALES = ("1-10", "yes_no")
 _TRUE = {"true", "1", "yes", "on", "y", "t"}
 _FALSE = {"false", "0", "no", "off", "n", "f"}
+
+
+# --attention_backend: "auto" (the processors' default: diffusers' active backend, torch's SDPA unless
+# DIFFUSERS_ATTN_BACKEND names another) or a backend of diffusers' attention dispatcher that needs no mask: torch's
+# SDPA choosing its kernel (native) or forced to one (_native_math / _native_flash / _native_efficient /
+# _native_cudnn), flex attention, flash-attn 2 / 3 from their packages or from the Hub (`kernels`), flash 4 from the
+# Hub, SageAttention (no backward: generation only) and xformers. Which of them this machine runs is probed, not
+# assumed (`check_attention_backend`).
+ATTENTION_BACKENDS = ("auto", "native", "_native_math", "_native_flash", "_native_efficient", "_native_cudnn", "flex",
+                      "flash", "flash_hub", "_flash_3", "_flash_3_hub", "flash_4_hub", "sage", "sage_hub", "xformers")
 
 
 def opt(default: Any, help: str, choices: tuple | None = None) -> Any:

@@ -34,6 +34,7 @@ import warnings
 
 import torch
 
+from sage_grpo.config import ATTENTION_BACKENDS
 from sage_grpo.errors import SageGRPOError
 
 __all__ = [
@@ -237,14 +238,6 @@ def valid_token_attention_enabled(transformer) -> bool:
     return all(isinstance(b.attn.processor, ValidTokenAttnProcessor) for b in dual_stream_blocks(transformer))
 
 
-# --attention_backend: "auto" (the processors' default: diffusers' active backend, torch's SDPA unless
-# DIFFUSERS_ATTN_BACKEND names another) or a backend of diffusers' attention dispatcher that needs no mask: torch's
-# SDPA choosing its kernel (native) or forced to one (_native_math / _native_flash / _native_efficient /
-# _native_cudnn), flex attention, flash-attn 2 / 3 from their packages or from the Hub (`kernels`), flash 4 from the
-# Hub, SageAttention (no backward: generation only) and xformers. Which of them this machine runs is probed, not
-# assumed (`check_attention_backend`).
-ATTENTION_BACKENDS = ("auto", "native", "_native_math", "_native_flash", "_native_efficient", "_native_cudnn", "flex",
-                      "flash", "flash_hub", "_flash_3", "_flash_3_hub", "flash_4_hub", "sage", "sage_hub", "xformers")
 
 
 def set_attention_backend(transformer, name: str):
