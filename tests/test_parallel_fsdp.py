@@ -37,7 +37,8 @@ def launch(tmp_path_factory) -> dict:
     return {w: (d, [json.loads((d / f"rank{i}.json").read_text()) for i in range(2)]) for w, d in folders.items()}
 
 
-@pytest.mark.dist
+# no dist marker: the fast tier's one multi-process run (torchrun, 2 gloo ranks: FSDP2's sharded load, rollout and
+# step against one process, in one launch); the file's other multi-process tests are the full tier's
 def test_fsdp_step_equals_one_process(launch):
     ranks = launch["fsdp_step_worker.py"][1]
     for r in ranks:
