@@ -773,8 +773,8 @@ def render_summary(out: Path) -> str:
     reports = read_reports(out)
     res = {stage: r["results"] for stage, r in reports.items()}
     lines = [host_line(reports) if reports else f"GPU: {NOT_MEASURED}.", "",
-             "| run | phase | s per video | TFLOP/s | MFU (of the measured bf16 matmul rate) | peak GiB | plan GiB | "
-             "plan check |", "|---|---|---|---|---|---|---|---|"]
+             "| run | phase | s per video | TFLOP/s | MFU of the bf16 peak (of the measured matmul rate) | peak GiB "
+             "| plan GiB | plan check |", "|---|---|---|---|---|---|---|---|"]
     for stage, name in (("lora", "LoRA"), ("full", "full fine-tuning")):
         r = res.get(stage)
         if r is None:

@@ -256,7 +256,8 @@ def test_tables_show_tflops_and_mfu_against_the_datasheet_and_the_measured_matmu
     data["results"]["plan_comparison"][2]["verdict"] = "not run"  # the anchor of a first step: no forward
     report.write_text(json.dumps(data))
     summary = gpu_check.render_summary(tmp_path)
-    assert "| run | phase | s per video | TFLOP/s | MFU (of the measured bf16 matmul rate) | peak GiB |" in summary
+    assert ("| run | phase | s per video | TFLOP/s | MFU of the bf16 peak (of the measured matmul rate) | peak GiB |"
+            in summary)
     row = next(line for line in summary.splitlines() if line.startswith("| LoRA, "))
     # rollout / decode+reward / anchor (no forward) / update / optimizer step
     assert "| 300 / - / - / 250 / - |" in row
