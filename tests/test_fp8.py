@@ -272,6 +272,8 @@ def test_real_size_cpu_runs_its_miniature_on_the_fp8_base(tmp_path):
     res = json.loads((work / "real_size_cpu.json").read_text())
     assert res["settings"]["fp8_base"] and res["planner"]["setting"]["fp8_base"]
     assert res["train"]["policy_tensor_gib"] > 0 and "policy_resident_gib" in res["train"]
+    # RSS counts the mapped file pages besides the anonymous memory
+    assert res["train"]["policy_rss_gib"] >= res["train"]["policy_resident_gib"] - 0.05
     saved = json.loads((work / "run_a" / "checkpoint-2" / "train_state.json").read_text())
     assert saved["config"]["model"]["fp8_base"] is True
     refused = subprocess.run([sys.executable, str(ROOT / "scripts/real_size_cpu.py"), "--miniature", "--fp8_base",
