@@ -291,8 +291,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def send(self, status: int, data: bytes, length: bool = True, trickle: float = 0.0, head: float = 0.0) -> None:
         if head:  # the status line and headers a byte at a time too, then the body
+            # "Connection: close": this handler speaks HTTP/1.0 and closes after each answer (see send_response)
             raw = (f"HTTP/1.1 {status} OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-                   "\r\n").encode() + data
+                   "Connection: close\r\n\r\n").encode() + data
             with contextlib.suppress(ConnectionError):  # the client gave up
                 for i in range(len(raw)):
                     self.wfile.write(raw[i:i + 1])

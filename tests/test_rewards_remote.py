@@ -163,7 +163,10 @@ class _Trickling(BaseHTTPRequestHandler):
 
     def answer(self, body: dict, every: float = 0.0, head: bool = False) -> None:
         data = json.dumps(body).encode()
-        raw = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        # "Connection: close": this handler speaks HTTP/1.0 and closes after each answer; without it the client
+        # would keep the connection for the next request and race the close (a disconnect instead of a timeout).
+        raw = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+               "Connection: close\r\n\r\n").encode()
         if not head:
             self.wfile.write(raw)
             raw = b""
