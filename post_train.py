@@ -423,7 +423,8 @@ def load_policy(cfg: Config, info: DistInfo, pipe) -> tuple[torch.nn.Module, lis
         torch.manual_seed(cfg.optim.seed)  # the LoRA A matrices: drawn exactly as the unsharded path draws them
         transformer, trainable = load_sharded_transformer(
             loc.root / "transformer", info, master_dtype=master, base_dtype=base, param_dtype=dtype,
-            lora=lora, gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
+            lora=lora, fp8={"fp8_matmul": m.fp8_matmul} if m.fp8_base else None,
+            gradient_checkpointing=m.enable_gradient_checkpointing, compile=m.compile)
         attach_transformer(pipe, transformer)  # a sharded transformer already sits where its shards belong
     else:
         transformer = load_transformer(loc, base)

@@ -138,7 +138,8 @@ class ModelConfig:
     fp8_base: bool = opt(False, "With --use_lora: store the frozen base's transformer-block linear weights in "
                                 "float8_e4m3fn with per-output-channel scales (torchao; half the bytes of bf16), "
                                 "dequantized as each layer runs; the rollout, re-scoring, anchor and generate.py "
-                                "use the same quantized base. Needs torchao (the lora extra).")
+                                "use the same quantized base; FSDP2 shards it (each rank quantizes its rows as it loads). Needs "
+                                "torchao (the lora extra).")
     fp8_matmul: bool = opt(False, "With --fp8_base: run the quantized layers as FP8 matrix products (activations "
                                   "quantized per row; CUDA compute capability 8.9 or above) instead of dequantizing "
                                   "the weights to --dtype.")
@@ -1058,9 +1059,6 @@ def validate(cfg: Config, world_size: int, num_heads: int = 16, *, training: boo
                             "trains every weight in --master_weight_type)")
     if m.fp8_matmul and not m.fp8_base:
         raise SageGRPOError("--fp8_matmul runs the layers of an FP8 base; add --fp8_base")
-    if m.fp8_base and cfg.parallel.enable_fsdp and world_size > 1:
-        raise SageGRPOError("--fp8_base is not yet verified with FSDP2 (torchao's FP8 weights are not sharded here); "
-                            "use --enable_fsdp False (every rank holds the FP8 base, half the bytes of bf16)")
     dp = dp_degree(cfg, world_size)
     if (bs * dp) % g != 0:
         raise SageGRPOError(

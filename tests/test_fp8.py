@@ -18,19 +18,12 @@ from safetensors.torch import load_file
 from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.config import load_config, validate
 from sage_grpo.errors import SageGRPOError
-from sage_grpo.models.fp8 import is_quantized, quantize_base  # torchao: the lora extra, which scripts/test.sh installs
+from sage_grpo.models.fp8 import FP8Linear, is_quantized, quantize_base  # torchao: the lora extra, which scripts/test.sh installs
 from sage_grpo.models.lora import setup_trainable
 
 
-def _plain(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A weight as plain tensors: (FP8 data, scales) of a quantized one, else (itself,)."""
-    return (t.qdata, t.scale) if hasattr(t, "qdata") else (t,)
-
-
 def _same_state(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        len(_plain(a[k])) == len(_plain(b[k])) and all(torch.equal(x, y) for x, y in zip(_plain(a[k]), _plain(b[k])))
-        for k in a)
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,6 +59,45 @@ def test_the_block_linears_become_fp8_per_output_channel_deterministically(tiny_
         normal = w.abs() >= w.abs().amax(1, keepdim=True) / 448 * 2 ** -6  # e4m3's normal range below each row's max
         assert ((deq - w).abs() <= w.abs() * 2 ** -4 + 1e-12)[normal].all()  # round to nearest of 3 mantissa bits
     assert all(torch.equal(p, others[n]) for n, p in a.named_parameters() if n in others)  # the rest untouched
+
+
+def test_rows_quantize_as_inside_the_whole_weight_and_the_sharded_loader_builds_the_same_policy(tiny_model):
+    """Per-row scales: any split of a weight's rows quantizes bitwise as the whole weight (what lets each FSDP2 rank
+    quantize only its rows); the meta-device build with the FP8 row reader (the sharded loader's path, here on one
+    process) gives the policy of load + quantize_base + LoRA: the same bytes, the same adapters, the same output."""
+    from sage_grpo.models.fp8 import fp8_row_reader, quantize_rows
+    from sage_grpo.models.loading import load_transformer, locate_model, transformer_row_reader
+    from sage_grpo.models.parallelize import build_meta_transformer
+    from sage_grpo.parallel.fsdp import materialize_sharded
+
+    torch.manual_seed(0)
+    w = (torch.randn(37, 24) * torch.logspace(-3, 1, 37)[:, None]).to(torch.bfloat16)  # rows of very different size
+    whole = quantize_rows(w)
+    for cut in (1, 16, 19, 36):
+        parts = [quantize_rows(w[:cut]), quantize_rows(w[cut:])]
+        assert all(torch.equal(torch.cat([p[i] for p in parts]), whole[i]) for i in range(2))
+
+    lora = dict(use_lora=True, lora_r=4, lora_alpha=8, adapter_dtype=torch.float32)
+    torch.manual_seed(3)
+    ref = load_transformer(locate_model("", str(tiny_model)), torch.float32)
+    n = quantize_base(ref, "cpu")
+    setup_trainable(ref, **lora)
+    torch.manual_seed(3)
+    config = json.loads((tiny_model / "transformer" / "config.json").read_text())
+    meta, init = build_meta_transformer(config, dtype=torch.float32, lora=lora, fp8={"fp8_matmul": False})
+    reads = []
+    with transformer_row_reader(tiny_model / "transformer") as rows:
+        def counted(name, start, stop):
+            reads.append(name)
+            return rows(name.replace(".base_layer.", "."), start, stop)
+
+        materialize_sharded(meta, "cpu", fp8_row_reader(counted), init)
+    assert _same_state(meta.state_dict(), ref.state_dict()) and is_quantized(meta)
+    fp8 = sorted(f"{name}.weight" for name, m in meta.named_modules() if isinstance(m, FP8Linear))
+    assert len(fp8) == n and sorted(r for r in reads if r in fp8) == fp8  # each quantized weight read once
+    x = torch.randn(1, 7, ref.config.num_attention_heads * ref.config.attention_head_dim)
+    layer = "transformer_blocks.0.attn.to_q"
+    assert torch.equal(meta.get_submodule(layer)(x), ref.get_submodule(layer)(x))
 
 
 @pytest.mark.slow
@@ -202,19 +234,19 @@ def test_generate_from_an_fp8_run_holds_the_policy_it_trained(tiny_model, fp8_ru
     generate.main(common)
     assert _same_state(held["state"], policy.state_dict())
     generate.main([*common, "--fp8_base", "False"])
-    assert not any("lora_" in k for k in held["state"]) and not any(hasattr(v, "qdata") for v in held["state"].values())
+    assert not any("lora_" in k or "fp8_" in k for k in held["state"]) and is_quantized(policy)
 
 
 @pytest.mark.parametrize("argv,world,message", [
     (["--fp8_base"], 1, "--fp8_base quantizes the frozen base of a LoRA run; add --use_lora"),
     (["--use_lora", "--fp8_matmul"], 1, "--fp8_matmul runs the layers of an FP8 base; add --fp8_base"),
-    (["--use_lora", "--fp8_base"], 2, "--fp8_base is not yet verified with FSDP2.*--enable_fsdp False"),
 ])
 def test_fp8_refusals(argv, world, message):
     cfg = load_config([*argv, "--train_video_csv", "prompts.csv"])
     with pytest.raises(SageGRPOError, match=message):
         validate(cfg, world)
-    validate(load_config(["--use_lora", "--fp8_base", "--enable_fsdp", "False", "--train_video_csv", "p.csv"]), 2)
+    for fsdp in ("True", "False"):  # FSDP2 shards the FP8 base; without it every rank holds it
+        validate(load_config(["--use_lora", "--fp8_base", "--enable_fsdp", fsdp, "--train_video_csv", "p.csv"]), 2)
 
 
 def test_full_fine_tuning_with_fp8_base_is_one_line_and_exit_code_2(tiny_model, tmp_path):

@@ -120,6 +120,11 @@ def test_fsdp_load_anchor_and_dcp(launch):
         assert lo["merged_equal_keys"] and lo["merged_diff"] <= 1e-6
         # the adapter gathered from shards equals the unsharded adapter; a save_lora file loads back row by row
         assert lo["gathered_equal"] and lo["reload_equal"]
+        f = r["fp8"]
+        # --fp8_base under FSDP2: every block linear's FP8 bytes and scales sharded by rows, equal when gathered to
+        # the one-process quantization (load, quantize_base, LoRA), read row by row; the same forward, bitwise
+        assert f["n_params"] == 2 * f["n_layers"] > 0 and f["sharded"] and f["equal"] and f["rows_only"]
+        assert f["fwd_diff"] == 0.0 and f["fwd_scale"] > 0, f  # the gathered bytes are the same bytes
         a = r["anchor"]
         # built and refreshed shard to shard: no collective, same storage, equal to the policy after refresh
         assert a["refresh_collectives"] == 0 and a["init_collectives"] == 0 and a["lora_collectives"] == 0

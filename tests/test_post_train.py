@@ -493,6 +493,9 @@ LAYOUTS = {
                          "--shared_prefix", "True"]),
     "fsdp_sp2_lora": (["--sp_size", "2", "--batch_size", "4", "--enable_fsdp", "True"],
                       ["--use_muon", "False", "--use_lora"]),
+    # the FP8 base sharded by FSDP2, each rank quantizing its rows as it loads (sage_grpo.models.fp8)
+    "fsdp_dp2_lora_fp8": (["--batch_size", "2", "--enable_fsdp", "True"],
+                          ["--use_muon", "False", "--use_lora", "--fp8_base"]),
 }
 
 

@@ -9,6 +9,16 @@ Compute: each layer's weight is dequantized to the dtype it was loaded in as the
 Only the linears of the 54 double-stream blocks (8.15B of the 8.33B parameters) are quantized: the embedders, the
 text refiner, norm_out and proj_out (the velocity comes straight out of it) keep their weights, 0.35 GB in bf16.
 
+Storage (`FP8Linear`): torchao quantizes (its `quantize_` on each layer, or on a rank's rows of it) and computes
+(`F.linear` on its `Float8Tensor`), but the quantized weight is kept as two plain parameters, the FP8 data as bytes
+[out, in] (uint8) and the scales' bits [out, 1] (int32), from which the layer builds torchao's Float8Tensor (a
+wrapper, no copy) each time it runs. Why not keep torchao's tensor as the parameter: FSDP2 cannot shard it (torchao
+0.18's Float8Tensor has no all-gather extension and lacks the ops fully_shard runs on a parameter), while plain
+integer tensors shard by rows like any weight, are all-gathered as bytes (FP8, half the traffic of bf16) and are
+left alone by FSDP2's mixed precision (it casts floating parameters only: FP8 data and fp32 scales cast to bf16
+would double the traffic and round the scales). Quantization is per output row, so a rank that quantizes its own
+rows of a weight (`fp8_row_reader`, the sharded loader) gets exactly the rows of the whole weight's quantization.
+
 The same quantized base serves every use of the policy: the rollout, the re-scoring, the LoRA anchor (the same module
 with the adapter disabled or swapped) and `generate.py`. Quantization is deterministic (an absolute maximum, a
 division and a rounding cast per row), so a resumed run re-quantizes the base from the weights files bitwise as
@@ -17,15 +27,21 @@ before and checkpoints keep only the adapter.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from sage_grpo.errors import SageGRPOError
 
-__all__ = ["FP8_MATMUL_CAPABILITY", "quantized_config", "quantize_base", "is_quantized", "quantized_bytes"]
+__all__ = ["FP8_MATMUL_CAPABILITY", "FP8Linear", "check_fp8_matmul", "quantized_config", "quantize_base", "quantize_rows",
+           "fp8_meta_base", "fp8_row_reader", "is_quantized", "quantized_bytes"]
 
 FP8_MATMUL_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores (torch._scaled_mm)
+DATA, SCALE = "fp8_data", "fp8_scale_bits"  # FP8Linear's parameter names; the file holds `weight`
 
 
 def _torchao():
@@ -51,7 +67,7 @@ def quantized_config(fp8_matmul: bool = False):
     return q.Float8WeightOnlyConfig(granularity=q.PerRow(), set_inductor_config=False)
 
 
-def _check_fp8_matmul(device: torch.device) -> None:
+def check_fp8_matmul(device: torch.device) -> None:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MATMUL_CAPABILITY:
         where = (f"compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
                  if device.type == "cuda" else f"the {device.type}")
@@ -59,32 +75,140 @@ def _check_fp8_matmul(device: torch.device) -> None:
                             f"not {where}; use --fp8_matmul False (the FP8 weights are then dequantized to bf16)")
 
 
-def quantize_base(transformer: torch.nn.Module, device: torch.device | str | None = None, *,
-                  fp8_matmul: bool = False) -> int:
-    """Quantize the linear weights of `transformer.transformer_blocks` in place (before LoRA is injected) -> the
-    number of layers quantized.
+def _quantize(weight: torch.Tensor, fp8_matmul: bool):
+    """torchao's quantization of a [rows, in] weight -> its Float8Tensor (qdata [rows, in] float8_e4m3fn, scale
+    [rows, 1] fp32), through `quantize_` on a layer holding it: the exact path torchao's config takes."""
+    q = _torchao()
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    q.quantize_(layer, quantized_config(fp8_matmul))
+    return layer.weight
 
-    device: each linear layer is moved there just before it is quantized (torchao's quantize_ moves module by
-    module), so the device holds the FP8 blocks plus one bf16 layer, never the bf16 model; the caller moves the
-    rest of the transformer afterwards. Biases keep their dtype.
+
+@functools.lru_cache(maxsize=None)
+def _layout(fp8_matmul: bool, device_type: str) -> dict:
+    """The Float8Tensor attributes torchao gives a quantized weight other than its data, scales, block size and
+    dtype (the matmul config, the activation quantization, the kernel preference): read off a small layer quantized
+    on `device_type` with the config, so FP8Linear rebuilds exactly the tensor torchao would hold."""
+    w = _quantize(torch.ones(16, 16, dtype=torch.bfloat16, device=device_type), fp8_matmul)
+    return {"mm_config": w.mm_config, "act_quant_kwargs": w.act_quant_kwargs, "kernel_preference": w.kernel_preference}
+
+
+def quantize_rows(weight: torch.Tensor, fp8_matmul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a weight [rows, in] -> (FP8 data as bytes [rows, in] uint8, scale bits [rows, 1] int32): FP8Linear's
+    two parameters. Per-row: the rows of a weight quantize as they would inside the whole weight."""
+    w = _quantize(weight, fp8_matmul)
+    return w.qdata.view(torch.uint8), w.scale.to(torch.float32).view(torch.int32)
+
+
+class FP8Linear(nn.Linear):
+    """A frozen linear layer whose weight is torchao's per-row FP8 quantization (module docstring: why it is stored
+    as two integer parameters). `weight` is the Float8Tensor built from them, so F.linear, peft's
+    TorchaoLoraLinear on top and anything that reads a layer's weight see torchao's quantized weight.
+
+    An nn.Linear subclass so that LoRA targets it (peft and `default_lora_targets` look for nn.Linear); its
+    nn.Linear constructor is not run (no bf16 weight is ever allocated)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, *, dtype: torch.dtype,
+                 fp8_matmul: bool = False, device=None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype, self.fp8_matmul = dtype, fp8_matmul
+        self.register_parameter(DATA, nn.Parameter(torch.empty(out_features, in_features, dtype=torch.uint8,
+                                                               device=device), requires_grad=False))
+        self.register_parameter(SCALE, nn.Parameter(torch.empty(out_features, 1, dtype=torch.int32, device=device),
+                                                    requires_grad=False))
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fp8_matmul: bool = False) -> FP8Linear:
+        """The quantization of `linear` (on its device; its bias kept)."""
+        w = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=w.dtype,
+                    fp8_matmul=fp8_matmul, device=w.device)
+        data, scale = quantize_rows(w, fp8_matmul)
+        with torch.no_grad():
+            getattr(layer, DATA).copy_(data)
+            getattr(layer, SCALE).copy_(scale)
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    @property
+    def weight(self):
+        """torchao's Float8Tensor over this layer's parameters (views: FSDP2's gathered ones while it runs)."""
+        q = _torchao()
+        data = getattr(self, DATA)
+        return q.Float8Tensor(data.view(torch.float8_e4m3fn), getattr(self, SCALE).view(torch.float32),
+                              block_size=[1, self.in_features], dtype=self.compute_dtype,
+                              **_layout(self.fp8_matmul, data.device.type if data.device.type != "meta" else "cpu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"float8_e4m3fn per row, compute {self.compute_dtype}" + (", FP8 matmul" if self.fp8_matmul else ""))
+
+
+def _block_linears(transformer: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) of every plain nn.Linear inside `transformer.transformer_blocks`."""
+    return [(parent, name, child) for parent in transformer.transformer_blocks.modules()
+            for name, child in parent.named_children() if type(child) is nn.Linear]
+
+
+def quantize_base(transformer: nn.Module, device: torch.device | str | None = None, *,
+                  fp8_matmul: bool = False) -> int:
+    """Replace the linear layers of `transformer.transformer_blocks` by their FP8Linear quantization, in place
+    (before LoRA is injected) -> the number of layers quantized.
+
+    device: each layer is moved there just before it is quantized, so the device holds the FP8 blocks plus one bf16
+    layer, never the bf16 model; the caller moves the rest of the transformer afterwards.
     """
     device = torch.device(device) if device is not None else next(transformer.parameters()).device
     if fp8_matmul:
-        _check_fp8_matmul(device)
-    q = _torchao()
-    blocks = transformer.transformer_blocks
-    n = sum(isinstance(m, torch.nn.Linear) for m in blocks.modules())
-    q.quantize_(blocks, quantized_config(fp8_matmul), device=device)
-    return n
+        check_fp8_matmul(device)
+    layers = _block_linears(transformer)
+    for parent, name, layer in layers:
+        setattr(parent, name, FP8Linear.from_linear(layer.to(device), fp8_matmul))
+        layer.to("meta")  # its bf16 weight is freed now, not when the loop ends
+    return len(layers)
 
 
-def is_quantized(transformer: torch.nn.Module) -> bool:
-    """Whether any weight of `transformer` is a torchao quantized tensor."""
-    try:
-        from torchao.utils import TorchAOBaseTensor
-    except ImportError:
-        return False
-    return any(isinstance(p, TorchAOBaseTensor) for p in transformer.parameters())
+def fp8_meta_base(transformer: nn.Module, *, fp8_matmul: bool = False) -> int:
+    """`quantize_base` for a transformer on the meta device (the FSDP2 loader's): the block linears become meta
+    FP8Linear layers, which `fp8_row_reader` fills -> the number of layers replaced."""
+    layers = _block_linears(transformer)
+    for parent, name, layer in layers:
+        setattr(parent, name, FP8Linear(layer.in_features, layer.out_features, layer.bias is not None,
+                                        dtype=layer.weight.dtype, fp8_matmul=fp8_matmul, device="meta"))
+    return len(layers)
+
+
+def fp8_row_reader(rows: Callable[[str, int, int], torch.Tensor], fp8_matmul: bool = False,
+                   device: torch.device | str = "cpu") -> Callable[[str, int, int], torch.Tensor]:
+    """A row reader (name, start, stop) -> rows, for a model with FP8Linear layers: their parameters' rows are the
+    quantization of the same rows of the stored `weight`, quantized on `device` (one tensor's rows at a time, so the
+    bf16 model is never whole in memory); every other name is passed to `rows`."""
+    last: dict = {}
+
+    def read(name: str, start: int, stop: int) -> torch.Tensor:
+        layer, _, leaf = name.rpartition(".")
+        if leaf not in (DATA, SCALE):
+            return rows(name, start, stop)
+        key = (layer, start, stop)
+        if last.get("key") != key:  # the data and the scales of one layer come from one quantization
+            last["key"] = key
+            last["value"] = quantize_rows(rows(f"{layer}.weight", start, stop).to(device), fp8_matmul)
+        return last["value"][0 if leaf == DATA else 1]
+
+    return read
+
+
+def is_quantized(transformer: nn.Module) -> bool:
+    """Whether `transformer` holds FP8Linear layers."""
+    return any(isinstance(m, FP8Linear) for m in transformer.modules())
 
 
 def quantized_bytes(numel_out: int, numel_in: int) -> int:

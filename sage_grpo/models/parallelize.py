@@ -97,7 +97,8 @@ def _zero_storage_like(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=t.dtype).expand(t.shape)
 
 
-def build_meta_transformer(config: dict, *, dtype: torch.dtype = torch.float32, lora: dict | None = None):
+def build_meta_transformer(config: dict, *, dtype: torch.dtype = torch.float32, lora: dict | None = None,
+                           fp8: dict | None = None):
     """HunyuanVideo15Transformer3DModel from `config` on the meta device (no memory) in `dtype` (the master
     weights, as the unsharded path loads them before injecting LoRA) -> (model, lora_init).
 
@@ -107,6 +108,8 @@ def build_meta_transformer(config: dict, *, dtype: torch.dtype = torch.float32, 
     generator in the same order (the caller seeds it as post_train does), and a --pretrained_lora_path is loaded.
     `lora_init` = {name: full initial adapter tensor} (small), which `materialize_sharded` slices per rank; then the
     whole model (adapters included) is moved to meta so that fully_shard sees one device.
+    fp8: {"fp8_matmul": bool} for an FP8 base (`sage_grpo.models.fp8`): the block linears become FP8Linear layers
+    before LoRA wraps them, as `quantize_base` does before setup_trainable in the unsharded path.
     """
     from diffusers import HunyuanVideo15Transformer3DModel
 
@@ -115,6 +118,10 @@ def build_meta_transformer(config: dict, *, dtype: torch.dtype = torch.float32, 
     with torch.device("meta"):
         model = HunyuanVideo15Transformer3DModel.from_config(config).to(dtype)
     use_valid_token_attention(model)
+    if fp8 is not None:
+        from sage_grpo.models.fp8 import fp8_meta_base
+
+        fp8_meta_base(model, fp8_matmul=fp8["fp8_matmul"])
     lora_init: dict[str, torch.Tensor] = {}
     if lora is not None and lora.get("use_lora"):
         from sage_grpo.models.lora import setup_trainable
@@ -143,7 +150,7 @@ def build_meta_transformer(config: dict, *, dtype: torch.dtype = torch.float32, 
 
 def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch.dtype, param_dtype: torch.dtype,
                              base_dtype: torch.dtype | None = None, lora: dict | None = None,
-                             gradient_checkpointing: bool = False, compile: bool = False):
+                             fp8: dict | None = None, gradient_checkpointing: bool = False, compile: bool = False):
     """The policy transformer, parallelised (FSDP2-sharded), each rank reading only its rows -> (transformer,
     trainable params).
 
@@ -153,17 +160,28 @@ def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch
     lora: setup_trainable's keyword arguments ({"use_lora": ..., "lora_r": ..., ...}); call torch.manual_seed(seed)
     before, as for the unsharded path, and the adapters start identical. Returns the trainable parameters (DTensors)
     like setup_trainable.
+    fp8: {"fp8_matmul": bool} for an FP8 base: each rank quantizes its rows of each block linear as it reads them
+    (`sage_grpo.models.fp8.fp8_row_reader`), so no rank holds more bf16 than one tensor's rows.
     """
     from sage_grpo.models.loading import read_transformer_config, transformer_row_reader
 
     model_dir = Path(model_dir)
     model, lora_init = build_meta_transformer(read_transformer_config(model_dir), dtype=base_dtype or master_dtype,
-                                              lora=lora)
+                                              lora=lora, fp8=fp8)
     parallelize(model, info, fsdp=True, param_dtype=param_dtype, master_dtype=master_dtype,
                 gradient_checkpointing=gradient_checkpointing, compile=compile)
     with transformer_row_reader(model_dir) as rows:
-        def reader(name, start, stop):  # peft keeps a wrapped layer's weight under `.base_layer.`, the file does not
+        def unwrapped(name, start, stop):  # peft keeps a wrapped layer's weight under `.base_layer.`, the file not
             return rows(name.replace(".base_layer.", "."), start, stop)
+
+        if fp8 is None:
+            reader = unwrapped
+        else:
+            from sage_grpo.models.fp8 import check_fp8_matmul, fp8_row_reader
+
+            if fp8["fp8_matmul"]:
+                check_fp8_matmul(info.device)
+            reader = fp8_row_reader(unwrapped, fp8["fp8_matmul"], info.device)
 
         materialize_sharded(model, info.device, reader, lora_init)
     model.eval()

@@ -31,6 +31,7 @@ from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 from sage_grpo.checkpoint import dcp_load, dcp_save  # noqa: E402
 from sage_grpo.config import OptimConfig  # noqa: E402
 from sage_grpo.models.attention import use_valid_token_attention  # noqa: E402
+from sage_grpo.models.fp8 import quantize_base  # noqa: E402
 from sage_grpo.models.lora import (  # noqa: E402
     adapter_parameters,
     load_lora_sharded,
@@ -193,6 +194,40 @@ lmodel2, _ = load_sharded_transformer(single_dir, info, master_dtype=FP32, param
 load_lora_sharded(lmodel2, out_dir / "lora")
 res["lora"]["reload_equal"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in
                                   zip(adapter_parameters(lmodel2).values(), adapter_parameters(lmodel).values()))
+
+# --- an FP8 base (--fp8_base): each rank quantizes its rows as it reads them; FSDP2 shards and gathers the bytes ----
+BF16 = torch.bfloat16
+with Recorder() as rec:
+    torch.manual_seed(7)
+    fmodel, _ = load_sharded_transformer(single_dir, info, master_dtype=FP32, param_dtype=BF16, base_dtype=BF16,
+                                         lora=LORA | {"adapter_dtype": FP32}, fp8={"fp8_matmul": False})
+fref = HunyuanVideo15Transformer3DModel.from_pretrained(single_dir, torch_dtype=BF16)
+use_valid_token_attention(fref)
+n_fp8 = quantize_base(fref, "cpu")
+torch.manual_seed(7)
+setup_trainable(fref, **LORA, adapter_dtype=FP32)
+fref_state = fref.state_dict()
+fp8_params = {n: p for n, p in fmodel.named_parameters() if n.endswith((".fp8_data", ".fp8_scale_bits"))}
+# as predict_velocity runs a bf16 base: the latents and text in bf16, the timestep in fp32, under autocast
+binputs = {k: v.to(BF16) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v
+           for k, v in inputs(0).items()}
+with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+    fy = fmodel(**binputs)[0]
+    fy_ref = fref.eval()(**binputs)[0]
+res["fp8"] = dict(
+    n_layers=n_fp8, n_params=len(fp8_params),
+    # the FP8 data and scales are sharded by rows as stored (uint8 / int32: FSDP2's mixed precision leaves them)
+    sharded=all(isinstance(p, DTensor) and p.to_local().shape[0] == -(-p.shape[0] // world)
+                and p.dtype in (torch.uint8, torch.int32) for p in fp8_params.values()),
+    # gathered, they are the one-process quantization bitwise, and so is everything else
+    equal=sorted(n for n, _ in fmodel.named_parameters()) == sorted(fref_state)
+    and all(torch.equal(full(p).detach(), fref_state[n]) for n, p in fmodel.named_parameters()),
+    # a bf16 weight is read only as this rank's rows, never whole
+    rows_only=rec.whole == 0 and all(numel <= -(-shape[0] // world) * int(torch.tensor(shape[1:]).prod())
+                                     for _, numel, shape in rec.reads if len(shape) > 1),
+    fwd_diff=float((fy.float() - fy_ref.float()).abs().max()), fwd_scale=float(fy_ref.float().abs().max()),
+)
+del fmodel, fref
 
 
 # --- anchor: frozen sharded copy, refreshed shard to shard with no collective -------------------------------------
