@@ -419,15 +419,19 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
     block_params = counts["per_block"] + (trainable / L if m.use_lora else 0)
     root_params = total - L * counts["per_block"]  # embedders, refiner, norm_out / proj_out (+ LoRA outside blocks)
     keep_rollout = p.enable_fsdp and shard > 1 and not p.rollout_reshard_after_forward
+    # --fp8_base under FSDP2: the block linears are gathered as their FP8 bytes and fp32 scales (sage_grpo.models.fp8:
+    # integer parameters, which FSDP2's mixed precision leaves alone), the rest in the gathered dtype
+    fp8_saving = (counts["block_linear"] * (gathered - 1) - 4 * counts["block_linear_rows"]) if m.fp8_base else 0
+    gathered_model = total * gathered - fp8_saving  # bytes of the whole transformer gathered
     if p.enable_fsdp:  # two blocks (current + prefetch) and the root unit, gathered in the compute dtype
-        t["unsharded blocks (fwd)"] = (2 * block_params + root_params) * gathered
+        t["unsharded blocks (fwd)"] = 2 * (block_params * gathered - fp8_saving / L) + root_params * gathered
         t["unsharded block grad (bwd)"] = block_params * 4 if not m.use_lora else trainable / L * 4
     else:
         t["unsharded blocks (fwd)"] = trainable * e if autocast else 0.0  # autocast's cached bf16 weight copies
         t["unsharded block grad (bwd)"] = 0.0
     # --rollout_reshard_after_forward False (parallel/fsdp.keep_unsharded): every unit stays gathered through the
     # rollout, so the rollout holds the whole transformer in the gathered dtype instead of two blocks + the root
-    t["unsharded model (rollout, kept gathered)"] = total * gathered if keep_rollout else 0.0
+    t["unsharded model (rollout, kept gathered)"] = gathered_model if keep_rollout else 0.0
     t["activations: one block, full"] = block_full
     t["activations: one block, checkpointed"] = block_ckpt
     if m.enable_gradient_checkpointing:  # every block's input, one block recomputed and its backward
@@ -501,7 +505,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
             "optimizer_steps": 1 / o.gradient_accumulation_steps}
     loop["anchor_forwards"] = loop["update_steps"] if uses_pos else 0
     traffic = step_traffic(
-        params=total, trainable=trainable, muon=muon if o.use_muon else 0, gathered_bytes=gathered,
+        model_bytes=gathered_model, trainable=trainable, muon=muon if o.use_muon else 0,
         shard=shard if p.enable_fsdp else 1, replicate=p.dp_replicate if p.enable_fsdp else 1,
         world=opts.world_size, gpus_per_node=opts.gpus_per_node, keep_rollout=keep_rollout, **loop)
     return {
@@ -548,7 +552,7 @@ def plan(cfg: Config, opts: PlanOptions, counts: dict | None = None, frozen: dic
 # ------------------------------------------------------------------------------------------------- traffic
 
 
-def step_traffic(*, params: int, trainable: int, muon: int, gathered_bytes: int, shard: int, replicate: int,
+def step_traffic(*, model_bytes: float, trainable: int, muon: int, shard: int, replicate: int,
                  world: int, gpus_per_node: int, keep_rollout: bool, rollout_forwards: int, update_steps: int,
                  anchor_forwards: int, optimizer_steps: float) -> dict:
     """Bytes each rank sends (= receives) in the FSDP2 / HSDP / ShardedMuon collectives of one step, by kind, and
@@ -559,7 +563,8 @@ def step_traffic(*, params: int, trainable: int, muon: int, gathered_bytes: int,
     group is `shard` consecutive ranks, a replica group takes one rank from each shard group), so the shard group
     crosses nodes iff shard > gpus_per_node and the replica group iff the world does. A collective over a group that
     crosses nodes is paced by InfiniBand; inside a node by NVLink.
-    - parameter all-gathers in the gathered dtype, the whole model per forward (every unit): the rollout's forwards
+    - parameter all-gathers of the whole model (`model_bytes`: in the gathered dtype, an FP8 base's block linears in
+      one byte per element) per forward (every unit): the rollout's forwards
       (one gather for the whole rollout when kept gathered), the update's forward and backward (FSDP2 reshards after
       forward and gathers again for backward: 2 per update step), the anchor's forwards (KL_pos: its sharded copy,
       or the policy with its adapters swapped under LoRA; fewer right after an anchor refresh);
@@ -574,7 +579,7 @@ def step_traffic(*, params: int, trainable: int, muon: int, gathered_bytes: int,
         "model_gather_gib": one whole-model all-gather}
     """
     ag = (shard - 1) / shard  # all-gather / reduce-scatter factor over the shard group
-    gather = ag * params * gathered_bytes
+    gather = ag * model_bytes
     shard_crosses, replica_crosses = shard > gpus_per_node, replicate > 1 and world > gpus_per_node
     kinds = {
         "param all-gather: rollout": (gather * (1 if keep_rollout else rollout_forwards), shard_crosses),

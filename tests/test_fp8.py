@@ -279,6 +279,25 @@ def test_the_24gb_recipe_fits_24_gib_by_the_plan_and_only_with_the_fp8_base():
     assert 7.5 < saved < 7.7, saved  # 8.15B block-linear weights: 2 bytes -> 1 (+ scales)
 
 
+def test_the_plan_of_a_sharded_fp8_base_shards_and_gathers_its_bytes():
+    """Under FSDP2 on 8 GPUs the FP8 base saves on every rank an eighth of what it saves on one GPU, and each gather
+    (two blocks in flight; the whole model per forward, 7/8 of it from the other ranks) moves FP8 bytes."""
+    from helpers import load_script
+
+    pm = load_script("plan_memory", register=True)
+    one = ["--config", str(ROOT / "configs/lora_24gb.yaml"), "--num_prompts", "1", "--json"]
+    saved_one = (pm.main([*one, "--world_size", "1", "--fp8_base", "False"])["terms_gib"]["policy weights"]
+                 - pm.main([*one, "--world_size", "1"])["terms_gib"]["policy weights"])
+    eight = [*one, "--world_size", "8", "--enable_fsdp", "True", "--batch_size", "1"]
+    fp8, bf16 = pm.main(eight), pm.main([*eight, "--fp8_base", "False"])
+    assert fp8["setting"]["fsdp"] and fp8["setting"]["shard_ranks"] == 8
+    saved = {k: bf16["terms_gib"][k] - fp8["terms_gib"][k] for k in ("policy weights", "unsharded blocks (fwd)")}
+    assert saved["policy weights"] == pytest.approx(saved_one / 8, rel=1e-9)
+    assert saved["unsharded blocks (fwd)"] == pytest.approx(2 * saved_one / fp8["params"]["num_blocks"], rel=1e-9)
+    gather = bf16["traffic"]["model_gather_gib"] - fp8["traffic"]["model_gather_gib"]
+    assert gather == pytest.approx(7 / 8 * saved_one, rel=1e-9)
+
+
 def test_gpu_check_caps_the_allocator_and_puts_its_lora_runs_on_the_fp8_base(tmp_path, monkeypatch, capsys):
     from helpers import load_script
 
