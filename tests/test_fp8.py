@@ -19,7 +19,7 @@ from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.config import load_config, validate
 from sage_grpo.errors import SageGRPOError
 from sage_grpo.models.fp8 import FP8Linear, is_quantized, quantize_base  # torchao: the lora extra, which scripts/test.sh installs
-from sage_grpo.models.lora import setup_trainable
+from sage_grpo.models.lora import merged_state_dict, setup_trainable
 
 
 def _same_state(a: dict, b: dict) -> bool:
@@ -98,6 +98,19 @@ def test_rows_quantize_as_inside_the_whole_weight_and_the_sharded_loader_builds_
     x = torch.randn(1, 7, ref.config.num_attention_heads * ref.config.attention_head_dim)
     layer = "transformer_blocks.0.attn.to_q"
     assert torch.equal(meta.get_submodule(layer)(x), ref.get_submodule(layer)(x))
+    with pytest.raises(ValueError, match="needs the unquantized base"):  # an adapter is merged into bf16 weights only
+        merged_state_dict(ref)
+
+
+def test_an_fp8_layer_compiles_without_a_graph_break():
+    """--compile compiles each block whole: an FP8 layer's forward (torchao's tensor built from its two parameters)
+    traces in one graph and gives the eager output."""
+    from sage_grpo.models.fp8 import FP8Linear
+
+    torch.manual_seed(0)
+    layer = FP8Linear.from_linear(torch.nn.Linear(32, 16).to(torch.bfloat16))
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert torch.equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), layer(x))
 
 
 @pytest.mark.slow

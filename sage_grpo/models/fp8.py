@@ -86,11 +86,12 @@ def _quantize(weight: torch.Tensor, fp8_matmul: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(fp8_matmul: bool, device_type: str) -> dict:
+def _layout(fp8_matmul: bool) -> dict:
     """The Float8Tensor attributes torchao gives a quantized weight other than its data, scales, block size and
     dtype (the matmul config, the activation quantization, the kernel preference): read off a small layer quantized
-    on `device_type` with the config, so FP8Linear rebuilds exactly the tensor torchao would hold."""
-    w = _quantize(torch.ones(16, 16, dtype=torch.bfloat16, device=device_type), fp8_matmul)
+    with the config (on the CPU, or the GPU that FP8 products need), so FP8Linear rebuilds exactly the tensor torchao
+    would hold."""
+    w = _quantize(torch.ones(16, 16, dtype=torch.bfloat16, device="cuda" if fp8_matmul else "cpu"), fp8_matmul)
     return {"mm_config": w.mm_config, "act_quant_kwargs": w.act_quant_kwargs, "kernel_preference": w.kernel_preference}
 
 
@@ -114,6 +115,7 @@ class FP8Linear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype, self.fp8_matmul = dtype, fp8_matmul
+        self.layout = _layout(fp8_matmul)  # read once here: forward stays free of Python-side lookups (torch.compile)
         self.register_parameter(DATA, nn.Parameter(torch.empty(out_features, in_features, dtype=torch.uint8,
                                                                device=device), requires_grad=False))
         self.register_parameter(SCALE, nn.Parameter(torch.empty(out_features, 1, dtype=torch.int32, device=device),
@@ -138,11 +140,10 @@ class FP8Linear(nn.Linear):
     @property
     def weight(self):
         """torchao's Float8Tensor over this layer's parameters (views: FSDP2's gathered ones while it runs)."""
-        q = _torchao()
-        data = getattr(self, DATA)
-        return q.Float8Tensor(data.view(torch.float8_e4m3fn), getattr(self, SCALE).view(torch.float32),
-                              block_size=[1, self.in_features], dtype=self.compute_dtype,
-                              **_layout(self.fp8_matmul, data.device.type if data.device.type != "meta" else "cpu"))
+        from torchao.quantization import Float8Tensor
+
+        return Float8Tensor(getattr(self, DATA).view(torch.float8_e4m3fn), getattr(self, SCALE).view(torch.float32),
+                            block_size=[1, self.in_features], dtype=self.compute_dtype, **self.layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -339,6 +339,10 @@ def merged_state_dict(transformer) -> dict[str, torch.Tensor]:
     """The transformer's weights with the LoRA update merged in, under the plain model's key names (no peft
     `base_layer` / `lora_*` keys): W' = W + (alpha / r) B A, what peft's merge_and_unload computes, so the state
     dict loads into an unwrapped HunyuanVideo15Transformer3DModel. Without adapters: the plain state dict."""
+    from sage_grpo.models.fp8 import is_quantized
+
+    if is_quantized(transformer):  # an adapter merged into FP8 weights would be rounded away; merge into bf16 weights
+        raise ValueError("merged_state_dict needs the unquantized base (load it without --fp8_base)")
     sd = transformer.state_dict()
     if not any("lora_" in k for k in sd):
         return dict(sd)
