@@ -104,6 +104,12 @@ def live_tensor_bytes() -> dict[str, int]:
         t = local(t)
         if t.device.type == "meta":
             return
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+            # a wrapper tensor subclass (torchao's Float8Tensor, which an FP8 layer builds as it runs) has no storage
+            # of its own: its inner tensors hold the bytes
+            for name in t.__tensor_flatten__()[0]:
+                count(getattr(t, name), kind)
+            return
         st = t.untyped_storage()
         if st.data_ptr() and st.data_ptr() not in seen:
             seen.add(st.data_ptr())
@@ -734,8 +740,8 @@ def parse(argv=None):
     p.add_argument("--cfg_scale", type=float, default=1.0, help="CFG of the runs (1 = off: half the transformer work "
                    "of the checkpoint's 6; a 2-core CPU takes ~16 min a step with it)")
     p.add_argument("--fp8_base", action="store_true", help="the runs on an FP8 frozen base (post_train.py --fp8_base): "
-                   "the table sets the policy's resident bytes after its load against the planner's; not with the "
-                   "fsdp stage (--fp8_base is one process)")
+                   "the table sets the policy's resident bytes after its load against the planner's; the fsdp stage "
+                   "shards the FP8 base over its two ranks")
     p.add_argument("--authors_version", default="480p_i2v", help="the version the authors stage writes, trains "
                    "and converts (an I2V one also exercises SigLIP and the reference image at the real size)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: deleted when done with)")
@@ -763,9 +769,6 @@ def main(argv=None) -> None:
         raise SystemExit(f"[real_size_cpu] {a.work} holds a checkpoint and runs made with other settings ("
                          + ", ".join(f"{k} {v} where this run has {settings.get(k)}" for k, v in other.items())
                          + "): pass another --work, or delete that folder")
-    if a.fp8_base and "fsdp" in stages:
-        raise SystemExit("[real_size_cpu] --fp8_base runs one process (post_train.py refuses it with FSDP2): leave "
-                         "the fsdp stage out of --stages")
     if set(stages) & {"train", "resume", "export", "fsdp"}:
         stages.append("checkpoint")  # written when missing, else reused
     if set(stages) & {"resume", "export"} and not (a.work / "run_a" / "checkpoint-2").is_dir():
