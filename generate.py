@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
       "(float8_e4m3fn, per-output-channel scales; dequantized as each layer runs), as post_train.py --fp8_base "
       "trains them; a LoRA adapter stays beside them unmerged (default: the run's own setting for a --checkpoint_path "
       f"of a LoRA run, else model.fp8_base, {str(m.fp8_base).lower()})")
+    a("--fp8_matmul", default=None, metavar="BOOL", help="with --fp8_base: run its layers as FP8 matrix products "
+      "(CUDA compute capability 8.9 or above), as post_train.py --fp8_matmul (default: the run's own setting when "
+      f"--fp8_base follows the run, else model.fp8_matmul, {str(m.fp8_matmul).lower()})")
     a("--attention_backend", default=None, choices=ATTENTION_BACKENDS, help="kernel of the transformer's attention "
       f"(default: model.attention_backend, {m.attention_backend}; post_train.py's flag: sage runs here, having no "
       "backward; one this machine cannot run is one line before any model loads)")
@@ -230,6 +233,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     args.compile = parse_bool(args.compile, "--compile")
     if args.fp8_base is not None:
         args.fp8_base = parse_bool(args.fp8_base, "--fp8_base")
+    if args.fp8_matmul is not None:
+        args.fp8_matmul = parse_bool(args.fp8_matmul, "--fp8_matmul")
     args.vae_tiling = parse_bool(args.vae_tiling, "--vae_tiling")
     args.lora = dict(r=m.lora_r, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=list(m.lora_target_modules))
     args.height, args.width = parse_size(args.fixed_size, "--fixed_size")
@@ -337,8 +342,14 @@ def _check_weights(args) -> None:
         if kind == "lora" and args.fp8_base is None:  # the policy the run trained: its base, FP8 or not
             run = json.loads((where.parent / "train_state.json").read_text())["config"]["model"]
             args.fp8_base = bool(run.get("fp8_base", False))
+            if args.fp8_matmul is None:
+                args.fp8_matmul = args.fp8_base and bool(run.get("fp8_matmul", False))
     if args.fp8_base is None:
         args.fp8_base = args.base_config.model.fp8_base
+    if args.fp8_matmul is None:
+        args.fp8_matmul = args.fp8_base and args.base_config.model.fp8_matmul
+    if args.fp8_matmul and not args.fp8_base:
+        raise SageGRPOError("--fp8_matmul runs the layers of an FP8 base; add --fp8_base")
     if args.fp8_base and args.lora_path and args.checkpoint_path and kind == "lora":
         raise SageGRPOError("--fp8_base keeps an adapter unmerged beside the FP8 base, so only one fits: pass the LoRA "
                             "run's --checkpoint_path or --lora_path, or --fp8_base False (the first is merged)")
@@ -417,7 +428,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
     from sage_grpo.generation import record_noise_seed, sample_videos, write_sample
     from sage_grpo.models.attention import check_attention_backend, set_attention_backend
-    from sage_grpo.models.fp8 import quantize_base
+    from sage_grpo.models.fp8 import check_fp8_matmul, quantize_base
     from sage_grpo.models.loading import (
         attach_transformer,
         load_pipeline,
@@ -436,6 +447,13 @@ def main(argv: list[str] | None = None) -> list[Path]:
     rank, device = info.rank, info.device
     dtype = resolve_dtype(args.dtype)
     check_attention_backend(args.attention_backend, device, dtype, training=False)  # before any model loads
+    if args.fp8_matmul:
+        import torch
+
+        if dtype != torch.bfloat16:
+            raise SageGRPOError(f"--fp8_matmul computes in bf16 (torchao's per-row FP8 products); use --dtype bf16, "
+                                f"not {args.dtype}")
+        check_fp8_matmul(device)
 
     ensure_tiny_checkpoint(args.model_path, is_main=rank == 0, log=lambda msg: print(f"[generate] {msg}", flush=True))
     from sage_grpo.models.image_cond import ImageConditioningCache, check_task
@@ -486,7 +504,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         else:
             load_trained_weights(transformer, args.checkpoint_path)
     if args.fp8_base:  # block by block on the device (post_train.py's order): bf16 blocks never all there
-        quantize_base(transformer, device)
+        quantize_base(transformer, device, fp8_matmul=args.fp8_matmul)
     attach_transformer(pipe, transformer.to(device))
     if adapter:
         setup_trainable(pipe.transformer, use_lora=True, lora_r=args.lora["r"], lora_alpha=args.lora["alpha"],

@@ -1318,6 +1318,10 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     # its backward; "auto" touches no device
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
     check_attention_backend(cfg.model.attention_backend, device, torch_dtype(cfg.model.dtype), training=True)
+    if cfg.model.fp8_matmul:  # FP8 tensor cores on that device
+        from sage_grpo.models.fp8 import check_fp8_matmul
+
+        check_fp8_matmul(torch.device(device))
     prompts = read_prompts(cfg.data.train_video_csv)  # one task per file (sage_grpo.data)
     val_records = load_validation_records(cfg, prompts)
     validation_metrics_spec(cfg, val_records)

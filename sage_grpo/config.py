@@ -138,11 +138,12 @@ class ModelConfig:
     fp8_base: bool = opt(False, "With --use_lora: store the frozen base's transformer-block linear weights in "
                                 "float8_e4m3fn with per-output-channel scales (torchao; half the bytes of bf16), "
                                 "dequantized as each layer runs; the rollout, re-scoring, anchor and generate.py "
-                                "use the same quantized base; FSDP2 shards it (each rank quantizes its rows as it loads). Needs "
-                                "torchao (the lora extra).")
+                                "use the same quantized base; FSDP2 shards it (each rank quantizes its rows as it "
+                                "loads). Needs torchao (the lora extra).")
     fp8_matmul: bool = opt(False, "With --fp8_base: run the quantized layers as FP8 matrix products (activations "
-                                  "quantized per row; CUDA compute capability 8.9 or above) instead of dequantizing "
-                                  "the weights to --dtype.")
+                                  "quantized per row; CUDA compute capability 8.9 or above, --dtype bf16) instead of "
+                                  "dequantizing the weights to --dtype; the backward takes the input's gradient from "
+                                  "the dequantized weight. generate.py follows a run's setting.")
     vae_tiling: bool = opt(True, "Decode rollouts and validation videos with the VAE in tiles (diffusers' "
                                  "enable_tiling): 9 GiB instead of 30 GiB peak for one 81x352x624 video on an H100, "
                                  "1.5x the time; no effect below the tile size.")
@@ -1059,6 +1060,9 @@ def validate(cfg: Config, world_size: int, num_heads: int = 16, *, training: boo
                             "trains every weight in --master_weight_type)")
     if m.fp8_matmul and not m.fp8_base:
         raise SageGRPOError("--fp8_matmul runs the layers of an FP8 base; add --fp8_base")
+    if m.fp8_matmul and torch_dtype(m.dtype) != torch.bfloat16:
+        raise SageGRPOError(f"--fp8_matmul computes in bf16 (torchao's per-row FP8 products); use --dtype bf16, not "
+                            f"{m.dtype}")
     dp = dp_degree(cfg, world_size)
     if (bs * dp) % g != 0:
         raise SageGRPOError(

@@ -229,16 +229,15 @@ class PhaseMeter:
 
 
 def policy_bytes(transformer) -> int:
-    """Bytes of the transformer's parameter storage on this rank (an FSDP2 rank's shards): an FP8 weight's data and
-    scales (torchao), each storage once."""
+    """Bytes of the transformer's parameter storage on this rank (an FSDP2 rank's shards; an FP8 layer's data and
+    scales are two plain parameters), each storage once."""
     seen, total = set(), 0
     for p in transformer.parameters():
-        p = p.to_local() if hasattr(p, "to_local") else p  # DTensor: this rank's shard
-        for t in (p.qdata, p.scale) if hasattr(p, "qdata") else (p,):
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
+        t = p.to_local() if hasattr(p, "to_local") else p  # DTensor: this rank's shard
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
     return total
 
 

@@ -18,7 +18,11 @@ from safetensors.torch import load_file
 from sage_grpo.checkpoint import list_checkpoints
 from sage_grpo.config import load_config, validate
 from sage_grpo.errors import SageGRPOError
-from sage_grpo.models.fp8 import FP8Linear, is_quantized, quantize_base  # torchao: the lora extra, which scripts/test.sh installs
+from sage_grpo.models.fp8 import (  # torchao: the lora extra, which scripts/test.sh installs
+    FP8Linear,
+    is_quantized,
+    quantize_base,
+)
 from sage_grpo.models.lora import merged_state_dict, setup_trainable
 
 
@@ -61,10 +65,13 @@ def test_the_block_linears_become_fp8_per_output_channel_deterministically(tiny_
     assert all(torch.equal(p, others[n]) for n, p in a.named_parameters() if n in others)  # the rest untouched
 
 
-def test_rows_quantize_as_inside_the_whole_weight_and_the_sharded_loader_builds_the_same_policy(tiny_model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_quantize_as_inside_the_whole_weight_and_the_sharded_loader_builds_the_same_policy(tiny_model, dtype):
     """Per-row scales: any split of a weight's rows quantizes bitwise as the whole weight (what lets each FSDP2 rank
     quantize only its rows); the meta-device build with the FP8 row reader (the sharded loader's path, here on one
-    process) gives the policy of load + quantize_base + LoRA: the same bytes, the same adapters, the same output."""
+    process) gives the policy of load + quantize_base + LoRA: the same bytes, the same adapters, the same output.
+    The tiny model's file is fp32: with a bf16 base both paths quantize the bf16 weights (a quantization of the fp32
+    ones differs in scales and bytes)."""
     from sage_grpo.models.fp8 import fp8_row_reader, quantize_rows
     from sage_grpo.models.loading import load_transformer, locate_model, transformer_row_reader
     from sage_grpo.models.parallelize import build_meta_transformer
@@ -79,23 +86,23 @@ def test_rows_quantize_as_inside_the_whole_weight_and_the_sharded_loader_builds_
 
     lora = dict(use_lora=True, lora_r=4, lora_alpha=8, adapter_dtype=torch.float32)
     torch.manual_seed(3)
-    ref = load_transformer(locate_model("", str(tiny_model)), torch.float32)
+    ref = load_transformer(locate_model("", str(tiny_model)), dtype)
     n = quantize_base(ref, "cpu")
     setup_trainable(ref, **lora)
     torch.manual_seed(3)
     config = json.loads((tiny_model / "transformer" / "config.json").read_text())
-    meta, init = build_meta_transformer(config, dtype=torch.float32, lora=lora, fp8={"fp8_matmul": False})
+    meta, init = build_meta_transformer(config, dtype=dtype, lora=lora, fp8={"fp8_matmul": False})
     reads = []
     with transformer_row_reader(tiny_model / "transformer") as rows:
         def counted(name, start, stop):
             reads.append(name)
             return rows(name.replace(".base_layer.", "."), start, stop)
 
-        materialize_sharded(meta, "cpu", fp8_row_reader(counted), init)
+        materialize_sharded(meta, "cpu", fp8_row_reader(counted, dtype), init)
     assert _same_state(meta.state_dict(), ref.state_dict()) and is_quantized(meta)
     fp8 = sorted(f"{name}.weight" for name, m in meta.named_modules() if isinstance(m, FP8Linear))
     assert len(fp8) == n and sorted(r for r in reads if r in fp8) == fp8  # each quantized weight read once
-    x = torch.randn(1, 7, ref.config.num_attention_heads * ref.config.attention_head_dim)
+    x = torch.randn(1, 7, ref.config.num_attention_heads * ref.config.attention_head_dim, dtype=dtype)
     layer = "transformer_blocks.0.attn.to_q"
     assert torch.equal(meta.get_submodule(layer)(x), ref.get_submodule(layer)(x))
     with pytest.raises(ValueError, match="needs the unquantized base"):  # an adapter is merged into bf16 weights only
@@ -111,6 +118,50 @@ def test_an_fp8_layer_compiles_without_a_graph_break():
     layer = FP8Linear.from_linear(torch.nn.Linear(32, 16).to(torch.bfloat16))
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     assert torch.equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), layer(x))
+
+
+def test_fp8_products_quantize_the_activations_and_take_the_input_gradient_from_the_dequantized_weight():
+    """--fp8_matmul's layer, run on the CPU (torch._scaled_mm exists there; the flag itself is refused off an FP8 GPU):
+    the forward is the scaled FP8 product of the per-row quantized activations and the layer's FP8 weight; the
+    backward, which torch._scaled_mm lacks, gives dL/dx = dL/dy W from the dequantized weight; LoRA on it trains."""
+    from torchao.quantization import Float8Tensor, PerRow
+
+    from sage_grpo.models.fp8 import FP8Linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    layer, weight_only = FP8Linear.from_linear(lin, fp8_matmul=True), FP8Linear.from_linear(lin)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)  # [3, 5, 32]
+    xq = Float8Tensor.from_hp(x.detach().reshape(15, 64), granularity=PerRow())
+    w = layer.weight
+    product = torch._scaled_mm(xq.qdata, w.qdata.t(), scale_a=xq.scale, scale_b=w.scale.t(), bias=lin.bias,
+                               out_dtype=torch.bfloat16, use_fast_accum=True)
+    assert torch.equal(y.detach().reshape(15, 32), product)
+    assert not torch.equal(y.detach(), weight_only(x.detach()))  # the weight-only layer keeps bf16 activations
+    assert _rel(y.detach(), lin(x.detach())) < 0.05  # e4m3 on both sides: 3.5 % for random values
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    dequantized = w.qdata.float() * w.scale  # [out, in]
+    assert _rel(x.grad, grad.float() @ dequantized) < 1e-2 and x.grad.dtype == torch.bfloat16  # bf16 rounding
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = FP8Linear.from_linear(lin, fp8_matmul=True)
+
+    model = _blocks(Block())
+    params = setup_trainable(model, use_lora=True, lora_r=4, lora_alpha=4, adapter_dtype=torch.float32)
+    out = model.transformer_blocks[0].proj(x.detach())
+    out.float().pow(2).mean().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)  # lora_B's gradient (A is random)
+
+
+def test_fp8_products_need_multiples_of_16():
+    from sage_grpo.models.fp8 import FP8Linear
+
+    with pytest.raises(SageGRPOError, match="no multiple of 16"):
+        FP8Linear.from_linear(torch.nn.Linear(24, 32).to(torch.bfloat16), fp8_matmul=True)
 
 
 @pytest.mark.slow
@@ -253,6 +304,7 @@ def test_generate_from_an_fp8_run_holds_the_policy_it_trained(tiny_model, fp8_ru
 @pytest.mark.parametrize("argv,world,message", [
     (["--fp8_base"], 1, "--fp8_base quantizes the frozen base of a LoRA run; add --use_lora"),
     (["--use_lora", "--fp8_matmul"], 1, "--fp8_matmul runs the layers of an FP8 base; add --fp8_base"),
+    (["--use_lora", "--fp8_base", "--fp8_matmul", "--dtype", "fp32"], 1, "--fp8_matmul computes in bf16.*--dtype bf16"),
 ])
 def test_fp8_refusals(argv, world, message):
     cfg = load_config([*argv, "--train_video_csv", "prompts.csv"])
@@ -270,11 +322,31 @@ def test_full_fine_tuning_with_fp8_base_is_one_line_and_exit_code_2(tiny_model, 
                                 "fine-tuning trains every weight in --master_weight_type)")
 
 
-def test_fp8_matmul_needs_an_fp8_gpu():
+def test_fp8_matmul_needs_an_fp8_gpu(tiny_model, tmp_path, monkeypatch):
     block = _blocks(torch.nn.Linear(32, 16))
     with pytest.raises(SageGRPOError, match="--fp8_matmul needs a CUDA GPU of compute capability 8.9"):
         quantize_base(block, "cpu", fp8_matmul=True)
     assert not is_quantized(block)
+
+    def never(*a, **k):
+        raise AssertionError("a model loaded before --fp8_matmul was checked")
+
+    monkeypatch.setattr(pt, "setup", never)  # post_train's first model load
+    with pytest.raises(SageGRPOError, match="--fp8_matmul needs a CUDA GPU of compute capability 8.9.*not the cpu"):
+        pt.main(_args(tiny_model, tmp_path / "run", "--use_lora", "--fp8_base", "--fp8_matmul", "--dtype", "bf16"))
+
+    from helpers import load_script
+
+    import sage_grpo.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_pipeline", never)  # generate.py's first model load
+    generate = load_script("generate.py")
+    common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model_path", str(tiny_model), "--prompt", "a ball",
+              "--output_path", str(tmp_path / "v.mp4"), "--dtype", "bf16"]
+    with pytest.raises(SageGRPOError, match="--fp8_matmul runs the layers of an FP8 base; add --fp8_base"):
+        generate.main([*common, "--fp8_matmul", "True"])
+    with pytest.raises(SageGRPOError, match="--fp8_matmul needs a CUDA GPU of compute capability 8.9.*not the cpu"):
+        generate.main([*common, "--fp8_base", "True", "--fp8_matmul", "True"])
 
 
 def test_the_24gb_recipe_fits_24_gib_by_the_plan_and_only_with_the_fp8_base():

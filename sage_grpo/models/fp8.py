@@ -4,7 +4,8 @@ quantized layers (its `TorchaoLoraLinear`) and trains the adapters on top.
 
 Compute: each layer's weight is dequantized to the dtype it was loaded in as the layer runs (any device), or, with
 `--fp8_matmul`, the activations are quantized per row too and the product runs as an FP8 matrix product (torchao's
-`Float8DynamicActivationFloat8WeightConfig`, PerRow; CUDA GPUs of compute capability 8.9 and above).
+`Float8DynamicActivationFloat8WeightConfig`, PerRow; CUDA GPUs of compute capability 8.9 and above, bf16). That
+product (torch._scaled_mm) has no derivative: `_FP8Product` gives the input's gradient from the dequantized weight.
 
 Only the linears of the 54 double-stream blocks (8.15B of the 8.33B parameters) are quantized: the embedders, the
 text refiner, norm_out and proj_out (the velocity comes straight out of it) keep their weights, 0.35 GB in bf16.
@@ -37,8 +38,8 @@ from torch import nn
 
 from sage_grpo.errors import SageGRPOError
 
-__all__ = ["FP8_MATMUL_CAPABILITY", "FP8Linear", "check_fp8_matmul", "quantized_config", "quantize_base", "quantize_rows",
-           "fp8_meta_base", "fp8_row_reader", "is_quantized", "quantized_bytes"]
+__all__ = ["FP8_MATMUL_CAPABILITY", "FP8Linear", "check_fp8_matmul", "quantized_config", "quantize_base",
+           "quantize_rows", "fp8_meta_base", "fp8_row_reader", "is_quantized", "quantized_bytes"]
 
 FP8_MATMUL_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores (torch._scaled_mm)
 DATA, SCALE = "fp8_data", "fp8_scale_bits"  # FP8Linear's parameter names; the file holds `weight`
@@ -75,31 +76,64 @@ def check_fp8_matmul(device: torch.device) -> None:
                             f"not {where}; use --fp8_matmul False (the FP8 weights are then dequantized to bf16)")
 
 
-def _quantize(weight: torch.Tensor, fp8_matmul: bool):
-    """torchao's quantization of a [rows, in] weight -> its Float8Tensor (qdata [rows, in] float8_e4m3fn, scale
-    [rows, 1] fp32), through `quantize_` on a layer holding it: the exact path torchao's config takes."""
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a weight [rows, in] -> (FP8 data as bytes [rows, in] uint8, scale bits [rows, 1] int32): FP8Linear's
+    two parameters, through torchao's `quantize_` with the weight-only config on a layer holding the rows. Both
+    configs quantize the weight alike (`Float8Tensor.from_hp`, e4m3, PerRow, the same kernel preference); the FP8
+    products' config adds only how the layer runs (`_layout`), and would leave rows that are no multiple of 16
+    unquantized, which a rank's share of a weight need not be. Per row: the rows of a weight quantize as they would
+    inside the whole weight."""
     q = _torchao()
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     layer.weight = nn.Parameter(weight, requires_grad=False)
-    q.quantize_(layer, quantized_config(fp8_matmul))
-    return layer.weight
+    q.quantize_(layer, quantized_config(False))
+    return layer.weight.qdata.view(torch.uint8), layer.weight.scale.to(torch.float32).view(torch.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layout(fp8_matmul: bool) -> dict:
-    """The Float8Tensor attributes torchao gives a quantized weight other than its data, scales, block size and
-    dtype (the matmul config, the activation quantization, the kernel preference): read off a small layer quantized
-    with the config (on the CPU, or the GPU that FP8 products need), so FP8Linear rebuilds exactly the tensor torchao
-    would hold."""
-    w = _quantize(torch.ones(16, 16, dtype=torch.bfloat16, device="cuda" if fp8_matmul else "cpu"), fp8_matmul)
-    return {"mm_config": w.mm_config, "act_quant_kwargs": w.act_quant_kwargs, "kernel_preference": w.kernel_preference}
+    """The Float8Tensor attributes besides its data, scales, block size and dtype: none for the weight-only config;
+    for FP8 products the matmul config, the activation quantization and the kernel preference, from the config's
+    fields exactly as torchao's `_float8_dynamic_activation_float8_weight_quantize_tensor` (0.18) passes them to
+    `Float8Tensor.from_hp` (read here without quantizing, which torchao refuses off an FP8 GPU)."""
+    _torchao()
+    from torchao.quantization.quantize_.common import KernelPreference
+    from torchao.quantization.quantize_.workflows import QuantizeTensorToFloat8Kwargs
+
+    if not fp8_matmul:  # Float8WeightOnlyConfig: from_hp's defaults
+        return {"mm_config": None, "act_quant_kwargs": None, "kernel_preference": KernelPreference.AUTO}
+
+    c = quantized_config(True)
+    activation, _ = c.granularity
+    act = QuantizeTensorToFloat8Kwargs(c.activation_dtype, activation, hp_value_lb=c.activation_value_lb,
+                                       hp_value_ub=c.activation_value_ub, kernel_preference=c.kernel_preference)
+    return {"mm_config": c.mm_config, "act_quant_kwargs": act, "kernel_preference": c.kernel_preference}
 
 
-def quantize_rows(weight: torch.Tensor, fp8_matmul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of a weight [rows, in] -> (FP8 data as bytes [rows, in] uint8, scale bits [rows, 1] int32): FP8Linear's
-    two parameters. Per-row: the rows of a weight quantize as they would inside the whole weight."""
-    w = _quantize(weight, fp8_matmul)
-    return w.qdata.view(torch.uint8), w.scale.to(torch.float32).view(torch.int32)
+def _float8(data: torch.Tensor, scale_bits: torch.Tensor, dtype: torch.dtype, layout: dict):
+    """torchao's Float8Tensor over FP8Linear's two parameters (views, no copy)."""
+    from torchao.quantization import Float8Tensor
+
+    return Float8Tensor(data.view(torch.float8_e4m3fn), scale_bits.view(torch.float32),
+                        block_size=[1, data.shape[1]], dtype=dtype, **layout)
+
+
+class _FP8Product(torch.autograd.Function):
+    """x W^T + b as torchao's FP8 matrix product (x quantized per row, torch._scaled_mm), with dL/dx = dL/dy W from
+    the dequantized weight: torch._scaled_mm has no derivative, and a frozen base needs no other gradient (the LoRA
+    adapters beside the layer get theirs on their own path)."""
+
+    @staticmethod
+    def forward(ctx, x, data, scale_bits, bias, dtype, layout):
+        ctx.save_for_backward(data, scale_bits)
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        return F.linear(x, _float8(data, scale_bits, dtype, layout), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        data, scale_bits = ctx.saved_tensors
+        weight = _float8(data, scale_bits, ctx.dtype, _layout(False)).dequantize()  # [out, in]
+        return (grad.to(weight.dtype) @ weight).to(ctx.x_dtype), None, None, None, None, None
 
 
 class FP8Linear(nn.Linear):
@@ -116,6 +150,9 @@ class FP8Linear(nn.Linear):
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype, self.fp8_matmul = dtype, fp8_matmul
         self.layout = _layout(fp8_matmul)  # read once here: forward stays free of Python-side lookups (torch.compile)
+        if fp8_matmul and (in_features % 16 or out_features % 16):
+            raise SageGRPOError(f"--fp8_matmul: a linear layer of {in_features} -> {out_features} features is no "
+                                "multiple of 16 on each side, which FP8 matrix products need; use --fp8_matmul False")
         self.register_parameter(DATA, nn.Parameter(torch.empty(out_features, in_features, dtype=torch.uint8,
                                                                device=device), requires_grad=False))
         self.register_parameter(SCALE, nn.Parameter(torch.empty(out_features, 1, dtype=torch.int32, device=device),
@@ -129,7 +166,7 @@ class FP8Linear(nn.Linear):
         w = linear.weight.detach()
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=w.dtype,
                     fp8_matmul=fp8_matmul, device=w.device)
-        data, scale = quantize_rows(w, fp8_matmul)
+        data, scale = quantize_rows(w)
         with torch.no_grad():
             getattr(layer, DATA).copy_(data)
             getattr(layer, SCALE).copy_(scale)
@@ -140,12 +177,12 @@ class FP8Linear(nn.Linear):
     @property
     def weight(self):
         """torchao's Float8Tensor over this layer's parameters (views: FSDP2's gathered ones while it runs)."""
-        from torchao.quantization import Float8Tensor
-
-        return Float8Tensor(getattr(self, DATA).view(torch.float8_e4m3fn), getattr(self, SCALE).view(torch.float32),
-                            block_size=[1, self.in_features], dtype=self.compute_dtype, **self.layout)
+        return _float8(getattr(self, DATA), getattr(self, SCALE), self.compute_dtype, self.layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_matmul:
+            return _FP8Product.apply(x, getattr(self, DATA), getattr(self, SCALE), self.bias, self.compute_dtype,
+                                     self.layout)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -187,11 +224,12 @@ def fp8_meta_base(transformer: nn.Module, *, fp8_matmul: bool = False) -> int:
     return len(layers)
 
 
-def fp8_row_reader(rows: Callable[[str, int, int], torch.Tensor], fp8_matmul: bool = False,
+def fp8_row_reader(rows: Callable[[str, int, int], torch.Tensor], dtype: torch.dtype,
                    device: torch.device | str = "cpu") -> Callable[[str, int, int], torch.Tensor]:
     """A row reader (name, start, stop) -> rows, for a model with FP8Linear layers: their parameters' rows are the
-    quantization of the same rows of the stored `weight`, quantized on `device` (one tensor's rows at a time, so the
-    bf16 model is never whole in memory); every other name is passed to `rows`."""
+    quantization of the same rows of the stored `weight`, cast to the base's `dtype` first (as the one-process path
+    loads the weights in it before quantizing) and quantized on `device` (one tensor's rows at a time, so the bf16
+    model is never whole in memory); every other name is passed to `rows`."""
     last: dict = {}
 
     def read(name: str, start: int, stop: int) -> torch.Tensor:
@@ -201,7 +239,7 @@ def fp8_row_reader(rows: Callable[[str, int, int], torch.Tensor], fp8_matmul: bo
         key = (layer, start, stop)
         if last.get("key") != key:  # the data and the scales of one layer come from one quantization
             last["key"] = key
-            last["value"] = quantize_rows(rows(f"{layer}.weight", start, stop).to(device), fp8_matmul)
+            last["value"] = quantize_rows(rows(f"{layer}.weight", start, stop).to(device=device, dtype=dtype))
         return last["value"][0 if leaf == DATA else 1]
 
     return read

@@ -166,6 +166,10 @@ def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch
     from sage_grpo.models.loading import read_transformer_config, transformer_row_reader
 
     model_dir = Path(model_dir)
+    if fp8 is not None and fp8["fp8_matmul"]:
+        from sage_grpo.models.fp8 import check_fp8_matmul
+
+        check_fp8_matmul(info.device)
     model, lora_init = build_meta_transformer(read_transformer_config(model_dir), dtype=base_dtype or master_dtype,
                                               lora=lora, fp8=fp8)
     parallelize(model, info, fsdp=True, param_dtype=param_dtype, master_dtype=master_dtype,
@@ -177,11 +181,9 @@ def load_sharded_transformer(model_dir: str | Path, info, *, master_dtype: torch
         if fp8 is None:
             reader = unwrapped
         else:
-            from sage_grpo.models.fp8 import check_fp8_matmul, fp8_row_reader
+            from sage_grpo.models.fp8 import fp8_row_reader
 
-            if fp8["fp8_matmul"]:
-                check_fp8_matmul(info.device)
-            reader = fp8_row_reader(unwrapped, fp8["fp8_matmul"], info.device)
+            reader = fp8_row_reader(unwrapped, base_dtype or master_dtype, info.device)
 
         materialize_sharded(model, info.device, reader, lora_init)
     model.eval()
