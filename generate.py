@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from sage_grpo.cli import CLIParser, check_output_file, check_writable_dir, quiet_libraries, show_progress
-from sage_grpo.config import ATTENTION_BACKENDS, DTYPES, parse_bool, parse_size
+from sage_grpo.config import ATTENTION_BACKENDS, DTYPES, check_fp8_matmul_flags, parse_bool, parse_size
 from sage_grpo.errors import SageGRPOError, run_cli
 from sage_grpo.hostmem import free_host_memory_eagerly
 from sage_grpo.sde import SAMPLERS
@@ -348,8 +348,6 @@ def _check_weights(args) -> None:
         args.fp8_base = args.base_config.model.fp8_base
     if args.fp8_matmul is None:
         args.fp8_matmul = args.fp8_base and args.base_config.model.fp8_matmul
-    if args.fp8_matmul and not args.fp8_base:
-        raise SageGRPOError("--fp8_matmul runs the layers of an FP8 base; add --fp8_base")
     if args.fp8_base and args.lora_path and args.checkpoint_path and kind == "lora":
         raise SageGRPOError("--fp8_base keeps an adapter unmerged beside the FP8 base, so only one fits: pass the LoRA "
                             "run's --checkpoint_path or --lora_path, or --fp8_base False (the first is merged)")
@@ -447,12 +445,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     rank, device = info.rank, info.device
     dtype = resolve_dtype(args.dtype)
     check_attention_backend(args.attention_backend, device, dtype, training=False)  # before any model loads
+    check_fp8_matmul_flags(args.fp8_base, args.fp8_matmul, args.dtype)
     if args.fp8_matmul:
-        import torch
-
-        if dtype != torch.bfloat16:
-            raise SageGRPOError(f"--fp8_matmul computes in bf16 (torchao's per-row FP8 products); use --dtype bf16, "
-                                f"not {args.dtype}")
         check_fp8_matmul(device)
 
     ensure_tiny_checkpoint(args.model_path, is_main=rank == 0, log=lambda msg: print(f"[generate] {msg}", flush=True))

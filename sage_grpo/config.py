@@ -52,6 +52,7 @@ __all__ = [
     "resume_settings",
     "LAUNCH_KEYS",
     "validate",
+    "check_fp8_matmul_flags",
     "parse_bool",
     "parse_size",
     "REWARD_MIN_PIXELS",
@@ -497,6 +498,16 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------- value coercion
+
+
+def check_fp8_matmul_flags(fp8_base: bool, fp8_matmul: bool, dtype: str) -> None:
+    """--fp8_matmul's rules for post_train.py and generate.py alike: it runs the layers of an FP8 base, as torchao's
+    per-row FP8 products, which take bf16 (the device is checked by sage_grpo.models.fp8.check_fp8_matmul)."""
+    if fp8_matmul and not fp8_base:
+        raise SageGRPOError("--fp8_matmul runs the layers of an FP8 base; add --fp8_base")
+    if fp8_matmul and torch_dtype(dtype) != torch.bfloat16:
+        raise SageGRPOError(f"--fp8_matmul computes in bf16 (torchao's per-row FP8 products); use --dtype bf16, not "
+                            f"{dtype}")
 
 
 def parse_bool(value: Any, name: str = "value") -> bool:
@@ -1058,11 +1069,7 @@ def validate(cfg: Config, world_size: int, num_heads: int = 16, *, training: boo
     if m.fp8_base and not m.use_lora:
         raise SageGRPOError("--fp8_base quantizes the frozen base of a LoRA run; add --use_lora (full fine-tuning "
                             "trains every weight in --master_weight_type)")
-    if m.fp8_matmul and not m.fp8_base:
-        raise SageGRPOError("--fp8_matmul runs the layers of an FP8 base; add --fp8_base")
-    if m.fp8_matmul and torch_dtype(m.dtype) != torch.bfloat16:
-        raise SageGRPOError(f"--fp8_matmul computes in bf16 (torchao's per-row FP8 products); use --dtype bf16, not "
-                            f"{m.dtype}")
+    check_fp8_matmul_flags(m.fp8_base, m.fp8_matmul, m.dtype)
     dp = dp_degree(cfg, world_size)
     if (bs * dp) % g != 0:
         raise SageGRPOError(
