@@ -200,6 +200,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     in_yaml = [k for k in BASE_KEYS if k in yaml_keys and getattr(args, k) is None]
     if in_yaml:
         args.base_flags.append(f"model.{'/'.join(in_yaml)} of --config {args.config}")
+    if args.checkpoint_path and args.run_checkpoint is None and not args.base_flags:
+        _take_exported_base(args)
     fill = {
         "model_path": m.model_path,
         "pretrained_model_root": m.pretrained_model_root,
@@ -254,6 +256,24 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 
         check_sage_schedule(args.num_inference_steps, args.flow_shift, args.sage_sigma_clamp)
     return args
+
+
+def _take_exported_base(args) -> None:
+    """An exported transformer (scripts/export_checkpoint.py) with no base named: the base its model card names
+    (sage_grpo.models.model_card.card_base), said in one line."""
+    from sage_grpo.models.lora import locate_trained_weights
+    from sage_grpo.models.model_card import card_base
+
+    try:
+        kind, where = locate_trained_weights(args.checkpoint_path)
+    except SageGRPOError:
+        return  # _check_weights says what it is not
+    base = card_base(where) if kind == "diffusers" else {}
+    for k, v in base.items():
+        setattr(args, k, v)
+    if base and os.environ.get("RANK", "0") == "0":
+        print(f"[generate] {where}: the base model its README.md names ("
+              + ", ".join(f"--{k} {v}" for k, v in base.items()) + ")", flush=True)
 
 
 def _prompts(args):
@@ -311,9 +331,9 @@ def _check_outputs(args, records) -> None:
         if len(records) > 1:
             raise SageGRPOError(f"--output_path {args.output_path!r} is one file but there are {len(records)} "
                                 "prompts; give a directory")
-        check_output_file(out, "--output_path")
+        check_output_file(out, "--output_path", create=False)  # made by the first video written
     else:
-        check_writable_dir(out, "--output_path")
+        check_writable_dir(out, "--output_path", create=False)
     existing = [p for p in (_output_file(args, r, len(records) == 1) for r in records) if p.exists()]
     if existing and not args.overwrite:  # another run's video (e.g. the base model's) is never replaced silently
         if existing[0] == out:
@@ -459,7 +479,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     except SageGRPOError:
         loc = None  # load_pipeline names what is missing
     if loc is not None:
-        check_task(loc.task, records, source)  # the prompts fit the checkpoint's task, before the models load
+        check_task(loc.task, records, source, "--image")  # the prompts fit the checkpoint's task, before models load
     # the conditioning parts first (the transformer a meta-device stand-in): every prompt and image is encoded and
     # the text encoders freed before the transformer loads, so the 7B encoder and the 8.3B transformer never share
     # memory (post_train.py's order)

@@ -168,7 +168,8 @@ def setup(cfg: Config, info: DistInfo, resume: Path | None) -> tuple[Components,
     from sage_grpo.window import window_masks
 
     m, r, v = cfg.model, cfg.rollout, cfg.validation
-    out = check_writable_dir(cfg.checkpoint.output_dir, "--output_dir")  # a private probe file per rank
+    # a private probe file per rank; the folder is made by its first file (a run that fails loading leaves none)
+    out = check_writable_dir(cfg.checkpoint.output_dir, "--output_dir", create=False)
     prompts = read_prompts(cfg.data.train_video_csv)
     val_records = load_validation_records(cfg, prompts)
     ensure_tiny_checkpoint(cfg.model.model_path, is_main=info.is_main, log=lambda msg: print0(info, msg))
@@ -844,14 +845,13 @@ def score_videos(c: Components, traj: Trajectory, early: EarlyScores | None = No
 
 
 def plan_round(c: Components, state: TrainState, traj: Trajectory) -> torch.Tensor:
-    """The trained steps of each of my samples -> [b, k], from generators seeded by (seed, step, video)."""
-    from sage_grpo.grpo import plan_steps
-    from sage_grpo.seeding import derive_seed
+    """The trained steps of each of my samples -> [b, k], from generators seeded by (seed, step, video), or by
+    (seed, step, group) with --group_timesteps."""
+    from sage_grpo.grpo import plan_generators, plan_steps
 
     cfg, b = c.cfg, traj.batch_size
-    first = c.info.dp_rank * b
-    gens = [torch.Generator().manual_seed(derive_seed(cfg.optim.seed, state.step, first + i, 0x7E5))
-            for i in range(b)]
+    gens = plan_generators(cfg.optim.seed, state.step, c.info.dp_rank * b, b,
+                           cfg.data.num_generations if cfg.optim.group_timesteps else 1)
     variance = c.variance * c.windows[window_of_rollout(c, traj)]  # [T]: only the window's steps are trained
     return plan_steps(b, variance, cfg.optim.timestep_fraction, cfg.optim.enable_timestep_permutation, gens)
 
@@ -1146,6 +1146,7 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
         spread_pending_kl,
     )
     from sage_grpo.models.lora import load_lora, load_lora_sharded
+    from sage_grpo.optim import optimizer_settings
     from sage_grpo.parallel.fsdp import copy_full_into_shards_
 
     saved = read_train_state(path)
@@ -1170,6 +1171,8 @@ def load_checkpoint(c: Components, state: TrainState, path: Path) -> None:
     opt = {"optimizer": get_optimizer_state_dict(c.transformer, c.optimizer.optimizers)}
     dcp_load(opt, path / "optimizer", "optimizer state")
     set_optimizer_state_dict(c.transformer, c.optimizer.optimizers, opt["optimizer"])
+    # the load brought back the saved run's hyper-parameters; the run's own (a resume's flags on top) are applied
+    c.optimizer.apply_settings(optimizer_settings(c.cfg.optim))
     a, initial = c.anchor, state.anchor_refreshed_at == 0
     if a.model is not None and not initial:
         anchor = {"model": get_model_state_dict(a.model)}
@@ -1224,7 +1227,7 @@ def main(argv: list[str] | None = None) -> Path:
         if info.is_main:
             dump_yaml(cfg, c.out / "config.yaml")
             if resume is not None:
-                record_resume(c.out, resume, state.step, overridden)
+                record_resume(c.out, resume, state.step, overridden, config_to_dict(cfg), info.world_size)
             logger = MetricsLogger(c.out, report_to=cfg.logging.report_to, run_name=cfg.logging.run_name,
                                    project=cfg.logging.wandb_project, config=config_to_dict(cfg),
                                    resume_step=state.step if resume is not None else None)
@@ -1280,7 +1283,8 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     """Every check that needs no model, in one process, before any collective or model load, on the settings of the
     run a resume continues (its saved config, the command line's flags on top): flags against the world size (and
     the processes per node: a sequence-parallel group must not cross nodes), the resume target, the metrics sinks
-    and the prompt files. `scripts/check_launch.py` runs it for the launchers before torchrun spawns
+    and the prompt files; on a GPU, the run's memory plan against its memory (sage_grpo.memory.check_device_memory: a
+    warning). `scripts/check_launch.py` runs it for the launchers before torchrun spawns
     a worker, so a user error is one line, not one per rank."""
     import os
 
@@ -1291,7 +1295,8 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
     from sage_grpo.models.attention import check_attention_backend
     from sage_grpo.models.image_cond import check_reference_images
     from sage_grpo.models.loading import locate_model
-    from sage_grpo.rewards import get_reward_builder
+    from sage_grpo.models.tiny_checkpoint import TINY_CHECKPOINT_DIR
+    from sage_grpo.rewards import get_reward_builder, missing_reward_files
 
     ck = cfg.checkpoint
     resume = resolve_resume(ck.resume_from_checkpoint, ck.output_dir)
@@ -1322,23 +1327,60 @@ def preflight(cfg: Config, world_size: int, nproc_per_node: int | None = None) -
         from sage_grpo.models.fp8 import check_fp8_matmul
 
         check_fp8_matmul(torch.device(device))
-    prompts = read_prompts(cfg.data.train_video_csv)  # one task per file (sage_grpo.data)
-    val_records = load_validation_records(cfg, prompts)
-    validation_metrics_spec(cfg, val_records)
-    check_reference_images(prompts, f"--train_video_csv {cfg.data.train_video_csv}")  # every image decodes
-    check_reference_images(val_records, "validation prompts")
-    try:
-        m = cfg.model
-        task = locate_model(m.pretrained_model_root, m.model_path, m.pretrained_transformer_version).task
-    except SageGRPOError:
-        task = None  # not there yet (the tiny default is built in setup) or incomplete: setup says which
-    if task is not None:
-        check_prompt_tasks(cfg, task, prompts, val_records)
+    # every missing file (prompt files, reference images, the HunyuanVideo-1.5 checkpoint, the rewards' models) and
+    # missing package is gathered and said in one message, so that a launch without weights fails once, not once per
+    # missing piece
+    problems: list[str] = []
+
+    def gather(fn, *args):
+        try:
+            return fn(*args)
+        except SageGRPOError as e:
+            problems.append(str(e))
+            return None
+
+    prompts = gather(read_prompts, cfg.data.train_video_csv)  # one task per file (sage_grpo.data)
+    val_records = spec = None
+    if prompts is not None:
+        val_records = gather(load_validation_records, cfg, prompts)
+        gather(check_reference_images, prompts, f"--train_video_csv {cfg.data.train_video_csv}")  # images decode
+    if val_records is not None:
+        spec = gather(validation_metrics_spec, cfg, val_records)
+        gather(check_reference_images, val_records, "validation prompts")
+    m = cfg.model
+    where = (m.pretrained_model_root, m.model_path, m.pretrained_transformer_version)
+    if m.model_path and Path(m.model_path) == Path(TINY_CHECKPOINT_DIR):  # the tiny default is built in setup
+        try:
+            loc = locate_model(*where)
+        except SageGRPOError:
+            loc = None
+    else:
+        loc = gather(locate_model, *where)
+    if loc is not None and val_records is not None:
+        gather(check_prompt_tasks, cfg, loc.task, prompts, val_records)
         # before the sampler settings and the run's config are built: the checkpoint's shift and CFG scale
-        resolve_checkpoint_defaults(cfg, locate_model(m.pretrained_model_root, m.model_path,
-                                                      m.pretrained_transformer_version))
-    for name in cfg.reward.reward_model.split(","):  # an import path is imported here: a typo is one line, early
-        get_reward_builder(name)
+        gather(resolve_checkpoint_defaults, cfg, loc)
+    # an import path is imported here: a typo is one line, early; so is a package a reward needs and lacks (its
+    # builder's check_installed) and a model file it would not find (its check_files), before the run folder is
+    # made and any model loads, for the rewards trained on and those setup builds for validation
+    v = cfg.validation
+    validates = bool(v.validation_interval) or v.validate_at_step0
+    names = [*cfg.reward.reward_model.split(","), *(spec.rewards if validates and spec is not None else ())]
+    for name in names:
+        builder = gather(get_reward_builder, name)
+        check = getattr(builder, "check_installed", None)
+        if check is not None:
+            gather(check)
+    problems += [p for p in gather(missing_reward_files, cfg, names) or () if p not in problems]
+    if len(problems) == 1:
+        raise SageGRPOError(problems[0])
+    if problems:
+        raise SageGRPOError(f"{len(problems)} things to fix before the run can start:\n  - "
+                            + "\n  - ".join(p.replace("\n", "\n    ") for p in problems))
+    if device != "cpu":  # on a GPU, the run's memory plan against its memory, before any model loads (one line)
+        from sage_grpo.memory import check_device_memory
+
+        check_device_memory(cfg, world_size, device)
 
 
 def check_resume_fits(cfg: Config, path: Path) -> None:

@@ -59,6 +59,10 @@ if [ "${AUTO_RESUME:-0}" = "1" ] || [ "$MAX_RESTARTS" != "0" ]; then
 fi
 "$PY" scripts/check_launch.py --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --config "$CONFIG" \
   "${resume[@]}" "$@"
+RDZV_TIMEOUT="${RDZV_TIMEOUT:-600}"  # seconds the rendezvous waits for every node (torchrun's join_timeout default)
+if [ "$NNODES" -gt 1 ]; then  # torchrun's rendezvous says nothing while it waits for the other nodes
+  echo "run_post_train_multinode.sh: node $NODE_RANK of $NNODES waiting at $MASTER_ADDR:$MASTER_PORT for all $NNODES nodes to join (torchrun's rendezvous; it gives up after $RDZV_TIMEOUT s: start every node with the same NNODES, MASTER_ADDR and MASTER_PORT)" >&2
+fi
 exec "$PY" -m sage_grpo.launch --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
   --max-restarts "$MAX_RESTARTS" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \
-  --rdzv_id "${RDZV_ID:-sage-grpo}" post_train.py --config "$CONFIG" "${resume[@]}" "$@"
+  --rdzv_id "${RDZV_ID:-sage-grpo}" --rdzv_conf "join_timeout=$RDZV_TIMEOUT" post_train.py --config "$CONFIG" "${resume[@]}" "$@"

@@ -30,6 +30,10 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -uo pipefail
+if [ -z "${SLURM_JOB_NODELIST:-}" ]; then  # run by hand outside a SLURM allocation
+  echo "run_post_train_slurm.sh: not inside a SLURM job; submit it with sbatch (e.g. sbatch --nodes 8 run_post_train_slurm.sh --train_video_csv prompts.csv), or use run_post_train.sh on one machine" >&2
+  exit 2
+fi
 export MASTER_ADDR
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 export AUTO_RESUME=1  # a requeued job continues from the newest complete checkpoint; a first run starts fresh

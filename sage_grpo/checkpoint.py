@@ -109,12 +109,18 @@ def clear_run(output_dir: str | Path) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def record_resume(output_dir: str | Path, checkpoint: Path, step: int, overridden: dict) -> None:
-    """Append a resume to output_dir/resumes.jsonl: the step it continued from, the checkpoint, and the settings its
-    flags changed, {"group.key": [saved, new]}. config.yaml holds the settings of the latest launch; with these
-    records (undone newest first) it gives every earlier launch's."""
+def record_resume(output_dir: str | Path, checkpoint: Path, step: int, overridden: dict, config: dict,
+                  world_size: int) -> None:
+    """Append a resume to output_dir/resumes.jsonl: the step it continued from, the checkpoint, the settings its
+    flags changed, {"group.key": [saved, new]}, and the layout, [the checkpoint's, this launch's] (saved_layout,
+    layout_of of `config` on `world_size` processes; the first None for a checkpoint that predates it). config.yaml
+    holds the settings of the latest launch; with these records (undone newest first) it gives every earlier
+    launch's, and the layouts say on how many processes each ran and how many videos a step took: the world size is
+    in no config, and a layout change alters the batch without a flag (2 GPUs x 4 videos resumed on 1 GPU trains 4
+    videos a step)."""
     line = {"step": step, "checkpoint": Path(checkpoint).name,
-            "overridden": {k: [old, new] for k, (old, new) in overridden.items()}}
+            "overridden": {k: [old, new] for k, (old, new) in overridden.items()},
+            "layout": [saved_layout(read_train_state(checkpoint)), layout_of(config, world_size)]}
     with open(Path(output_dir) / RESUMES, "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -363,8 +369,10 @@ def save_checkpoint(
 # NEUTRAL_REWARD_KEYS: tests/test_checkpoint.py fails on a reward flag in neither, because a score-changing flag left
 # out of this list makes a resume that changes the reward report itself exact.
 EXACT_KEYS: dict[str, tuple[str, ...] | None] = {
+    # vae_tiling: tiles change the decoded pixels; fp8_base, fp8_matmul: the quantized base (and its FP8 products)
+    # is another function than the bf16 one, in every sample and gradient
     "model": ("pretrained_transformer_version", "dtype", "master_weight_type", "use_lora", "lora_r", "lora_alpha",
-              "lora_dropout", "lora_target_modules", "vae_tiling"),  # vae_tiling: tiles change the decoded pixels
+              "lora_dropout", "lora_target_modules", "vae_tiling", "fp8_base", "fp8_matmul"),
     "data": ("train_video_csv", "batch_size", "num_generations"),
     "rollout": None,
     "reward": ("reward_model", "reward_weights", "reward_combine", "reward_optional", "reward_checkpoint_mode",
@@ -373,7 +381,8 @@ EXACT_KEYS: dict[str, tuple[str, ...] | None] = {
     "kl": None,
     "optim": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "warmup_steps",
               "gradient_accumulation_steps", "max_grad_norm", "use_muon", "seed", "clip_range", "adv_clip_max",
-              "timestep_fraction", "enable_timestep_permutation", "use_grad_balancing", "mini_batch_size_per_update",
+              "timestep_fraction", "enable_timestep_permutation", "group_timesteps",
+              "use_grad_balancing", "mini_batch_size_per_update",
               "updates_per_rollout"),
 }
 # Reward settings that change no score: where the weights or the servers are (a moved folder or another replica of

@@ -48,10 +48,12 @@ def at_least(flag: str, value: float, low: float, *, strict: bool = False) -> No
         raise SageGRPOError(f"{flag} must be {'>' if strict else '>='} {low:g}, got {value:g}")
 
 
-def check_writable_dir(directory: str | Path, flag: str) -> Path:
+def check_writable_dir(directory: str | Path, flag: str, create: bool = True) -> Path:
     """Create `directory` (and parents) and prove a file can be written in it; a parent that is a file, a read-only
     or virtual file system (/proc) or missing permissions become one message naming `flag`. Call before any model
-    loads, so that minutes of sampling are never lost to an unwritable output."""
+    loads, so that minutes of sampling are never lost to an unwritable output. create False: a missing `directory`
+    is not made (a command that fails later leaves no empty folder): the probe is written in its nearest existing
+    ancestor, and the writer makes the folder once the work starts."""
     d = Path(directory)
     probe = d
     while not probe.exists() and probe != probe.parent:  # the nearest existing ancestor
@@ -59,8 +61,9 @@ def check_writable_dir(directory: str | Path, flag: str) -> Path:
     if probe.exists() and not probe.is_dir():
         raise SageGRPOError(f"{flag} {directory}: {probe} is a file, not a folder; choose another path")
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=d, prefix=".write_probe_"):
+        if create:
+            d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d if create else probe, prefix=".write_probe_"):
             pass
     except OSError as err:
         raise SageGRPOError(f"{flag} {directory} is not writable ({err.strerror or err}); choose another "
@@ -68,12 +71,13 @@ def check_writable_dir(directory: str | Path, flag: str) -> Path:
     return d
 
 
-def check_output_file(path: str | Path, flag: str) -> Path:
-    """The folder of `path` is writable and `path` itself is not a folder."""
+def check_output_file(path: str | Path, flag: str, create: bool = True) -> Path:
+    """The folder of `path` is writable (made unless create is False: check_writable_dir) and `path` itself is not a
+    folder."""
     p = Path(path)
     if p.is_dir():
         raise SageGRPOError(f"{flag}: {p} is a folder; give a file name")
-    check_writable_dir(p.parent, flag)
+    check_writable_dir(p.parent, flag, create)
     return p
 
 

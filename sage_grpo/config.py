@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from .errors import SageGRPOError
+from .recipes import RECIPE_FLOP_RATIOS, RECIPES, recipe_settings
 from .sde import CPS_LOGPROB_MODES, SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule
 
 __all__ = [
@@ -84,6 +85,7 @@ _FALSE = {"false", "0", "no", "off", "n", "f"}
 # _native_cudnn), flex attention, flash-attn 2 / 3 from their packages or from the Hub (`kernels`), flash 4 from the
 # Hub, SageAttention (no backward: generation only) and xformers. Which of them this machine runs is probed, not
 # assumed (`check_attention_backend`).
+ODE_SOLVERS = ("euler", "unipc")  # --ode_solver: the rollout's ODE steps after the SDE window (sage_grpo.rollout)
 ATTENTION_BACKENDS = ("auto", "native", "_native_math", "_native_flash", "_native_efficient", "_native_cudnn", "flex",
                       "flash", "flash_hub", "_flash_3", "_flash_3_hub", "flash_4_hub", "sage", "sage_hub", "xformers")
 
@@ -228,6 +230,20 @@ class RolloutConfig:
                                      "(with --use_same_noise the G samples of a group are identical until the window "
                                      "starts): (G - 1) / G fewer forwards there, the same videos. Needs "
                                      "--use_same_noise and --sde_window_start >= 1.")
+    ode_solver: str = opt("euler", "Solver of the ODE steps after the SDE window (they are never trained, only the "
+                                   "video they end in is scored): euler = the schedule's own steps (the paper, "
+                                   "MixGRPO); unipc = diffusers' UniPCMultistepScheduler (2nd order, bh2, on the "
+                                   "schedule's sigmas), which reaches the same end point in fewer steps (--ode_steps; "
+                                   "MixGRPO-Flash's higher-order solver).", ODE_SOLVERS)
+    ode_steps: int = opt(0, "Solver steps of the ODE after the SDE window, on a subset of the schedule's sigmas ending "
+                            "at 0; 0 = one per schedule step after the window. Fewer steps, fewer rollout forwards: "
+                            "with unipc 2-3 steps stay within bf16 rounding of the many-step end point on the tiny "
+                            "model (docs/performance.md).")
+    recipe: str = opt("", "A named recipe of sage_grpo.recipes: sets its keys (sampler window, CFG, solver, trained "
+                          "steps), explicit flags on top; '' = none (the paper's recipe unless other flags say "
+                          "otherwise). Model FLOPs per step against the paper's at 81x352x624, T 20, 2 videos a "
+                          "rank: " + ", ".join(f"{n} {r:.2f}x" for n, r in RECIPE_FLOP_RATIOS.items()) + ".",
+                      ("", *RECIPES))
     video_fps: int = opt(VIDEO_FPS, "Frame rate of decoded videos (rewards sample frames relative to it; mp4 files use "
                                     "it).")
     cps_logprob: str = opt("peer", "cps log-prob: peer = -(x' - mean)^2 averaged (what every CPS implementation uses), "
@@ -392,6 +408,9 @@ class OptimConfig:
                                         "authors' code takes it (0.33 of 20 trains 6); at least one step.")
     enable_timestep_permutation: bool = opt(True, "Train the selected steps of each sample in a random order (else in "
                                                   "sampling order).")
+    group_timesteps: bool = opt(False, "Flash-GRPO's grouping: the G samples of a group train the same steps (drawn "
+                                       "per group and step), so a group's advantages weigh log-prob ratios taken at "
+                                       "one noise level; else each sample draws its own steps.")
     use_grad_balancing: bool = opt(True, "Weight each step's policy loss by the gradient-norm equalizer S_t (paper Eq. "
                                          "9).")
     mini_batch_size_per_update: int = opt(1, "Samples per forward/backward micro-step of the update.")
@@ -743,11 +762,20 @@ def load_config(argv: list[str] | None = None, *, prog: str | None = None, descr
     cfg = Config()
     path = args.pop("config", None)
     from_yaml = read_yaml(path) if path else {}
-    _apply(cfg, from_yaml)
+    # A named recipe sets its keys under the explicit settings of its own level and above: `--recipe` lies between
+    # the YAML file and the flags, a `recipe:` key of the file under the file's other keys. Its keys count as given
+    # where the recipe was (a --recipe flag on a resume overrides the run's settings as the flags it stands for do).
+    on_cli = "recipe" in args
+    recipe = _coerce("recipe", args["recipe"] if on_cli else from_yaml.get("recipe", ""))
+    steps = _coerce("grpo_sampling_steps", args.get("grpo_sampling_steps", from_yaml.get(
+        "grpo_sampling_steps", cfg.rollout.grpo_sampling_steps)))
+    from_recipe = recipe_settings(recipe, steps) if recipe else {}
+    for layer in ((from_yaml, from_recipe) if on_cli else (from_recipe, from_yaml)):
+        _apply(cfg, layer)
     _apply(cfg, args)
     # the keys the user set (YAML or flag): defaults read from the checkpoint (post_train.py) never override them
-    cfg.explicit = frozenset(from_yaml) | frozenset(args)
-    cfg.command_line = frozenset(args)
+    cfg.explicit = frozenset(from_yaml) | frozenset(from_recipe) | frozenset(args)
+    cfg.command_line = frozenset(args) | (frozenset(from_recipe) if on_cli else frozenset())
     # what the user gave, kept apart from cfg, which a resume turns into the saved run's settings (resume_settings)
     cfg.given = {name: copy.deepcopy(_value(cfg, name)) for name in cfg.explicit}
     check_values(cfg)
@@ -840,6 +868,12 @@ def check_window(r: RolloutConfig, o: OptimConfig) -> None:
             raise SageGRPOError(f"--timestep_fraction {o.timestep_fraction:g} trains int({noisy} x "
                                 f"{o.timestep_fraction:g}) = 0 of the {noisy} noisy steps{where}; use at least "
                                 f"{1 / noisy:.4g}")
+    if r.ode_steps < 0:
+        raise SageGRPOError(f"--ode_steps must be >= 0 (0 = one per schedule step), got {r.ode_steps}")
+    if (r.ode_steps or r.ode_solver != "euler") and all(lo + size == t for lo in positions):
+        raise SageGRPOError(f"--ode_solver {r.ode_solver} --ode_steps {r.ode_steps} act on the ODE steps after the SDE "
+                            f"window, and the window [{positions[0]}, {positions[0] + size}) reaches the last of the "
+                            f"{t} steps: set --sde_window_size (e.g. {max(1, t // 4)}) or drop them")
     if r.shared_prefix and not r.use_same_noise:
         raise SageGRPOError("--shared_prefix needs --use_same_noise True: without one initial noise per group the "
                             "samples of a group differ from the first step, so there is no prefix to share")

@@ -33,13 +33,24 @@ from .loss import clipped_policy_loss
 from .schedule import num_train_timesteps
 from .sde import SDEStepOutput
 
-__all__ = ["PairBatch", "UpdateStats", "stochastic_steps", "plan_steps", "update_chunks", "micro_batches",
-           "grpo_backward"]
+__all__ = ["PairBatch", "UpdateStats", "stochastic_steps", "plan_generators", "plan_steps", "update_chunks",
+           "micro_batches", "grpo_backward"]
 
 
 def stochastic_steps(variance: Tensor) -> Tensor:
     """Diffusion indices of the steps that inject noise (V_t > 0) -> LongTensor[T']. variance: [T]."""
     return torch.nonzero(torch.as_tensor(variance) > 0).flatten()
+
+
+def plan_generators(seed: int, step: int, first: int, num_samples: int, group_size: int = 1) -> list[torch.Generator]:
+    """The generators that draw the trained steps of a rank's samples: video first + i of the step's global batch
+    seeded by (seed, step, video), or, with group_size G (Flash-GRPO's one timestep per group), by (seed, step,
+    group) with group = video // G, the step's layout [p0 x G, p1 x G, ...] (sage_grpo.data.GroupSampler), so the G
+    samples of a group draw the same steps on any number of ranks."""
+    from sage_grpo.seeding import derive_seed
+
+    return [torch.Generator().manual_seed(derive_seed(seed, step, (first + i) // group_size, 0x7E5))
+            for i in range(num_samples)]
 
 
 def plan_steps(

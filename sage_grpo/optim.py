@@ -41,13 +41,16 @@ resume needs no scheduler state. Muon and AdamW share the group learning rate; M
 Checkpoints
 -----------
 `Optimizers.state_dict()` / `load_state_dict()` round-trip exactly (`{"muon": ..., "adamw": ...}` of the torch
-optimizers' own state dicts). For torch.distributed.checkpoint pass the list: `get_optimizer_state_dict(model,
-optimizers=container.optimizers)` and `set_optimizer_state_dict(model, container.optimizers, state)`; this works
-with the two optimizers on a plain module in one process without a process group (tested). `build_optimizer`
-materialises the optimizer state of every parameter at construction (`Optimizers.materialize_state`), with no
-effect on the parameters or on the first real update, because parameters that never receive a gradient (the last
-block's `to_add_out` / `ff_context`, the image embedder in t2v) would otherwise have no state at save time and a DCP
-load would fail; DCP's own lazy initialisation would also leave AdamW's step counter at 1 before the first update.
+optimizers' own state dicts). Loading restores the saved param groups, hyper-parameters included, so a resume then
+calls `apply_settings(optimizer_settings(cfg))`: the run's weight decay, betas and eps (a flag given on the resume
+overrides the saved run's) are what it trains with, as it says and records. For torch.distributed.checkpoint pass
+the list: `get_optimizer_state_dict(model, optimizers=container.optimizers)` and `set_optimizer_state_dict(model,
+container.optimizers, state)`; this works with the two optimizers on a plain module in one process without a
+process group (tested). `build_optimizer` materialises the optimizer state of every parameter at construction
+(`Optimizers.materialize_state`), with no effect on the parameters or on the first real update, because parameters
+that never receive a gradient (the last block's `to_add_out` / `ff_context`, the image embedder in t2v) would
+otherwise have no state at save time and a DCP load would fail; DCP's own lazy initialisation would also leave
+AdamW's step counter at 1 before the first update.
 
 Muon under FSDP2
 ----------------
@@ -87,6 +90,7 @@ __all__ = [
     "clip_grad_norm",
     "goes_to_muon",
     "lr_at",
+    "optimizer_settings",
     "split_muon_params",
 ]
 
@@ -131,6 +135,18 @@ def lr_at(update: int, peak: float, warmup: int) -> float:
     return float(peak) * (update + 1) / warmup
 
 
+def optimizer_settings(optim_cfg) -> dict[str, dict]:
+    """The hyper-parameters of each optimizer (by `Optimizers.names`) that the run sets, from `optim_cfg`
+    (sage_grpo.config.OptimConfig), the learning rate aside (the schedule sets it before every step, `set_lr`).
+    The one place they are read: `build_optimizer` builds with them, and a resume applies them again
+    (`Optimizers.apply_settings`) after loading a state dict, which brings back the saved run's. Muon keeps torch's
+    momentum, Nesterov and Newton-Schulz settings (no flag sets them)."""
+    wd = float(optim_cfg.weight_decay)
+    return {"muon": {"weight_decay": wd, "adjust_lr_fn": MUON_ADJUST_LR_FN},
+            "adamw": {"weight_decay": wd, "betas": (float(optim_cfg.adam_beta1), float(optim_cfg.adam_beta2)),
+                      "eps": float(optim_cfg.adam_eps)}}
+
+
 class Optimizers:
     """Several torch optimizers over disjoint parameters, driven as one (like torchtitan's OptimizersContainer).
 
@@ -159,6 +175,14 @@ class Optimizers:
         """Set the (base) learning rate of every group; Muon applies its per-matrix scaling on top."""
         for g in self.param_groups:
             g["lr"] = lr
+
+    def apply_settings(self, settings: dict[str, dict]) -> None:
+        """Set every param group of each optimizer to `settings[name]` (optimizer_settings), the other keys (the
+        learning rate, torch's own flags) left as they are: after `load_state_dict`, whose param groups are the
+        saved run's, the optimizer steps with this run's hyper-parameters."""
+        for name, opt in zip(self.names, self.optimizers):
+            for g in opt.param_groups:
+                g.update(settings[name])
 
     @property
     def lr(self) -> float:
@@ -237,7 +261,7 @@ def build_optimizer(named_params: Iterable[tuple[str, Tensor]], optim_cfg, *, ma
     named = [(n, p) for n, p in named_params if p.requires_grad]
     if not named:
         raise SageGRPOError("no trainable parameters to optimise")
-    lr, wd = float(optim_cfg.learning_rate), float(optim_cfg.weight_decay)
+    lr, settings = float(optim_cfg.learning_rate), optimizer_settings(optim_cfg)
     if optim_cfg.use_muon:
         muon, adamw = split_muon_params(named)
     else:
@@ -248,12 +272,10 @@ def build_optimizer(named_params: Iterable[tuple[str, Tensor]], optim_cfg, *, ma
         muon_cls = torch.optim.Muon
         if any(_is_dtensor(p) for _, p in muon):  # FSDP2 shards: whole matrices on owner ranks (parallel/muon.py)
             from sage_grpo.parallel.muon import ShardedMuon as muon_cls
-        optimizers.append(muon_cls([p for _, p in muon], lr=lr, weight_decay=wd, adjust_lr_fn=MUON_ADJUST_LR_FN))
+        optimizers.append(muon_cls([p for _, p in muon], lr=lr, **settings["muon"]))
         names.append("muon")
     if adamw:
-        betas = (float(optim_cfg.adam_beta1), float(optim_cfg.adam_beta2))
-        optimizers.append(torch.optim.AdamW([p for _, p in adamw], lr=lr, weight_decay=wd, betas=betas,
-                                            eps=float(optim_cfg.adam_eps)))
+        optimizers.append(torch.optim.AdamW([p for _, p in adamw], lr=lr, **settings["adamw"]))
         names.append("adamw")
     container = Optimizers(optimizers, names)
     if materialize:

@@ -10,6 +10,10 @@ the peers' ways, each a set of post_train.py flags relative to the schedule's T 
   sliding          MixGRPO: a window of T/4 steps sliding by 1 every 2 updates, back to the start after the end
   sliding_shared   the sliding window from step 1 with one initial noise per group and the shared ODE prefix
   cfg_free_sliding cfg_free + sliding_shared
+  cfg_free_sliding_unipc  cfg_free_sliding with the ODE after the window in ODE_TAIL_STEPS UniPC steps
+                   (MixGRPO-Flash's higher-order solver, diffusers' UniPCMultistepScheduler on the schedule's sigmas)
+  flash            cfg_free_sliding_unipc training one step of the window per sample, the same step for the G
+                   samples of a group (Flash-GRPO's grouping: one timestep per group, 1 trained step a trajectory)
 
 `minimum_forwards` is the least transformer work per step of a configuration, from the configuration alone; the
 step benchmark (scripts/bench_step.py) checks the loop's counted forwards against it, and the learning-per-compute
@@ -18,10 +22,20 @@ table (scripts/video_ablation.py --recipes) reports it.
 
 from __future__ import annotations
 
-__all__ = ["RECIPES", "recipe_settings", "recipe_flags", "minimum_forwards", "forwards_per_sample_step"]
+__all__ = ["RECIPES", "RECIPE_FLOP_RATIOS", "ODE_TAIL_STEPS", "recipe_settings", "recipe_flags", "minimum_forwards",
+           "forwards_per_sample_step", "step_flops", "real_size_flop_ratios"]
 
-RECIPES = ("paper", "cfg_free", "window", "sliding", "sliding_shared", "cfg_free_sliding")
+RECIPES = ("paper", "cfg_free", "window", "sliding", "sliding_shared", "cfg_free_sliding", "cfg_free_sliding_unipc",
+           "flash")
 SLIDE_EVERY = 2  # updates between two moves of the recipes' sliding window (short runs: MixGRPO moves every 25)
+ODE_TAIL_STEPS = 4  # UniPC steps of the ODE after the window (tests/test_rollout.py: on the tiny world model, without
+# CFG, 4 of them end within 15 % of the schedule's 8 Euler steps' distance from a 200-step reference)
+# Model FLOPs per step against the paper's at the real size, `real_size_flop_ratios()` (the defaults of
+# sage_grpo.config: T 20, 2 videos a rank, CFG 6, full fine-tuning; 81x352x624, 256 text tokens; mean over 100
+# steps). Kept as numbers so that --help can show them without building a Config; tests/test_recipes.py checks them
+# against the computation.
+RECIPE_FLOP_RATIOS = {"paper": 1.0, "cfg_free": 0.5, "window": 0.403, "sliding": 0.403, "sliding_shared": 0.365,
+                      "cfg_free_sliding": 0.182, "cfg_free_sliding_unipc": 0.161, "flash": 0.082}
 
 
 def recipe_settings(name: str, num_steps: int) -> dict:
@@ -36,13 +50,21 @@ def recipe_settings(name: str, num_steps: int) -> dict:
              "shared_prefix": False}
     sliding = {**paper, "sde_window_size": size, "sde_window_stride": 1, "sde_window_every": SLIDE_EVERY}
     shared = {**sliding, "sde_window_start": 1, "use_same_noise": True, "shared_prefix": True}
+    solver = {"ode_solver": "euler", "ode_steps": 0, "timestep_fraction": 1.0, "group_timesteps": False}
+    paper = {**paper, **solver}
+    sliding = {**sliding, **solver}
+    shared = {**shared, **solver}
+    cfg_free_sliding = {**shared, "cfg_scale": 1.0}
+    unipc = {**cfg_free_sliding, "ode_solver": "unipc", "ode_steps": ODE_TAIL_STEPS}
     return {
         "paper": paper,
         "cfg_free": {**paper, "cfg_scale": 1.0},
         "window": {**paper, "sde_window_size": size},
         "sliding": sliding,
         "sliding_shared": shared,
-        "cfg_free_sliding": {"cfg_scale": 1.0, **shared},
+        "cfg_free_sliding": cfg_free_sliding,
+        "cfg_free_sliding_unipc": unipc,
+        "flash": {**unipc, "timestep_fraction": 1.0 / size, "group_timesteps": True},
     }[name]
 
 
@@ -60,7 +82,7 @@ def minimum_forwards(cfg, steps: int) -> list[dict]:
     from sage_grpo.kl import kl_term_weights
     from sage_grpo.schedule import num_train_timesteps, sigma_schedule
     from sage_grpo.sde import step_variance
-    from sage_grpo.window import window_bounds
+    from sage_grpo.window import tail_steps, window_bounds
 
     r, o, k_cfg = cfg.rollout, cfg.optim, cfg.kl
     cfg_mult = 2 if r.cfg_scale != 1.0 else 1
@@ -77,6 +99,7 @@ def minimum_forwards(cfg, steps: int) -> list[dict]:
                                updates)
         k = num_train_timesteps(int(stochastic_steps(var[lo:hi]).numel()), o.timestep_fraction)
         prefix = lo if r.shared_prefix else 0  # ODE steps run once per prompt
+        run = hi + tail_steps(hi, t, r.ode_steps)  # steps a sample takes: the tail in --ode_steps
         pairs_per_update = b // upr * k
         if accum_rounds == 0 and k_cfg.use_moving_KL and updates - refreshed_at >= k_cfg.update_ref_model_step:
             refreshed_at, synced = updates, True
@@ -90,7 +113,7 @@ def minimum_forwards(cfg, steps: int) -> list[dict]:
             accum_rounds += 1
             if accum_rounds == accum:
                 updates, synced, accum_rounds = updates + 1, False, 0
-        out.append({"rollout": ((t - prefix) * b + prefix * prompts) * cfg_mult, "anchor": anchor,
+        out.append({"rollout": ((run - prefix) * b + prefix * prompts) * cfg_mult, "anchor": anchor,
                     "update": b * k * cfg_mult, "vae_samples": b, "reward_calls": 1, "synced_at_start": anchor == 0})
     return out
 
@@ -99,3 +122,41 @@ def forwards_per_sample_step(cfg, steps: int) -> float:
     """Mean per-sample transformer forwards per step over `steps` steps (rollout + anchor + update)."""
     work = minimum_forwards(cfg, steps)
     return sum(w["rollout"] + w["anchor"] + w["update"] for w in work) / (steps * cfg.data.batch_size)
+
+
+def step_flops(cfg, steps: int, *, latent: tuple[int, int, int] = (21, 22, 39), text_tokens: int = 256) -> dict:
+    """Mean model FLOPs per step of a configuration over `steps` steps, by phase, for one data-parallel rank's
+    samples (sage_grpo.flops: the real transformer's shape, forward + backward for trained pairs, no recomputation):
+    {"rollout", "anchor", "update", "step"}. latent: [F, H, W] of the video (81x352x624 by default); text_tokens:
+    the valid encoder tokens of each sample (256, the planner's assumption). The forwards are `minimum_forwards`'s,
+    which the step benchmark checks against the loop's counted forwards."""
+    from sage_grpo.flops import TransformerShape, transformer_flops
+
+    shape = TransformerShape()
+    n_video = shape.video_tokens(*latent)
+    m = cfg.model
+    train = ("lora" if m.use_lora else "full")
+    r = m.lora_r if m.use_lora else 0
+    fwd = transformer_flops(n_video, [text_tokens], shape, lora_r=r).model  # one sample's forward
+    trained = transformer_flops(n_video, [text_tokens], shape, train=train, lora_r=r).model  # forward + backward
+    frozen = transformer_flops(n_video, [text_tokens], shape).model  # the anchor: the base, adapters off
+    work = minimum_forwards(cfg, steps)
+    out = {"rollout": sum(w["rollout"] for w in work) * fwd / steps,
+           "anchor": sum(w["anchor"] for w in work) * frozen / steps,
+           "update": sum(w["update"] for w in work) * trained / steps}
+    out["step"] = out["rollout"] + out["anchor"] + out["update"]
+    return out
+
+
+def real_size_flop_ratios(steps: int = 100) -> dict[str, float]:
+    """Each recipe's model FLOPs per step over the paper's at the real size, on sage_grpo.config's defaults (the
+    authors' T 20, 2 videos a rank, CFG): what RECIPE_FLOP_RATIOS holds."""
+    from sage_grpo.config import Config, _apply
+
+    def flops(name: str) -> float:
+        cfg = Config()
+        _apply(cfg, recipe_settings(name, cfg.rollout.grpo_sampling_steps))
+        return step_flops(cfg, steps)["step"]
+
+    paper = flops("paper")
+    return {name: flops(name) / paper for name in RECIPES}

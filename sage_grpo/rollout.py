@@ -40,7 +40,9 @@ from sage_grpo.models.text_cache import TextConditioning
 from sage_grpo.schedule import sigma_schedule
 from sage_grpo.sde import SAGE_SIGMA_CLAMP, SDEStepOutput, check_sampler, sde_step
 from sage_grpo.seeding import derive_seed
-from sage_grpo.window import prefix_steps
+from sage_grpo.window import prefix_steps, tail_sigmas, tail_start
+
+ODE_SOLVERS = ("euler", "unipc")  # sage_grpo.config.ODE_SOLVERS, the flag's choices
 
 __all__ = [
     "SamplerSettings",
@@ -68,6 +70,8 @@ class SamplerSettings:
     cfg_scale: float = 6.0  # 1 = no CFG (a single forward of N)
     cps_logprob: str = "peer"
     sage_clamp: float = SAGE_SIGMA_CLAMP
+    ode_solver: str = "euler"  # the ODE after the SDE window (the tail): euler or unipc
+    ode_steps: int = 0  # solver steps of the tail; 0 = one per schedule step
     compute_dtype: torch.dtype | None = None  # transformer inputs; None = the transformer's parameter dtype
     autocast: bool = False  # wrap the forward in torch.autocast(compute_dtype) (fp32 master weights)
     master_dtype: torch.dtype | None = None  # dtype of the trained weights; under autocast the timestep stays in
@@ -75,6 +79,8 @@ class SamplerSettings:
 
     def __post_init__(self):
         check_sampler(self.sde_type)
+        if self.ode_solver not in ODE_SOLVERS:
+            raise ValueError(f"unknown ode_solver {self.ode_solver!r}; use one of {', '.join(ODE_SOLVERS)}")
 
     @property
     def use_cfg(self) -> bool:
@@ -94,6 +100,8 @@ class SamplerSettings:
             cfg_scale=r.cfg_scale,
             cps_logprob=r.cps_logprob,
             sage_clamp=r.sage_sigma_clamp,
+            ode_solver=r.ode_solver,
+            ode_steps=r.ode_steps,
             compute_dtype=torch_dtype(m.dtype),
             autocast=torch_dtype(m.dtype) != torch_dtype(m.master_weight_type),
             master_dtype=torch_dtype(m.master_weight_type),
@@ -231,6 +239,35 @@ def _step(settings: SamplerSettings, v: Tensor, x: Tensor, sigmas: Tensor, steps
     )
 
 
+def ode_tail(velocity: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, sigmas: Tensor, solver: str) -> Tensor:
+    """The deterministic ODE through `sigmas` [n + 1] (ending at 0) from x [B, ...] at sigmas[0] -> the end point,
+    in x's dtype. velocity(x, sigma, sigma_next) -> the guided velocity [B, ...] (fp32) at x and the scalar sigma of
+    a step to sigma_next (a step-distilled transformer's timestep_r).
+
+    euler: sde_step's ODE step x + (sigma_b - sigma_a) v, so on the schedule's sigmas it is the rollout's own ODE.
+    unipc: diffusers' UniPCMultistepScheduler (flow prediction, x0 = x - sigma v, order 2, bh2, the last step first
+    order) on exactly these sigmas (flow_shift 1 keeps them as given); its state lives in this call, so a chunk's
+    tail is the same numbers as the whole batch's."""
+    if float(sigmas[-1]) != 0.0:
+        raise ValueError("the ODE tail must end at sigma 0")
+    if solver == "euler":
+        for a, b in zip(sigmas[:-1], sigmas[1:]):
+            n = x.shape[0]
+            x = sde_step("ode", velocity(x, a, b), x, a.expand(n), b.expand(n), 0.0,
+                         noise=torch.zeros((), device=x.device).expand(x.shape)).prev_sample
+        return x
+    from diffusers import UniPCMultistepScheduler
+
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=1.0,
+                                    solver_order=2, final_sigmas_type="zero")
+    sched.set_timesteps(sigmas=sigmas[:-1].cpu().numpy(), device=x.device)  # it appends the final 0
+    sched.set_begin_index(0)  # its timesteps are int(1000 sigma): close sigmas could share one; count steps instead
+    dtype, y = x.dtype, x.float()
+    for k, (a, b) in enumerate(zip(sigmas[:-1], sigmas[1:])):
+        y = sched.step(velocity(y.to(dtype), a, b), sched.timesteps[k], y, return_dict=False)[0].float()
+    return y.to(dtype)
+
+
 @torch.no_grad()
 def rollout(
     transformer,
@@ -338,20 +375,45 @@ def rollout(
             x = x_r[owner]  # [B, C, F, H, W]
             latents[:, i + 1] = x
             log_probs[:, i] = math.nan
+    # The ODE tail after the window: the schedule's own steps, or --ode_steps solver steps evenly spaced in sigma.
+    # Only its end point is kept (at every tail index): no tail step is trained, their log-probs stay NaN.
+    hi = tail_start(sde) if sde.any() else t_steps
+    tail = tail_sigmas(sigmas, hi, settings.ode_steps)  # [n + 1]
+    solve_tail = hi < t_steps and (settings.ode_solver != "euler" or tail.numel() - 1 < t_steps - hi)
+    end = hi if solve_tail else t_steps
+
+    def run_tail(c: Tensor, x_c: Tensor) -> Tensor:
+        """The tail of the samples `c` [n] from x_c at index hi -> their end points [n, C, F, H, W]."""
+        def v_at(y: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:  # the rollout's forwards, in its chunks
+            parts = torch.arange(len(c), device=device).split(chunk_size or len(c))
+            return torch.cat([predict_velocity(
+                transformer, y[k], sigma.expand(len(k)), cond.index(c[k]),
+                uncond.index(c[k]) if settings.use_cfg else None, settings, image_tokens,
+                image.index(c[k]) if image is not None else None, sigma_next.expand(len(k))) for k in parts])
+
+        out = ode_tail(v_at, x_c, tail, settings.ode_solver)
+        latents[c, hi + 1:] = out.unsqueeze(1)  # [n, T - hi, ...]
+        log_probs[c, hi:] = math.nan
+        return out
+
     # the steps after the prefix: each sample on its own
     if on_chunk is None:
-        for i in tqdm(range(first, t_steps), desc="rollout", disable=not show_progress, leave=False):
+        for i in tqdm(range(first, end), desc="rollout", disable=not show_progress, leave=False):
             steps = torch.full((b,), i, dtype=torch.long, device=device)
             v = torch.cat([velocity(c, x[c], steps[c]) for c in chunks])  # [B, C, F, H, W]
             x = take(torch.arange(b, device=device), i, v, x)
+        if solve_tail:
+            x = run_tail(torch.arange(b, device=device), x)
     else:
-        bar = tqdm(total=(t_steps - first) * len(chunks), desc="rollout", disable=not show_progress, leave=False)
+        bar = tqdm(total=(end - first) * len(chunks), desc="rollout", disable=not show_progress, leave=False)
         for c in chunks:
             x_c = x[c]
-            for i in range(first, t_steps):
+            for i in range(first, end):
                 steps = torch.full((len(c),), i, dtype=torch.long, device=device)
                 x_c = take(c, i, velocity(c, x_c, steps), x_c)
                 bar.update()
+            if solve_tail:
+                x_c = run_tail(c, x_c)
             on_chunk(c, x_c)
         bar.close()
     return Trajectory(

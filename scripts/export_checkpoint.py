@@ -12,7 +12,8 @@ key flags, validation metrics, how to load).
 A full fine-tuning checkpoint-N/transformer holds the trained weights under the plain model's names; a LoRA run's
 checkpoint holds the adapter alone (checkpoint-N/lora), which the weights export merges into the run's base weights
 (--model_path of its config). With --merge_lora False a LoRA run's base weights are exported unmerged and the
-adapter (lora/adapter_model.safetensors + adapter_config.json) is copied beside them as lora/.
+adapter (lora/adapter_model.safetensors + adapter_config.json) is copied beside them as lora/. The base weights of
+an --fp8_base run are its FP8 base dequantized (the weights it trained the adapter beside), not the unquantized ones.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def main(argv=None) -> Path:
     merge = parse_bool(args.merge_lora if args.merge_lora is not None else "True", "--merge_lora")
     ckpt, out = Path(args.checkpoint), Path(args.out)
     state_file = ckpt / "train_state.json"
+    if not ckpt.exists():
+        raise SageGRPOError(f"--checkpoint {args.checkpoint!r} does not exist: pass a post_train.py run's "
+                            "output_dir/checkpoint-N")
     if not state_file.is_file():
         raise SageGRPOError(f"--checkpoint {args.checkpoint!r} is not a complete post_train.py checkpoint (no "
                             "train_state.json)")
@@ -81,7 +85,22 @@ def main(argv=None) -> Path:
     from sage_grpo.models.lora import load_dcp_transformer, merge_adapter
 
     dtype = torch_dtype(args.dtype or m["master_weight_type"])
-    pipe = load_pipeline(*run_base(train_state), dtype=dtype, load_text_encoders=False)
+    # an --fp8_base run trained, rolled out and validated its adapter beside Q(W), the FP8 quantization of its base
+    # loaded in the compute dtype (post_train.load_policy): the base exported is that one, dequantized (the weights
+    # its layers computed with), so that the export is the model the run trained; W + BA would be another model
+    fp8 = lora.is_dir() and bool(m.get("fp8_base", False))
+    pipe = load_pipeline(*run_base(train_state), dtype=torch_dtype(m["dtype"]) if fp8 else dtype,
+                         load_text_encoders=False)
+    if fp8:
+        from sage_grpo.models.fp8 import dequantize_base, quantize_base
+
+        quantize_base(pipe.transformer, "cpu")  # the bytes of either FP8 config (sage_grpo.models.fp8.quantize_rows)
+        dequantize_base(pipe.transformer)
+        pipe.transformer.to(dtype)
+        print(f"[export] {ckpt}: an --fp8_base run: its adapter {'merged into' if merge else 'beside'} the FP8 base "
+              "dequantized (Q(W) + BA, the model it trained), not the unquantized base weights (W + BA)"
+              + ("; the run's --fp8_matmul also quantized the activations, which no weights hold" if
+                 m.get("fp8_matmul") else ""), flush=True)
     if not lora.is_dir():
         load_dcp_transformer(pipe.transformer, ckpt / "transformer")
     elif merge:  # a LoRA checkpoint holds the adapter only: merged into the run's base weights here

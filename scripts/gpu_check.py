@@ -2,7 +2,7 @@
 """The first command on a new GPU cluster: real-size HunyuanVideo-1.5 on one GPU, measured against the memory planner.
 
     python scripts/gpu_check.py                      # every stage, one after another (each ends within ~10 min)
-    python scripts/gpu_check.py --stage lora         # one stage (e.g. one `run` call of the device tool each)
+    python scripts/gpu_check.py --stage lora         # one stage (e.g. one per GPU session)
     python scripts/gpu_check.py --update_readme      # also write a summary into README.md ("Measured on a GPU")
     python scripts/gpu_check.py --tiny               # the same stages with a tiny random model on the CPU (a test)
     python scripts/gpu_check.py --version 720p_i2v --stage lora --out outputs/gpu_check_720p_i2v   # another checkpoint
@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 GIB = 2**30
 STAGES = ("build", "attention", "memory", "lora", "full", "compile", "recipes", "bench_step")
 NEEDED = ("torch", "diffusers", "transformers", "safetensors", "peft", "einops", "imageio", "yaml")
-# PhaseClock's phase (post_train.train) -> the planner's phase (scripts/plan_memory.plan)
+# PhaseClock's phase (post_train.train) -> the planner's phase (sage_grpo.memory.plan)
 PHASE_MAP = {"rollout": "rollout", "reward": "decode+reward", "anchor": "anchor", "update": "update",
              "optimizer": "optimizer step"}
 README_BEGIN, README_END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
@@ -138,13 +138,12 @@ def transformer_config(tiny: bool, blocks: int, version: str = DEFAULT_VERSION) 
     """`version`'s config (diffusers' converter) with `blocks` double-stream blocks, or its tiny config with `blocks`;
     the text input widths follow the tiny text encoders of the random checkpoints (one projection each: negligible),
     and so does the image input's of a T2V version (zeros); an I2V version keeps SigLIP's 1152."""
-    from plan_memory import TRANSFORMER_CONFIGS
-
+    from sage_grpo.memory import transformer_config as planned_config
     from sage_grpo.models.tiny import TINY_BYT5_DIM, TINY_IMAGE_DIM, TINY_TEXT_DIM, tiny_variant_config
 
     if tiny:
         return {**tiny_variant_config(version), "num_layers": blocks}
-    cfg = dict(TRANSFORMER_CONFIGS[version])
+    cfg = planned_config(version)
     cfg.update(num_layers=blocks, text_embed_dim=TINY_TEXT_DIM, text_embed_2_dim=TINY_BYT5_DIM)
     if cfg["task_type"] != "i2v":
         cfg["image_embed_dim"] = TINY_IMAGE_DIM
@@ -201,8 +200,9 @@ def random_components(tiny: bool, version: str = DEFAULT_VERSION) -> tuple[dict,
         lengths = TextLengths(prompt_template_encode_start_idx=tiny_crop_start(comps["tokenizer"],
                                                                                 default_system_message()))
         if v.task == "i2v":  # 729 tokens of width 1152, as the I2V checkpoints' SigLIP gives
-            from plan_memory import SIGLIP_SO400M
             from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+            from sage_grpo.memory import SIGLIP_SO400M
 
             comps["image_encoder"] = SiglipVisionModel(SiglipVisionConfig(**SIGLIP_SO400M)).eval()
             comps["feature_extractor"] = SiglipImageProcessor(size={"height": 384, "width": 384})
@@ -246,13 +246,13 @@ def write_checkpoint(out: Path, tcfg: dict, tiny: bool, device, version: str = D
 
 def frozen_parts(ck, blocks: int) -> dict:
     """Parameter counts of the parts besides the transformer (the planner's `frozen`): random_components' for random
-    weights; the public configs (plan_memory.count_frozen_parts) for real weights; no reward model (the demo
+    weights; the public configs (sage_grpo.memory.count_frozen_parts) for real weights; no reward model (the demo
     reward)."""
     if not ck.real_weights(blocks):
         if ck.parts is None:
             ck.parts = parts_of(random_components(ck.tiny, ck.version)[0])
         return ck.parts
-    from plan_memory import count_frozen_parts
+    from sage_grpo.memory import count_frozen_parts
 
     return {**count_frozen_parts(), "reward": 0}
 
@@ -472,7 +472,7 @@ def stage_build(ck: Check) -> dict:
         rows.append({"part": name, "params": params, "tensors": tensors, "planned_gib": planned,
                      "measured_gib": measured, "verdict": "not measured" if not cuda else
                      part_verdict(planned, measured, tensors, ck.a.tolerance)})
-    from plan_memory import build_transformer, count_transformer
+    from sage_grpo.memory import build_transformer, count_transformer
 
     counted = count_transformer(build_transformer(tcfg))
     exact = counted["total"] == rows[0]["params"]
@@ -515,12 +515,11 @@ def stage_memory(ck: Check) -> dict:
 
 def planned_phases(argv: list[str], tcfg: dict, parts: dict, gpu_gib: float, overhead_gib: float = 0.0,
                    counts: dict | None = None) -> dict:
-    """scripts/plan_memory.py's plan of the post_train run `argv` on one GPU, for the transformer `tcfg` (its
-    parameter `counts` when already known) and the other parts' counts `parts`; overhead_gib 0 leaves out what the
-    allocator does not see (the CUDA context)."""
-    from plan_memory import PlanOptions, build_transformer, count_transformer, plan
-
+    """The planner's plan (sage_grpo.memory, scripts/plan_memory.py) of the post_train run `argv` on one GPU, for the
+    transformer `tcfg` (its parameter `counts` when already known) and the other parts' counts `parts`; overhead_gib
+    0 leaves out what the allocator does not see (the CUDA context)."""
     from sage_grpo.config import load_config
+    from sage_grpo.memory import PlanOptions, build_transformer, count_transformer, plan
 
     cfg = load_config(argv, prog="gpu_check.py")
     m = cfg.model

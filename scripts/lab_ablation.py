@@ -76,7 +76,14 @@ def lab_recipe(name: str, num_steps: int) -> dict:
     fields = {"sde_window_start": "window_start", "sde_window_size": "window_size",
               "sde_window_stride": "window_stride", "sde_window_every": "window_every", "use_same_noise": "same_noise",
               "shared_prefix": "shared_prefix"}
-    return {fields[k]: v for k, v in recipe_settings(name, num_steps).items()}
+    # the video loop's keys the lab has no counterpart of, at the values that change nothing: the lab's ODE is its
+    # schedule's Euler steps, it trains its own --timestep_fraction, and each sample draws its own steps
+    neutral = {"ode_solver": "euler", "ode_steps": 0, "timestep_fraction": 1.0, "group_timesteps": False}
+    settings = recipe_settings(name, num_steps)
+    for k, v in neutral.items():
+        if settings.get(k, v) != v:
+            raise ValueError(f"the toy lab cannot run recipe {name!r}: it has no {k} {settings[k]!r}")
+    return {fields[k]: v for k, v in settings.items() if k not in neutral}
 
 
 # (column title, key, decimals) of the lab's recipes table: the final metrics' gains over the base model

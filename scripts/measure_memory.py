@@ -11,7 +11,7 @@ For each attention processor (the project's valid-token one and diffusers' dense
   counting each storage once and no parameter (the difference is one block); this is what the planner models;
 - CUDA peak: max_memory_allocated over the weights of a forward + backward of 4-block and 2-block models, halved
   (the method of ../shared/tools/gpu_probe.py, which gpu_facts.md reports; with checkpointing this difference is
-  max(one block's gradient, its saved inputs), see plan_memory.validate_against_gpu_facts);
+  max(one block's gradient, its saved inputs), see sage_grpo.memory.validate_against_gpu_facts);
 and prints the planner's prediction beside each. Then the VAE decode of one latent with and without tiling (peak over
 the weights). `--device cpu --small` runs the same code at reduced width and size (the CPU test of this script).
 Figures are per rank for sp = 1.
@@ -36,9 +36,9 @@ GIB = 2**30
 def block_config(heads: int, head_dim: int, num_layers: int, mlp_ratio: float = 4.0, *, real: bool = True) -> dict:
     """A transformer config: the 480p_t2v one with `heads` x `head_dim` and `num_layers` blocks (real text widths when
     `real`, else small embedders so that a reduced-width model builds in milliseconds)."""
-    from plan_memory import TRANSFORMER_CONFIGS
+    from sage_grpo.memory import transformer_config
 
-    cfg = dict(TRANSFORMER_CONFIGS["480p_t2v"])
+    cfg = transformer_config("480p_t2v")
     axes_t = head_dim // 8
     axes = (axes_t, (head_dim - axes_t) // 2, head_dim - axes_t - (head_dim - axes_t) // 2)
     cfg.update(num_attention_heads=heads, attention_head_dim=head_dim, num_layers=num_layers, mlp_ratio=mlp_ratio,
@@ -68,8 +68,7 @@ def make_inputs(cfg: dict, batch: int, latent: tuple[int, int, int], text: tuple
 
 
 def build(cfg: dict, attention: str, checkpointing: bool, dtype: torch.dtype, device):
-    from plan_memory import build_transformer
-
+    from sage_grpo.memory import build_transformer
     from sage_grpo.models.attention import use_valid_token_attention
 
     torch.manual_seed(0)
@@ -128,8 +127,9 @@ def block_saved_bytes(heads: int, head_dim: int, *, mlp_ratio: float = 4.0, batc
 def predicted_block_bytes(heads: int, head_dim: int, *, mlp_ratio: float = 4.0, batch: int, latent, text, valid,
                           attention: str = "valid", checkpointing: bool = False, dtype=torch.float32,
                           device="cpu") -> int:
-    """plan_memory's model for the same geometry (the valid processor sees the valid MLLM + ByT5 tokens)."""
-    from plan_memory import block_activation_bytes
+    """The planner's model (sage_grpo.memory) for the same geometry (the valid processor sees the valid MLLM + ByT5
+    tokens)."""
+    from sage_grpo.memory import block_activation_bytes
 
     f, h, w = latent
     text_tokens = sum(valid) if attention == "valid" else sum(text)

@@ -278,7 +278,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_server_flags(args, metric_names(args.metrics))
     out = Path(args.out)
     for path in (out.with_suffix(".csv"), out.with_suffix(".json")):
-        check_output_file(path, "--out")
+        check_output_file(path, "--out", create=False)  # write_tables makes the folder
 
 
 def check_server_flags(args: argparse.Namespace, names: list[str]) -> None:

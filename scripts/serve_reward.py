@@ -31,6 +31,10 @@ from sage_grpo.rewards.remote import MAX_BODY_BYTES, TOKEN_ENV  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     r, m = Config().reward, Config().model
     ap = argparse.ArgumentParser(prog="serve_reward.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,7 +69,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="largest request body in MiB, compressed and decoded (decompressed, plus uint8 frames as "
                          "float32): a longer one is refused (413) before it is read (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
-    return ap.parse_args(argv)
+    return ap
+
+
+def own_flags(message: str) -> str:
+    """A reward's error in this command's words: the training flag `--reward_X` it names becomes this server's
+    `--X` (`--reward_model_path` -> `--model_path`), where the server has that flag and not the training one."""
+    import re
+
+    flags = {f for a in build_parser()._actions for f in a.option_strings}
+
+    def own(m: re.Match) -> str:
+        flag, short = m[0], "--" + m[1]
+        return short if flag not in flags and short in flags else flag
+
+    return re.sub(r"--reward_(\w+)", own, message)
 
 
 def _cuda() -> bool:
@@ -141,15 +159,19 @@ def main(argv: list[str] | None = None) -> None:
         raise SageGRPOError("--reward_model remote cannot be served (it is the client)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    reward = build_reward(
-        reward_model=args.reward_model, reward_weights="", reward_model_path=args.model_path,
-        reward_base_model_path=args.base_model_path, reward_checkpoint_mode=args.checkpoint_mode,
-        pretrained_model_root=args.pretrained_model_root, device=args.device, dtype=args.dtype,
-        max_pixels=args.max_pixels, min_pixels=args.min_pixels, sample_fps=args.sample_fps, video_fps=args.video_fps,
-        batch_size=args.batch_size, reward_checkpoint_step=None if args.checkpoint_step < 0 else args.checkpoint_step,
-        clip_model_path=args.clip_model_path, pickscore_model_path=args.pickscore_model_path,
-        pickscore_processor_path=args.pickscore_processor_path,
-    )
+    try:
+        reward = build_reward(
+            reward_model=args.reward_model, reward_weights="", reward_model_path=args.model_path,
+            reward_base_model_path=args.base_model_path, reward_checkpoint_mode=args.checkpoint_mode,
+            pretrained_model_root=args.pretrained_model_root, device=args.device, dtype=args.dtype,
+            max_pixels=args.max_pixels, min_pixels=args.min_pixels, sample_fps=args.sample_fps,
+            video_fps=args.video_fps, batch_size=args.batch_size,
+            reward_checkpoint_step=None if args.checkpoint_step < 0 else args.checkpoint_step,
+            clip_model_path=args.clip_model_path, pickscore_model_path=args.pickscore_model_path,
+            pickscore_processor_path=args.pickscore_processor_path,
+        )
+    except SageGRPOError as e:
+        raise SageGRPOError(own_flags(str(e))) from None
     ver = reward_version(args.reward_model, reward)
     app = make_app(reward, args.reward_model, ver, settings={k: getattr(args, k) for k in SETTINGS}, token=token,
                    max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000, device=args.device,

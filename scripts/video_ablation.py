@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = CLIParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"1 seed, {QUICK_STEPS} steps per run")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 1 with --quick, else 3)")
+    p.add_argument("--seed_start", type=int, default=0,
+                   help="first lab seed (seeds seed_start .. seed_start + seeds - 1): share one --out between "
+                        "calls, each taking its own seeds; the table covers the seeds of this call")
     p.add_argument("--steps", type=int, default=None,
                    help=f"GRPO steps per run (default: {QUICK_STEPS} with --quick, else the config's max_steps)")
     p.add_argument("--samplers", nargs="+", default=list(VIDEO_SAMPLERS), choices=VIDEO_SAMPLERS)
@@ -74,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("outputs/video_lab"), help="output directory")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (post_train's --threads; default 1: the timing in docs/labs.md)")
+    p.add_argument("--eval_every", type=int, default=0,
+                   help="with --recipes: also evaluate the checkpoints every this many steps (post_train's "
+                        "--save_interval), one table row per recipe and evaluated step: the curve of reward gain "
+                        "against drift through the run's steps (the equal-drift comparison); 0 = the last step only")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     args = p.parse_args(argv)
     args.seeds = (1 if args.quick else 3) if args.seeds is None else args.seeds
@@ -82,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps is not None:
         at_least("--steps", args.steps, 1)
     at_least("--threads", args.threads, 1)
+    at_least("--eval_every", args.eval_every, 0)
+    at_least("--seed_start", args.seed_start, 0)
+    if args.eval_every and not args.recipes:
+        raise SageGRPOError("--eval_every needs --recipes (the grid evaluates each run's last step)")
     args.samplers, args.kls = list(dict.fromkeys(args.samplers)), list(dict.fromkeys(args.kls))
     args.equalizer = [EQUALIZER[e] for e in dict.fromkeys(args.equalizer)]
     if args.recipes is not None:
@@ -210,12 +221,95 @@ def run_cell(args, name: str, flags: list[str], seed: int, out: Path) -> Path:
 
 def run_argv(args, run_dir: Path, flags: list[str], seed: int) -> list[str]:
     argv = ["--config", str(args.config), "--model_path", str(args.model_path), "--output_dir", str(run_dir),
-            "--seed", str(seed), "--validation_interval", "0", "--validate_at_step0", "False", "--save_interval", "0",
+            "--seed", str(seed), "--validation_interval", "0", "--validate_at_step0", "False",
+            "--save_interval", str(getattr(args, "eval_every", 0)),
             "--resume_from_checkpoint", "", "--overwrite_output_dir", "True", "--report_to", "none",
             "--threads", str(args.threads), *flags]
     if args.steps is not None:
         argv += ["--max_steps", str(args.steps)]
     return argv
+
+
+RESULT_FILE = "result.json"  # a run's evaluated rows and reward curve, with the argv that made them
+
+
+def _settings(argv: list[str]) -> dict:
+    """The resolved post_train.py settings of a run's argv, but for how long it ran and where (the launch keys:
+    --out may be given by another path): what makes its steps."""
+    from sage_grpo.config import LAUNCH_KEYS, config_to_dict, load_config
+
+    out = config_to_dict(load_config(argv))
+    out["optim"].pop("max_steps")
+    return {g: {k: v for k, v in values.items() if k not in LAUNCH_KEYS} for g, values in out.items()}
+
+
+def read_result(run_dir: Path, argv: list[str], steps: int) -> dict | None:
+    """The rows and curves, up to step `steps`, of a run evaluated before with the same resolved settings (flags
+    in any order, a recipe key this version adds at its default) and at least `steps` steps, else None. A run of
+    more steps covers a shorter one: the schedule of the world config has no dependence on max_steps (a constant
+    learning rate and KL coefficient), so its checkpoint at step s is the s-step run."""
+    path = run_dir / RESULT_FILE
+    if not path.is_file():
+        return None
+    blob = json.loads(path.read_text())
+    rows = [r for r in blob["rows"] if r["steps"] <= steps]
+    if _settings(blob["argv"]) != _settings(argv) or not rows or rows[-1]["steps"] != steps:
+        return None
+    return {"rows": rows, "curves": [c for c in blob["curves"] if c["step"] <= steps]}
+
+
+def write_result(run_dir: Path, argv: list[str], rows: list[dict], curves: list[dict]) -> None:
+    tmp = run_dir / (RESULT_FILE + ".tmp")
+    tmp.write_text(json.dumps({"argv": argv, "rows": rows, "curves": curves}))
+    tmp.replace(run_dir / RESULT_FILE)  # atomic: a half-written result is never taken for a finished run
+
+
+def step_flops(metrics_path: Path, up_to: int, batch_size: int) -> dict:
+    """Mean model FLOPs per sample and step of the run's steps 1..up_to, by phase, from the loop's own FLOP meter
+    (metrics.jsonl's perf/<phase>_tflop): {"gflop_rollout", "gflop_anchor", "gflop_update", "gflop_step"}."""
+    sums, n = {}, 0
+    for line in Path(metrics_path).read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if "perf/step_tflop" not in rec or int(rec["step"]) > up_to:
+            continue
+        n += 1
+        for phase in ("rollout", "anchor", "update", "step"):
+            sums[phase] = sums.get(phase, 0.0) + float(rec.get(f"perf/{phase}_tflop", 0.0))
+    if n == 0:
+        raise SageGRPOError(f"{metrics_path} has no perf/step_tflop record up to step {up_to}")
+    return {f"gflop_{k}": v / n * 1e3 / batch_size for k, v in sums.items()}
+
+
+def report_recipes(args, out: Path, rows: list[dict], curves: list[dict], steps: int, captions: int,
+                   t0: float) -> int:
+    """The recipes' tables and figure: table.csv (mean and std per recipe and evaluated step), recipes.md (the FLOP
+    table at the last step; with --eval_every, the equal-drift table: sage_grpo.lab.equal_drift) and equal_drift.png."""
+    from sage_grpo.lab.equal_drift import equal_drift
+    from sage_grpo.lab.report import aggregate, draw_figures, write_csv
+    from sage_grpo.lab.video import format_equal_drift_table, format_flop_table, plot_equal_drift
+    from sage_grpo.recipes import RECIPE_FLOP_RATIOS
+
+    aggs = aggregate(rows, keys=("recipe", "steps"))
+    write_csv(out / "table.csv", aggs)
+    final = [a for a in aggs if a["steps"] == steps]
+    seeds = sorted({int(r["seed"]) for r in rows})
+    text = (f"Recipes, mean ± standard error over seeds {seeds}, {steps} GRPO steps per run, {captions} held-out "
+            "captions (ODE); gains and drift against the base model on the same noise; FLOPs from the loop's meter:\n\n"
+            + format_flop_table(final, args.recipes, RECIPE_FLOP_RATIOS) + "\n")
+    results = []
+    if args.eval_every and "paper" in args.recipes:
+        results = equal_drift(rows, "paper", ref_steps=steps)
+        ref = results[0]
+        text += (f"\nAt equal drift: each recipe read at the paper recipe's drift {ref['ref_drift']:.4f} and gain "
+                 f"{ref['ref_gain']:.3f} (its {steps} steps), along its curve through the steps "
+                 f"{sorted({int(r['steps']) for r in rows})}, per seed:\n\n"
+                 + format_equal_drift_table(results, args.recipes, RECIPE_FLOP_RATIOS) + "\n")
+    (out / "recipes.md").write_text(text)
+    print("\n" + text)
+    if not args.no_plots and args.eval_every:
+        draw_figures("video_lab", out, lambda: [plot_equal_drift(out, aggs, results, RECIPE_FLOP_RATIOS)])
+    print(f"[video_lab] total {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,12 +341,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from sage_grpo.checkpoint import list_checkpoints
     from sage_grpo.cli import quiet_libraries
-    from sage_grpo.lab.report import aggregate, draw_figures, write_csv
+    from sage_grpo.lab.report import draw_figures, write_csv
     from sage_grpo.lab.video import (
         aggregate_runs,
         cell_flags,
         cell_name,
-        format_recipe_table,
         format_video_table,
         plot_video_lab,
         reward_curve,
@@ -262,14 +355,15 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_libraries()
     torch.set_num_threads(args.threads)
+    seeds = range(args.seed_start, args.seed_start + args.seeds)
     if args.recipes:
         jobs = [({"recipe": r, "seed": seed, "steps": steps}, f"{r}_s{seed}",
-                 recipe_flags(r, cfg.rollout.grpo_sampling_steps)) for seed in range(args.seeds) for r in args.recipes]
+                 recipe_flags(r, cfg.rollout.grpo_sampling_steps)) for seed in seeds for r in args.recipes]
         grid = f"{args.seeds} seeds x {len(args.recipes)} recipes"
     else:
         jobs = [({"sampler": s, "equalizer": eq, "kl": kl, "seed": seed, "steps": steps},
                  cell_name(s, kl, eq, seed), cell_flags(s, kl, eq, cfg.kl.kl_weight))
-                for seed in range(args.seeds) for s in args.samplers for eq in args.equalizer for kl in args.kls]
+                for seed in seeds for s in args.samplers for eq in args.equalizer for kl in args.kls]
         grid = (f"{args.seeds} seeds x {len(args.samplers)} samplers x {len(args.equalizer)} equalizer x "
                 f"{len(args.kls)} KL")
     print(f"[video_lab] {len(jobs)} runs ({grid}), {steps} steps each, {len(records)} held-out "
@@ -277,44 +371,49 @@ def main(argv: list[str] | None = None) -> int:
     ev = Evaluator(cfg, args.model_path, records, out)
     rows, curves = [], []
     for i, (tag, name, flags) in enumerate(jobs):
-        seed = tag["seed"]
-        if args.recipes:  # the transformer work of the run's own configuration
-            tag["forwards_per_step"] = forwards_per_sample_step(
-                load_config(run_argv(args, out / "runs" / name, flags, seed)), steps)
+        seed, run_dir = tag["seed"], out / "runs" / name
+        argv_run = run_argv(args, run_dir, flags, seed)
+        done = read_result(run_dir, argv_run, steps)
+        if done is not None:  # evaluated by an earlier call with the same flags: --out collects runs across calls
+            rows += done["rows"]
+            curves += done["curves"]
+            print(f"[video_lab] {i + 1}/{len(jobs)} {name}: evaluated before ({RESULT_FILE})", flush=True)
+            continue
         c0, w0 = time.process_time(), time.perf_counter()
         _, base_reward, base_metrics = ev.base(seed)  # first use: sampled and timed with the first cell
-        run_dir = run_cell(args, name, flags, seed, out)
+        run_cell(args, name, flags, seed, out)
         c1, w1 = time.process_time(), time.perf_counter()
         ckpts = list_checkpoints(run_dir)
         if not ckpts or ckpts[-1][0] != steps:
             raise SageGRPOError(f"{run_dir.name} stopped at step {ckpts[-1][0] if ckpts else 0} of {steps} (a stop "
                                 "signal?): the lab stops")
-        reward, metrics = ev.trained(ckpts[-1][1], seed)
         curve = reward_curve(run_dir / "metrics.jsonl")
-        row = run_row(tag, reward=reward, base_reward=base_reward, metrics=metrics, base_metrics=base_metrics,
-                      curve=curve)
-        row.update(train_s=w1 - w0, train_cpu_s=c1 - c0, eval_s=time.perf_counter() - w1,
-                   eval_cpu_s=time.process_time() - c1)
-        rows.append(row)
-        curves += [{**tag, "step": s, "reward": r} for s, r in curve]
+        run_rows = []
+        for step, path in ckpts if args.eval_every else ckpts[-1:]:
+            reward, metrics = ev.trained(path, seed)
+            row = run_row({**tag, "steps": step}, reward=reward, base_reward=base_reward, metrics=metrics,
+                          base_metrics=base_metrics, curve=[(s, r) for s, r in curve if s <= step])
+            if args.recipes:  # the transformer work of the run's own configuration up to this step
+                row["forwards_per_step"] = forwards_per_sample_step(load_config(argv_run), step)
+                row.update(step_flops(run_dir / "metrics.jsonl", step, cfg.data.batch_size))
+            run_rows.append(row)
+        t_train, t_eval = w1 - w0, time.perf_counter() - w1
+        for row in run_rows:
+            row.update(train_s=t_train, train_cpu_s=c1 - c0, eval_s=t_eval, eval_cpu_s=time.process_time() - c1)
+        run_curves = [{**tag, "step": s, "reward": r} for s, r in curve]
+        write_result(run_dir, argv_run, run_rows, run_curves)
+        rows += run_rows
+        curves += run_curves
         for _, path in ckpts:
-            shutil.rmtree(path)  # tens of MB each; the row, the curve and the run's config stay
-        wall, cpu = row["train_s"] + row["eval_s"], row["train_cpu_s"] + row["eval_cpu_s"]
-        print(f"[video_lab] {i + 1}/{len(jobs)} {run_dir.name}: reward gain {row['reward_gain']:+.3f}, drift "
-              f"{row['drift']:.4f} ({wall:.0f} s, {cpu:.0f} CPU s; total {time.perf_counter() - t0:.0f} s)", flush=True)
+            shutil.rmtree(path)  # tens of MB each; the rows, the curve and the run's config stay
+        last = run_rows[-1]
+        print(f"[video_lab] {i + 1}/{len(jobs)} {run_dir.name}: reward gain {last['reward_gain']:+.3f}, drift "
+              f"{last['drift']:.4f} ({t_train + t_eval:.0f} s; total {time.perf_counter() - t0:.0f} s)", flush=True)
 
     write_csv(out / "summary.csv", rows)
     write_csv(out / "curves.csv", curves)
     if args.recipes:
-        aggs = aggregate(rows, keys=("recipe",))
-        write_csv(out / "table.csv", aggs)
-        table = format_recipe_table(aggs, args.recipes)
-        (out / "recipes.md").write_text(table + "\n")
-        print(f"\nRecipes, mean ± standard error over {args.seeds} seeds, {steps} GRPO steps per run, "
-              f"{len(records)} held-out captions (ODE); gains and drift against the base model on the same noise:")
-        print(table)
-        print(f"[video_lab] total {time.perf_counter() - t0:.1f} s")
-        return 0
+        return report_recipes(args, out, rows, curves, steps, len(records), t0)
     aggs = aggregate_runs(rows)
     write_csv(out / "table.csv", aggs)
     table = format_video_table(aggs, args.samplers, args.kls)

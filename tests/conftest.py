@@ -154,6 +154,7 @@ LONGEST_FIRST = (
     "tests/test_world_model.py",
     "tests/test_post_train.py",
     "tests/test_launch.py",
+    "tests/test_download_weights_hub.py",
     "tests/test_slurm.py",
     "tests/test_resume_layouts.py",
     "tests/test_rewards_judge.py",

@@ -129,3 +129,13 @@ def test_json_report(tmp_path, monkeypatch):
     rep = json.loads(path.read_text())
     assert rep["benchmark"] == "x" and rep["ratios"] == {"a/b": 1.5} and rep["results"] == {"r": {"v": None}}
     assert rep["host"]["measured_on_gpu"] is False and rep["notes"] == ["n"]
+
+
+def test_counts_at_minimum_with_the_solver_tail_and_one_timestep_per_group(tiny_model, tmp_path):
+    """The flash recipe's ingredients: a window [0, 2) of T 4, its tail in 1 UniPC step, one trained step a sample
+    drawn per group. The loop runs what minimum_forwards says: 2 window + 1 tail steps a sample."""
+    res = _measure(tiny_model, tmp_path, 2, "--sde_window_size", "2", "--ode_solver", "unipc", "--ode_steps", "1",
+                   "--timestep_fraction", "0.5", "--group_timesteps", "True", "--cfg_scale", "1", "--kl_weight", "0")
+    _check_at_minimum(res, text=False)
+    b = res["per_step"][0]["counts"]["update"]  # one trained step a sample: the update's forwards are the batch
+    assert [s["counts"]["rollout"] for s in res["per_step"]] == [3 * b] * 2

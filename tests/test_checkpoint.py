@@ -165,6 +165,17 @@ def test_exactness_diff_missing_keys_count_as_their_defaults():
     assert exactness_diff(saved, config_to_dict(cfg)) == ["reward.reward_combine: 'weighted_sum' -> 'component_norm'"]
 
 
+def test_switching_the_fp8_base_on_resume_is_reported_as_not_exact():
+    """--fp8_base True -> False (or the FP8 products on or off) changes every sample and gradient: named."""
+    saved = config_to_dict(Config())
+    saved["model"].update(use_lora=True, fp8_base=True, fp8_matmul=True)
+    current = json.loads(json.dumps(saved))
+    current["model"]["fp8_matmul"] = False
+    assert exactness_diff(saved, current) == ["model.fp8_matmul: True -> False"]
+    current["model"]["fp8_base"] = False
+    assert exactness_diff(saved, current) == ["model.fp8_base: True -> False", "model.fp8_matmul: True -> False"]
+
+
 def test_exactness_diff_names_every_judge_setting_that_changes_the_score():
     saved = config_to_dict(Config())
     changes = {"judge_model": "other-vlm", "judge_scale": "yes_no", "judge_frames": 8, "judge_video": True,

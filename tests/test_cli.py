@@ -33,6 +33,18 @@ def test_at_least():
         at_least("--b", 0, 0, strict=True)
 
 
+def test_writable_checks_can_leave_the_folder_to_the_writer(tmp_path):
+    """create=False: the same checks, made without the folder (a command failing later leaves none)."""
+    assert check_writable_dir(tmp_path / "a" / "b", "--out", create=False) == tmp_path / "a" / "b"
+    assert check_output_file(tmp_path / "c" / "t.csv", "--out", create=False) == tmp_path / "c" / "t.csv"
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SageGRPOError, match="is a file, not a folder"):
+        check_writable_dir(tmp_path / "f" / "x", "--out", create=False)
+    with pytest.raises(SageGRPOError, match="--out /proc/sage_grpo_x is not writable"):
+        check_writable_dir("/proc/sage_grpo_x", "--out", create=False)
+
+
 def test_writable_checks(tmp_path):
     assert check_writable_dir(tmp_path / "a" / "b", "--out").is_dir()
     (tmp_path / "f").write_text("")

@@ -52,6 +52,29 @@ def test_missing_hf_cli_is_one_error(tmp_path):
     assert r.returncode == 1 and "the 'hf' CLI is missing" in r.stderr and not (tmp_path / "ck").exists()
 
 
+@pytest.mark.skipif(shutil.which("modelscope", path="/usr/bin:/bin") is not None, reason="modelscope is installed")
+def test_authors_layout_without_modelscope_ends_with_what_is_missing(tmp_path):
+    """A stub `hf` that 'downloads' one file per pattern; no modelscope: the run ends with exit 1 and a last line
+    naming Glyph-SDXL-v2 (it ended "done" with the checkpoint incomplete)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "hf").write_text("""#!/usr/bin/env bash
+dest=""; pats=(); dry=0
+while [ $# -gt 0 ]; do case "$1" in --local-dir) dest="$2"; shift ;; --include) pats+=("$2"); shift ;;
+  --dry-run) dry=1 ;; esac; shift; done
+[ "$dry" = 1 ] && exit 0
+[ "${#pats[@]}" -gt 0 ] || pats=(file)
+for p in "${pats[@]}"; do f="$dest/${p//\\*/x}"; mkdir -p "$(dirname "$f")"; : > "$f"; done
+""")
+    (bin_ / "hf").chmod(0o755)
+    env = {**os.environ, "CKPTS": str(tmp_path / "ck"), "PATH": f"{bin_}:/usr/bin:/bin"}
+    r = subprocess.run(["bash", str(SCRIPT), "authors"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                       timeout=60)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "done" not in r.stdout.strip().splitlines()[-1], r.stdout + r.stderr
+    assert last.startswith("error: incomplete") and "Glyph-SDXL-v2" in last and "modelscope" in last, last
+
+
 def test_every_supported_version_downloads_and_i2v_brings_its_image_encoder(tmp_path):
     """VERSION takes exactly the names sage_grpo knows (VARIANTS); the authors' layout of an I2V version fetches
     FLUX.1-Redux-dev's SigLIP into vision_encoder/siglip (where the loader reads it); unsupported and unknown names

@@ -136,6 +136,26 @@ def test_model_card_of_a_merged_export_and_without_metrics(tmp_path):
     assert "No validation metrics" in card and "from_pretrained" in card
 
 
+def test_the_card_of_an_fp8_run_says_its_export_is_the_dequantized_fp8_base():
+    """An --fp8_base run trained Q(W) + BA: the merged card says its weights are the FP8 base dequantized (merged, or
+    the adapter beside them), an adapter's card that the unquantized base gives another model, and --fp8_matmul's
+    activation quantization is named; a run without the FP8 base says none of it."""
+    from sage_grpo.models.model_card import model_card
+
+    cfg = config_to_dict(Config())
+    cfg["model"].update(use_lora=True, fp8_base=True)
+    merged = model_card(cfg, step=3, kind="merged", files=["config.json"])
+    assert "These base weights are that FP8 base dequantized, with the adapter merged" in merged
+    beside = model_card(cfg, step=3, kind="merged", files=["config.json", "lora/adapter_model.safetensors"])
+    assert "the adapter beside them in `lora/`" in beside
+    adapter = model_card(cfg, step=3, kind="comfy", files=["x.safetensors"])
+    assert "On the unquantized base weights it gives another model" in adapter and "activations" not in adapter
+    cfg["model"]["fp8_matmul"] = True
+    assert "also quantized the activations per row" in model_card(cfg, step=3, kind="merged", files=["config.json"])
+    cfg["model"]["fp8_base"] = False
+    assert "FP8" not in model_card(cfg, step=3, kind="merged", files=["config.json"])
+
+
 def test_model_card_of_an_i2v_run_names_the_i2v_pipeline_and_base(tmp_path):
     """A run's train_state.json "task" (post_train writes it) picks the tag, the pipeline class, the base repository
     (a diffusers-layout run keeps the default version 480p_t2v: the I2V one of that version is named) and --image."""

@@ -157,6 +157,88 @@ def test_fp8_products_quantize_the_activations_and_take_the_input_gradient_from_
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)  # lora_B's gradient (A is random)
 
 
+def test_a_zero_weight_row_gives_the_bias_not_nan():
+    """An all-zero weight row (a pruned or zero-initialised output channel) has the absolute maximum 0: torchao's
+    scale 0 and bytes 0 / 0 (NaN, 0xFF) would make that channel NaN for every input, where the unquantized layer gives
+    its bias. It quantizes to zero bytes, in both products; every other row keeps torchao's own bytes and scale."""
+    from torchao.quantization import quantize_
+
+    from sage_grpo.models.fp8 import DATA, SCALE, quantize_rows, quantized_config
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight[3] = 0
+    ref = copy.deepcopy(lin)
+    quantize_(ref, quantized_config(False))
+    rest = torch.arange(16) != 3
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    for fp8_matmul in (False, True):  # the FP8 products run on the CPU too (torch._scaled_mm)
+        layer = FP8Linear.from_linear(lin, fp8_matmul=fp8_matmul)
+        y = layer(x)
+        assert torch.isfinite(y).all() and torch.equal(y[:, 3], lin.bias[3].expand(5)), fp8_matmul
+        assert torch.equal(getattr(layer, DATA)[3], torch.zeros(32, dtype=torch.uint8))
+        assert torch.equal(getattr(layer, DATA)[rest], ref.weight.qdata.view(torch.uint8)[rest])
+        assert torch.equal(getattr(layer, SCALE).view(torch.float32)[rest], ref.weight.scale[rest])
+    data, scale = quantize_rows(torch.zeros(4, 8, dtype=torch.bfloat16))  # a whole zero weight (or a rank's rows)
+    assert not data.any() and torch.equal(scale.view(torch.float32), torch.ones(4, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_fp8_layer_keeps_no_dequantized_weight_for_the_backward(dtype):
+    """torchao's weight-only product, run through autograd (F.linear on its Float8Tensor), keeps the dequantized
+    weight (the compute dtype: twice the FP8 bytes in bf16) from the forward to the backward of every layer whose
+    input needs a gradient, 12 of a block's 14 at 0.19 GiB a real-width block. The layer saves its FP8 bytes and
+    scales only (its own parameters: no new memory) and dequantizes again in the backward; its forward and its input
+    gradient are torchao's product's bitwise, under a LoRA adapter too (what training runs)."""
+    from sage_grpo.models.fp8 import DATA, SCALE
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48).to(dtype)
+    layer = FP8Linear.from_linear(lin)
+    x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
+    grad = torch.randn(3, 5, 48, dtype=dtype)
+
+    def saved_by(fn):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = fn(x)
+        return y, [t for t in saved if t.dtype == dtype and t.numel() == lin.weight.numel()]  # a weight's copy
+
+    ref, ref_weights = saved_by(lambda v: torch.nn.functional.linear(v, layer.weight, layer.bias))  # torchao's path
+    (ref_dx,) = torch.autograd.grad(ref, x, grad)
+    assert [tuple(t.shape) for t in ref_weights] == [(64, 48)]  # what the check below finds: dequantize(W)^T
+    y, weights = saved_by(layer)
+    (dx,) = torch.autograd.grad(y, x, grad)
+    assert torch.equal(y, ref) and torch.equal(dx, ref_dx) and not weights
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x)
+    params = {getattr(layer, DATA).data_ptr(), getattr(layer, SCALE).data_ptr()}
+    assert {t.data_ptr() for t in saved} == params  # the layer's own storage: nothing allocated for the backward
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = FP8Linear.from_linear(lin)
+
+    model = _blocks(Block())
+    setup_trainable(model, use_lora=True, lora_r=4, lora_alpha=4, adapter_dtype=torch.float32)
+    _, weights = saved_by(model.transformer_blocks[0].proj)
+    assert not weights
+    if dtype == torch.bfloat16:  # --fp8_matmul saves the same (bf16 only)
+        _, weights = saved_by(FP8Linear.from_linear(lin, fp8_matmul=True))
+        assert not weights
+
+
+def test_quantized_bytes_is_what_an_fp8_layer_stores():
+    """sage_grpo.models.fp8.quantized_bytes (for counting an FP8 base's bytes) against a layer's real storage."""
+    from sage_grpo.models.fp8 import quantized_bytes
+
+    layer = FP8Linear.from_linear(torch.nn.Linear(24, 40, bias=False).to(torch.bfloat16))
+    assert quantized_bytes(40, 24) == sum(p.untyped_storage().nbytes() for p in layer.parameters()) == 40 * 24 + 160
+
+
 def test_fp8_products_need_multiples_of_16():
     from sage_grpo.models.fp8 import FP8Linear
 
@@ -299,6 +381,54 @@ def test_generate_from_an_fp8_run_holds_the_policy_it_trained(tiny_model, fp8_ru
     assert _same_state(held["state"], policy.state_dict())
     generate.main([*common, "--fp8_base", "False"])
     assert not any("lora_" in k or "fp8_" in k for k in held["state"]) and is_quantized(policy)
+
+
+@pytest.mark.slow
+def test_the_export_of_an_fp8_run_is_the_policy_it_trained(tiny_model, fp8_run, tiny_pipe, text_cache, tmp_path,
+                                                           capsys):
+    """scripts/export_checkpoint.py on the --fp8_base run: its adapter merged into the FP8 base dequantized, Q(W) +
+    BA, whose rollout (loaded as generate.py --checkpoint_path loads an export) is the trained policy's to fp32
+    rounding, and so is --merge_lora False's dequantized base with the adapter beside it; the adapter merged into the
+    unquantized base, W + BA, is another model (by the base's quantization error). The log and the card say which."""
+    from helpers import load_script
+    from test_rollout import _run
+
+    from sage_grpo.models.loading import load_transformer, locate_model
+    from sage_grpo.models.lora import load_trained_weights, merge_adapter
+    from sage_grpo.rollout import SamplerSettings
+
+    out, policy, _ = fp8_run
+    ckpt = list_checkpoints(out)[-1][1]
+    export = load_script("scripts/export_checkpoint.py")
+    merged = export.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "merged")])
+    log = capsys.readouterr().out
+    assert "an --fp8_base run: its adapter merged into the FP8 base dequantized (Q(W) + BA" in log, log
+    unmerged = export.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "unmerged"), "--merge_lora", "False"])
+    assert "its adapter beside the FP8 base dequantized" in capsys.readouterr().out
+    card = (merged / "README.md").read_text()
+    assert "These base weights are that FP8 base dequantized, with the adapter merged" in card, card
+    assert "the adapter beside them in `lora/`" in (unmerged / "README.md").read_text()
+
+    def base():
+        return load_transformer(locate_model("", str(tiny_model)), torch.float32)
+
+    exported, beside, plain = base(), base(), base()
+    load_trained_weights(exported, merged)  # generate.py --checkpoint_path <export>
+    load_trained_weights(beside, unmerged)
+    setup_trainable(beside, use_lora=True, pretrained_lora_path=str(unmerged / "lora"))
+    merge_adapter(plain, ckpt / "lora")  # W + BA: the unquantized base with the adapter
+    settings = SamplerSettings(sde_type="sage_grpo", eta=0.5, num_steps=4, shift=3.0, cfg_scale=1.0)
+    original, latents = tiny_pipe.transformer, {}
+    try:
+        for name, model in (("policy", policy), ("export", exported), ("beside", beside), ("plain", plain)):
+            tiny_pipe.transformer = model.eval()
+            latents[name] = _run(tiny_pipe, text_cache, settings).latents[:, -1]
+    finally:
+        tiny_pipe.transformer = original
+    err = {name: _rel(latents[name], latents["policy"]) for name in ("export", "beside", "plain")}
+    assert err["export"] < 1e-5 and err["beside"] < 1e-5, err  # fp32 rounding of x (Q(W) + BA) against x Q(W) + x BA
+    assert err["plain"] > max(1e-4, 1e3 * err["export"], 1e3 * err["beside"]), err  # the base's quantization error
+    print(f"FP8 run's rollout against its exports: {err}")
 
 
 @pytest.mark.parametrize("argv,world,message", [

@@ -207,6 +207,18 @@ def test_unwritable_output_is_found_before_loading(tmp_path, no_model_load):
             generate.main(["--prompt", "x", "--output_path", str(out)])
 
 
+def test_a_failed_generate_leaves_no_output_folder(tmp_path):
+    """A command that fails (here: no model at --model_path) makes no --output_path folder: an empty outputs/gen
+    was then the next command's "no .mp4 files in outputs/gen"."""
+    import generate
+    from sage_grpo.errors import SageGRPOError
+
+    for out in (tmp_path / "gen", tmp_path / "one" / "v.mp4"):
+        with pytest.raises(SageGRPOError, match="no HunyuanVideo-1.5 checkpoint"):
+            generate.main(["--prompt", "x", "--model_path", str(tmp_path / "none"), "--output_path", str(out)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("broken", ["no_binary", "not_installed"])
 def test_missing_ffmpeg_is_named_before_sampling(broken, tmp_path, monkeypatch, no_model_load):
     import imageio_ffmpeg
@@ -377,6 +389,38 @@ def test_a_base_model_that_is_not_the_runs_is_one_line_before_any_model_loads(ti
     # the run's base named where it is now: the checks pass and the model would load next (no_model_load refuses it)
     with pytest.raises(AssertionError, match="a model was loaded"):
         generate.main(["--checkpoint_path", str(gone), "--model_path", str(tiny_model), "--prompt", "x"])
+
+
+def test_a_checkpoint_of_another_base_version_samples_and_exports_on_that_version(tmp_path, capsys):
+    """A run on another version than the default 480p_t2v (an authors' root holding 720p_t2v alone, whose scheduler
+    shift is 9, not 5): --checkpoint_path samples on the run's version with that version's defaults, and the merged
+    export of the checkpoint loads the same version's weights and gives the same video (both find the run's base
+    through sage_grpo.checkpoint.run_base; read as the default version, the run's base is "not there")."""
+    from helpers import load_script, lora_checkpoint
+
+    import generate
+    from sage_grpo.config import config_from_dict, dump_yaml
+    from sage_grpo.models.loading import load_transformer, locate_model
+    from sage_grpo.models.tiny_checkpoint import write_tiny_checkpoint
+
+    version = "720p_t2v"
+    root = write_tiny_checkpoint(tmp_path / "ckpts", "authors", seed=0, version=version)
+    assert not (root / "transformer" / "480p_t2v").exists()
+    tr = load_transformer(locate_model(str(root), "", version), torch.float32)
+    ckpt = lora_checkpoint(tmp_path / "run", None, transformer=tr, pretrained_model_root=str(root),
+                           pretrained_transformer_version=version, **RUN_SETTINGS)
+    [path] = generate.main(["--checkpoint_path", str(ckpt), "--prompt", "a red ball rolls", "--output_path",
+                            str(tmp_path / "v.mp4")])
+    meta = json.loads((tmp_path / "v_config.json").read_text())
+    assert meta["pretrained_transformer_version"] == version and meta["weights"] == str(root), meta
+    assert meta["layout"] == "authors" and "its run's settings and base model" in capsys.readouterr().out
+    export = load_script("scripts/export_checkpoint.py")
+    merged = export.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "merged")])
+    run_yaml = tmp_path / "config.yaml"  # the run's settings and base, what post_train.py writes beside checkpoints
+    dump_yaml(config_from_dict(json.loads((ckpt / "train_state.json").read_text())["config"]), run_yaml)
+    [again] = generate.main(["--config", str(run_yaml), "--checkpoint_path", str(merged), "--prompt",
+                             "a red ball rolls", "--output_path", str(tmp_path / "w.mp4")])
+    assert torch.equal(read_video(again)[0], read_video(path)[0])
 
 
 def _tiny_transformer():

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
-import plan_memory  # noqa: E402
 
+import sage_grpo.memory as plan_memory  # noqa: E402
 from sage_grpo.errors import SageGRPOError  # noqa: E402
 
 

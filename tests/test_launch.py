@@ -58,6 +58,31 @@ def test_check_launch_fails_in_one_line(args, message, monkeypatch, capsys):
     assert re.search(message, lines[0]), lines[0]
 
 
+def test_check_launch_names_every_missing_file_in_one_message(tmp_path, monkeypatch, capsys):
+    """The 8-GPU config on a clone without weights and a mistyped prompt file: one message (exit 2, no traceback)
+    naming the prompt file, the HunyuanVideo-1.5 checkpoint, VideoReward and its Qwen2-VL base at once (each was a
+    round of its own, found by the workers one after another), and the output folder is not made."""
+    import importlib.util
+
+    from sage_grpo.errors import run_cli
+
+    spec = importlib.util.spec_from_file_location("check_launch", ROOT / "scripts/check_launch.py")
+    check_launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_launch)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setitem(sys.modules, "post_train", sys.modules.get("post_train"))
+    args = ["--nnodes", "1", "--nproc_per_node", "8", "--config", str(ROOT / "configs/single_node_8gpu.yaml"),
+            "--pretrained_model_root", str(tmp_path / "ckpts"), "--train_video_csv", str(tmp_path / "prompts.csv"),
+            "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(check_launch.main, args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: 4 things to fix") and err.count("error:") == 1, err
+    for what in ("prompts.csv", "no HunyuanVideo-1.5 checkpoint", "VideoReward", "Qwen2-VL-2B-Instruct"):
+        assert what in err, (what, err)
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 def test_launcher_refuses_before_torchrun_with_one_line(tmp_path):
     """A typo'd geometry through run_post_train.sh: one error line, exit 2, no worker started (no traceback)."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "NGPU": "2",
@@ -68,6 +93,17 @@ def test_launcher_refuses_before_torchrun_with_one_line(tmp_path):
     expected = ["error: --sp_size 3 must divide the world size 2; use one of [1, 2]"]
     assert r.returncode == 2 and lines == expected, r.stderr
     assert "Traceback" not in r.stdout + r.stderr and not any(tmp_path.iterdir())
+
+
+def test_the_slurm_script_outside_slurm_says_to_submit_it():
+    """`bash run_post_train_slurm.sh` by hand: one line saying to submit it with sbatch, exit 2 (it ended in
+    "SLURM_JOB_NODELIST: unbound variable")."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(["bash", str(ROOT / "run_post_train_slurm.sh")], capture_output=True, text=True, timeout=60,
+                       env=env)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "submit it with sbatch" in lines[0], r.stderr
+    assert "unbound variable" not in r.stderr
 
 
 def test_launcher_without_torch_says_so(tmp_path):
@@ -89,12 +125,15 @@ def test_launchers_hand_torchrun_their_geometry_and_the_resume_flag(tmp_path):
              if k not in ("AUTO_RESUME", "MAX_RESTARTS", "NGPU", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR",
                           "MASTER_PORT", "RDZV_ID", "CONFIG", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")}
 
+    stderr = {}
+
     def calls(script, **env) -> tuple[str, str]:
         log = tmp_path / f"{script}.{len(list(tmp_path.glob('*.log')))}.log"
         r = subprocess.run(["bash", str(ROOT / script), "--max_steps", "3"], capture_output=True, text=True,
                            timeout=60, env={**clean, "PYTHON": str(stub), "STUB_LOG": str(log), "CONFIG": "c.yaml",
                                             **env})
         assert r.returncode == 0, r.stderr
+        stderr[script] = r.stderr
         lines = log.read_text().splitlines()
         [check] = [ln for ln in lines if "scripts/check_launch.py" in ln]
         [launch] = [ln for ln in lines if "|-m sage_grpo.launch " in ln]
@@ -111,10 +150,14 @@ def test_launchers_hand_torchrun_their_geometry_and_the_resume_flag(tmp_path):
         assert launch == single.format(restarts) + f"{resume} --max_steps 3", env
     node = dict(NNODES="2", NODE_RANK="1", NPROC_PER_NODE="4", MASTER_ADDR="head", MASTER_PORT="1234")
     multi = ("1800|-m sage_grpo.launch --nnodes 2 --node_rank 1 --nproc_per_node 4 --max-restarts {} --rdzv_backend "
-             "c10d --rdzv_endpoint head:1234 --rdzv_id sage-grpo post_train.py --config c.yaml ")
+             "c10d --rdzv_endpoint head:1234 --rdzv_id sage-grpo --rdzv_conf join_timeout=600 post_train.py "
+             "--config c.yaml ")
     check, launch = calls("run_post_train_multinode.sh", **node)
     assert check == f"--nnodes 2 --nproc_per_node 4 --config c.yaml {resume} --max_steps 3"
     assert launch == multi.format(3) + f"{resume} --max_steps 3"
+    # a node waiting for the others says for what, where and how long (torchrun says nothing until it gives up)
+    assert "node 1 of 2 waiting at head:1234 for all 2 nodes to join" in stderr["run_post_train_multinode.sh"]
+    assert "gives up after 600 s" in stderr["run_post_train_multinode.sh"]
     check, launch = calls("run_post_train_multinode.sh", MAX_RESTARTS="0", **node)
     assert check == "--nnodes 2 --nproc_per_node 4 --config c.yaml --max_steps 3"
     assert launch == multi.format(0) + "--max_steps 3"
@@ -199,18 +242,22 @@ def test_a_clean_stop_through_the_launcher_exits_0_and_two_nodes_continue_it(tmp
 
 @pytest.mark.dist
 def test_a_user_error_inside_a_worker_ends_with_its_line(tmp_path):
-    """An error preflight cannot see (the model folder is missing) fails in the worker: the launcher ends with that
-    one line and the worker's exit code 2, without torchrun's ChildFailedError traceback. One worker (NGPU 1): which
+    """An error preflight cannot see (a reward that fails when built) fails in the worker: the launcher ends with that
+    one line, printed once (the worker leaves it to the launcher), and the worker's exit code 2, without torchrun's
+    ChildFailedError traceback. One worker (NGPU 1): which
     of several failed workers the launcher reports is test_the_reported_failure_is_the_worker_that_failed_not_the_
     one_torchrun_stopped's."""
     env, args = _launcher_env(tmp_path, NGPU="1")
-    args[args.index("--model_path") + 1] = str(tmp_path / "no_model_here")
+    plugin = tmp_path / "failing_reward.py"  # preflight imports it; only building it, in the worker, fails
+    plugin.write_text("from sage_grpo.errors import SageGRPOError\n\n\ndef make(**_):\n"
+                      "    raise SageGRPOError('the reward server no_reward_here is down')\n")
     args[args.index("--batch_size") + 1] = "4"  # the group of 4 on the one worker
-    r = subprocess.run(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", "1"], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(["bash", str(ROOT / "run_post_train.sh"), *args, "--max_steps", "1",
+                        "--reward_model", f"{plugin}:make"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
     last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
-    assert last.startswith("error: ") and "no_model_here" in last, r.stderr[-3000:]
+    assert last.startswith("error: ") and "no_reward_here" in last, r.stderr[-3000:]
+    assert (r.stdout + r.stderr).count("no_reward_here") == 1, r.stderr[-3000:]  # the launcher's line, not the worker's
     assert "Traceback" not in r.stdout + r.stderr and "ChildFailedError" not in r.stdout + r.stderr
 
 

@@ -19,6 +19,7 @@ from sage_grpo.optim import (
     clip_grad_norm,
     goes_to_muon,
     lr_at,
+    optimizer_settings,
     split_muon_params,
 )
 
@@ -417,6 +418,38 @@ def test_state_dict_round_trip_and_exact_continuation():
     assert_state_equal(ob.state_dict(), oa.state_dict())
     with pytest.raises(SageGRPOError, match="use_muon"):
         build_optimizer(b.named_parameters(), cfg(use_muon=False)).load_state_dict(saved["optim"])
+
+
+def test_apply_settings_replaces_the_hyper_parameters_a_load_brings_back():
+    """A state dict holds the saved run's weight decay, betas and eps, and loading it restores them over the ones
+    the optimizer was built with; apply_settings gives every group of Muon and AdamW this run's again and keeps the
+    rest of what was loaded (moments, step counters, the learning rate of the schedule, torch's own flags)."""
+    torch.manual_seed(0)
+    a = Toy()
+    oa = build_optimizer(a.named_parameters(), cfg())
+    for u in range(2):
+        toy_step(a, oa, u, u)
+    saved = copy.deepcopy(oa.state_dict())
+    new = cfg(wd=0.5, adam_beta1=0.5, adam_beta2=0.9, adam_eps=1e-3)
+    ob = build_optimizer(copy.deepcopy(a).named_parameters(), new)
+    ob.load_state_dict(saved)
+    assert ob["adamw"].param_groups[0]["weight_decay"] == 0.1  # the saved run's: what a resume trained with
+    ob.apply_settings(optimizer_settings(new))
+    assert ob.names == ["muon", "adamw"]
+    for g in ob["muon"].param_groups:
+        assert (g["weight_decay"], g["adjust_lr_fn"]) == (0.5, "match_rms_adamw")
+    for g in ob["adamw"].param_groups:
+        assert (g["weight_decay"], g["betas"], g["eps"]) == (0.5, (0.5, 0.9), 1e-3)
+    got = ob.state_dict()
+    for name in ob.names:
+        assert_state_equal(got[name]["state"], saved[name]["state"])
+        for g, h in zip(got[name]["param_groups"], saved[name]["param_groups"]):
+            changed = set(optimizer_settings(new)[name])
+            assert {k: v for k, v in g.items() if k not in changed} == {k: v for k, v in h.items() if k not in changed}
+    # the settings a run is built with are the ones applied: one source
+    fresh = build_optimizer(Toy().named_parameters(), new)
+    for name in fresh.names:
+        assert all(g.items() >= optimizer_settings(new)[name].items() for g in fresh[name].param_groups)
 
 
 def _hv_train(model, opt, updates, peak=5e-3, warmup=3):

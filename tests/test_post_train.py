@@ -61,6 +61,17 @@ def test_train_state_restores_every_field():
         b.load_state_dict({k: v for k, v in a.state_dict().items() if k != "accum_rounds"})
 
 
+def test_a_run_that_fails_in_setup_leaves_no_output_folder(tiny_model, tmp_path):
+    """A failure once the workers set up (here a reward that cannot be built; preflight only imports it) leaves no
+    --output_dir behind: the folder is made by the run's first file."""
+    plugin = tmp_path / "failing_reward.py"
+    plugin.write_text("from sage_grpo.errors import SageGRPOError\n\n\ndef make(**_):\n"
+                      "    raise SageGRPOError('the reward server is down')\n")
+    with pytest.raises(SageGRPOError, match="the reward server is down"):
+        pt.main(_args(tiny_model, tmp_path / "outputs" / "lora", "--reward_model", f"{plugin}:make"))
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_two_steps_write_everything_and_train(tiny_model, tmp_path, capsys):
     out = tmp_path / "run"
     pt.main(_args(tiny_model, out, "--validation_interval", "2", "--validation_num_inference_steps", "2",
@@ -681,8 +692,68 @@ def test_a_resume_keeps_the_runs_settings_and_records_the_flags_that_change_them
     written = yaml.safe_load((out / "config.yaml").read_text())
     assert (written["rollout"]["sde_type"], written["rollout"]["eta"]) == ("flow_grpo", 0.6)
     records = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
+    same = {"world_size": 1, "sp_size": 1, "dp_replicate": 1, "dp": 1, "batch_size": 4, "videos": 4, "prompts": 1}
     assert records == [{"step": 1, "checkpoint": "checkpoint-1",
-                        "overridden": {"rollout.eta": [0.7, 0.6], "optim.max_steps": [1, 2]}}]
+                        "overridden": {"rollout.eta": [0.7, 0.6], "optim.max_steps": [1, 2]},
+                        "layout": [same, same]}]
+
+
+def _keep_components(monkeypatch) -> list:
+    """pt.setup wrapped to keep what it built (the real setup runs): -> the list each launch's Components go to."""
+    built, real = [], pt.setup
+
+    def setup(*a, **kw):
+        c, state = real(*a, **kw)
+        built.append(c)
+        return c, state
+
+    monkeypatch.setattr(pt, "setup", setup)
+    return built
+
+
+def test_a_resume_trains_with_the_optimizer_settings_it_says_and_records(tiny_model, tmp_path, monkeypatch, capsys):
+    """Resumed with other weight decay, AdamW betas and eps: every param group of Muon and AdamW holds the values
+    said, recorded in resumes.jsonl and config.yaml and saved in the next checkpoint's config (loading the optimizer
+    state brought back the saved run's, and the run trained with weight decay 0.01 while it recorded 0.5)."""
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "1"))
+    built = _keep_components(monkeypatch)
+    flags = {"weight_decay": 0.5, "adam_beta1": 0.5, "adam_beta2": 0.9, "adam_eps": 1e-3}
+    pt.main(_args(tiny_model, out, "--resume_from_checkpoint", "latest",
+                  *(x for k, v in flags.items() for x in (f"--{k}", str(v)))))
+    assert "overridden on resume: optim.weight_decay: 0.01 -> 0.5; optim.adam_beta1: 0.95 -> 0.5" in \
+        capsys.readouterr().out
+    [record] = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
+    written = yaml.safe_load((out / "config.yaml").read_text())["optim"]
+    saved = json.loads((out / "checkpoint-2" / "train_state.json").read_text())["config"]["optim"]
+    for k, v in flags.items():
+        assert record["overridden"][f"optim.{k}"][1] == written[k] == saved[k] == v, k
+    [c] = built
+    assert c.optimizer.names == ["muon", "adamw"]  # the tiny full fine-tuning run has both
+    for g in c.optimizer["muon"].param_groups:
+        assert g["weight_decay"] == written["weight_decay"]
+    for g in c.optimizer["adamw"].param_groups:
+        assert (g["weight_decay"], tuple(g["betas"]), g["eps"]) == (
+            written["weight_decay"], (written["adam_beta1"], written["adam_beta2"]), written["adam_eps"])
+
+
+def test_a_resume_on_another_layout_records_both_layouts(tiny_model, tmp_path, capsys):
+    """A run of 2 processes x 4 videos (its checkpoint's train state says world size 2: the one-process run's
+    checkpoint rewritten so) resumed in one process trains 4 videos a step, not 8: said on one line, and recorded in
+    resumes.jsonl as [the checkpoint's layout, this launch's], since no config holds the world size and no flag
+    changed the batch."""
+    out = tmp_path / "run"
+    pt.main(_args(tiny_model, out, "--max_steps", "1"))
+    state_file = out / "checkpoint-1" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "world_size": 2}))
+    capsys.readouterr()
+    pt.main(_args(tiny_model, out, "--resume_from_checkpoint", "latest"))
+    assert "NOT the same batch: 8 -> 4 videos (2 -> 1 prompts) per step" in capsys.readouterr().out
+    [record] = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
+    layout = {"sp_size": 1, "dp_replicate": 1, "batch_size": 4}
+    assert record["layout"] == [{"world_size": 2, "dp": 2, "videos": 8, "prompts": 2, **layout},
+                                {"world_size": 1, "dp": 1, "videos": 4, "prompts": 1, **layout}]
 
 
 def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_path, monkeypatch):

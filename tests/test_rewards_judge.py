@@ -12,6 +12,8 @@ import contextlib
 import io
 import json
 import math
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -134,6 +136,40 @@ def test_the_score_of_a_free_text_answer_is_the_labelled_number_or_the_last_one(
     assert read_answer(completion("", tokens)).score == pytest.approx((7 * 0.8 + 6 * 0.2 - 1) / 9, abs=1e-12)
 
 
+# answers that state their scale around their score: read by the last number, each scored the scale's 10 (1.000);
+# the first four are the issue's
+STATED_SCALES = {
+    "8 (on a scale of 1-10)": 7 / 9,
+    "7 (out of 10)": 6 / 9,
+    "7 on a scale of 1 to 10": 6 / 9,
+    "I'd give it a 6, where 10 is best": 5 / 9,
+    "7 out of a possible 10": 6 / 9,
+    "I'd say 8, with 1 being the worst and 10 being the best": 7 / 9,
+    "4 on a 10-point scale": 3 / 9,
+    "9, where 1 = very poor and 10 = excellent": 8 / 9,
+    "On a scale of 1-10.": math.nan,  # the scale and no score
+}
+
+
+@pytest.mark.parametrize("text", STATED_SCALES)
+def test_a_number_of_the_stated_scale_is_no_score(text):
+    score = read_answer(completion(text)).score
+    assert (math.isnan(score) and math.isnan(STATED_SCALES[text])) or \
+        score == pytest.approx(STATED_SCALES[text], abs=1e-12), (text, score)
+
+
+def test_the_logprob_score_is_read_at_the_score_not_at_the_stated_scale():
+    """"8 (on a scale of 1-10)" through a tokenizer that writes 10 as "1" then "0": the expected value is the one
+    at the score's token, E = 0.7 * 8 + 0.2 * 7 + 0.1 * 9 = 7.9 -> 0.767. Before, the "1" of the scale's 10 was the
+    score's token, split by P("0") = 0.999 after it: 0.999."""
+    tokens = [position("8", 0.7, [("8", 0.7), ("7", 0.2), ("9", 0.1)])]
+    tokens += [position(t, 0.999, [(t, 0.999)]) for t in (" (", "on", " a", " scale", " of", " ", "1", "-", "1", "0",
+                                                          ")")]
+    reading = read_answer(completion("8 (on a scale of 1-10)", tokens))
+    assert reading.split_prefix is None
+    assert reading.score == pytest.approx((7.9 - 1) / 9, abs=1e-12)
+
+
 CUT = "On a scale of 1 to 10, I would rate this video a solid score of"  # 16 tokens, cut before the score
 
 
@@ -159,6 +195,14 @@ def test_the_score_is_read_in_the_answer_after_a_reasoning_block():
     tokens = [position(t, 0.9, [(t, 0.9), (" 3", 0.1)]) for t in ("<think>", "a", " 10", " or", " 9", "</think>")]
     tokens += [position(" 7", 0.8, [(" 7", 0.8), (" 6", 0.2)])]
     assert read_answer(completion("", tokens)).score == pytest.approx((7 * 0.8 + 6 * 0.2 - 1) / 9, abs=1e-12)
+
+
+def test_the_answer_is_the_one_after_the_last_reasoning_block():
+    """A judge that answers, thinks again and answers anew: its answer is the one after the last "</think>"; read
+    after the first, the first answer's label (3) would be the score."""
+    again = "Score: 3\n<think>No: the blur is the cat's motion, its outline is sharp.</think>Score: 8"
+    for text in (f"<think>The cat is blurred.</think>{again}", f"The cat is blurred.</think>{again}"):
+        assert read_answer(completion(text)).score == pytest.approx(7 / 9, abs=1e-12), text
 
 
 def test_a_score_that_shares_its_token_with_punctuation_is_read_from_the_text():
@@ -717,6 +761,42 @@ def test_a_judge_server_that_cannot_serve_is_one_line_before_the_policy_loads(fa
     with pytest.raises(SageGRPOError, match="cannot be reached listing its models"):
         pt.main(_args(tiny_model, tmp_path, "--reward_model", "vlm_judge", "--reward_weights", '{"judge":1}',
                       "--judge_url", dead, "--reward_retries", "0"))
+
+
+# httpx absent, as Python reports an absent package: every import of it (or of a module under it) fails. That is
+# what `pip install 'sage-grpo[judge]'` left before the extra named httpx (openai 3 and huggingface_hub 2 depend on
+# httpx2); post_train.py runs as a user runs it, in a process of its own
+WITHOUT_HTTPX = """
+import runpy, sys
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "httpx":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Absent())
+sys.argv = ["post_train.py", *sys.argv[1:]]
+runpy.run_path("post_train.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("flags", [("--reward_model", "vlm_judge", "--reward_weights", '{"judge":1}'),
+                                   ("--validation_metrics", "auto", "vlm_judge", "--validation_interval", "1")],
+                         ids=["trained", "validation-only"])
+def test_a_judge_without_httpx_is_one_line_before_the_run_folder_is_made(tiny_model, tmp_path, flags):
+    """Before, the judge died in setup with a ModuleNotFoundError traceback (a judge for validation only: after the
+    policy had loaded), the run folder made."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", WITHOUT_HTTPX, *_args(tiny_model, out, *flags, "--judge_url",
+                                                                    "http://127.0.0.1:1")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    # the error is one line (a library's import warnings may come before it)
+    assert "Traceback" not in r.stderr and r.stderr.splitlines()[-1:] == [
+        "error: the vlm_judge reward needs the openai and httpx packages (No module named 'httpx'): pip install "
+        "'sage-grpo[judge]'"], r.stderr[-2000:]
+    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -127,13 +127,16 @@ def test_a_first_call_with_missing_components_or_wrong_shapes_is_one_line(tmp_pa
 
 
 def test_post_train_refuses_a_broken_plugin_in_one_line_before_any_model_loads(tmp_path):
-    """The CLI: exit 2, one `error:` line, no traceback (preflight imports the file)."""
+    """The CLI: exit 2, one `error:` message, no traceback (preflight imports the file); the missing model of the
+    same launch is named in the same message, a bullet each (one round of errors)."""
     bad = _plugin(tmp_path, "def build(**kw):\n    pass\n")
     run = subprocess.run([sys.executable, str(ROOT / "post_train.py"), *_args(tmp_path / "no_model", tmp_path / "o",
                           "--reward_model", f"{bad}:nope")], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 2, run.stderr
-    assert run.stderr.strip().splitlines() == [f"error: --reward_model {bad}:nope: {bad} has no attribute 'nope' "
-                                               "(callables there: build)"]
+    lines = run.stderr.strip().splitlines()
+    assert lines[0] == "error: 2 things to fix before the run can start:" and "Traceback" not in run.stderr
+    assert f"  - --reward_model {bad}:nope: {bad} has no attribute 'nope' (callables there: build)" in lines
+    assert any("no HunyuanVideo-1.5 checkpoint" in x for x in lines) and len(lines) == 3
 
 
 def test_a_plugin_whose_first_call_fails_stops_before_the_policy_loads(tiny_model, tmp_path, monkeypatch):

@@ -143,6 +143,15 @@ def _run(sv, argv, capsys):
     return rc, cap.out, cap.err
 
 
+def test_a_failed_score_videos_leaves_no_output_folder(tmp_path, capsys):
+    """No videos to score: exit 2, one line, and no --out folder (eval/) made for tables never written."""
+    sv = load_script("score_videos")
+    (tmp_path / "empty").mkdir()
+    rc, _, err = _run(sv, ["--videos", str(tmp_path / "empty"), "--out", str(tmp_path / "eval" / "base")], capsys)
+    assert rc == 2 and err.strip().count("\n") == 0 and "no .mp4 files" in err, err
+    assert not (tmp_path / "eval").exists()
+
+
 def test_score_videos_one_mp4_and_exact_prompt(video_folder, tmp_path, capsys):
     """A single .mp4 is scored (it used to be read as a CSV); the .txt prompt is kept exactly."""
     sv = load_script("score_videos")

@@ -22,6 +22,7 @@ from sage_grpo.lab.video import (
     reward_curve,
     run_row,
 )
+from sage_grpo.recipes import RECIPES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "video_ablation.py"
@@ -53,15 +54,16 @@ def test_cell_flags_are_real_post_train_flags_with_the_cell_values(sampler, kl, 
         assert cfg.kl.kl_weight > 0 and cfg.kl.use_dual_kl and cfg.kl.use_moving_KL
 
 
-@pytest.mark.parametrize("recipe", ["paper", "cfg_free", "window", "sliding", "sliding_shared", "cfg_free_sliding"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_flags_are_real_post_train_flags_with_the_recipe_values(recipe):
     from sage_grpo.config import load_config
     from sage_grpo.recipes import recipe_flags, recipe_settings
 
     cfg = load_config(["--config", str(CONFIG), *recipe_flags(recipe, 10)])
     for key, value in recipe_settings(recipe, 10).items():
-        assert getattr(cfg.rollout, key) == value, key
-    assert (cfg.rollout.cfg_scale == 1.0) == recipe.startswith("cfg_free")
+        group = cfg.rollout if hasattr(cfg.rollout, key) else cfg.optim
+        assert getattr(group, key) == value, key
+    assert (cfg.rollout.cfg_scale == 1.0) == (recipe.startswith("cfg_free") or recipe == "flash")
     # the config trains an SDE window from one noise per group; a recipe replaces both, so "paper" is the paper's
     # every-step SDE from independent noise on any config
     base = load_config(["--config", str(CONFIG)]).rollout
@@ -253,10 +255,23 @@ def test_recipes_run_end_to_end_with_their_forward_counts(tmp_path, tiny_model, 
     mod = _load_script()
     out = tmp_path / "lab"
     config = _small_config(tmp_path, rollout={"grpo_sampling_steps": 4})  # a window of 1 sliding over steps 1..3
-    assert mod.main(["--recipes", "paper", "cfg_free_sliding", "--seeds", "1", "--steps", "2", "--config",
-                     str(config), "--model_path", str(tiny_model), "--out", str(out), "--threads", "1"]) == 0
-    rows = {r["recipe"]: r for r in csv.DictReader((out / "summary.csv").open())}
-    assert sorted(rows) == ["cfg_free_sliding", "paper"]
+    argv = ["--recipes", "paper", "cfg_free_sliding", "flash", "--seeds", "1", "--steps", "2", "--eval_every", "1",
+            "--config", str(config), "--model_path", str(tiny_model), "--out", str(out), "--threads", "1"]
+    assert mod.main(argv) == 0
+    every = list(csv.DictReader((out / "summary.csv").open()))
+    assert sorted((r["recipe"], r["steps"]) for r in every) == [(n, s) for n in ("cfg_free_sliding", "flash", "paper")
+                                                                 for s in ("1", "2")]  # every checkpoint evaluated
+    rows = {r["recipe"]: r for r in every if r["steps"] == "2"}
+    for name, r in rows.items():  # the FLOPs are the loop's own meter's, per sample and step
+        metered = [json.loads(x) for x in (out / "runs" / f"{name}_s0" / "metrics.jsonl").read_text().splitlines()]
+        step = sum(m["perf/step_tflop"] for m in metered if "perf/step_tflop" in m) / 2 * 1e3 / 2
+        assert float(r["gflop_step"]) == pytest.approx(step)
+    assert float(rows["flash"]["gflop_update"]) < float(rows["paper"]["gflop_update"]) / 2
+    text = (out / "recipes.md").read_text()
+    assert "At equal drift" in text and "| flash |" in text and (out / "equal_drift.png").is_file()
+    mod.run_cell = lambda *a, **k: pytest.fail("a run evaluated before ran again")
+    assert mod.main(argv) == 0  # the second call reads every run's result.json
+    del rows["flash"]
     for name, r in rows.items():
         cfg = load_config(["--config", str(config), *recipe_flags(name, load_config(
             ["--config", str(config)]).rollout.grpo_sampling_steps)])
@@ -265,3 +280,39 @@ def test_recipes_run_end_to_end_with_their_forward_counts(tmp_path, tiny_model, 
         assert float(r["forwards_per_step"]) == pytest.approx(expect) and math.isfinite(float(r["reward_gain"]))
     assert float(rows["cfg_free_sliding"]["forwards_per_step"]) < float(rows["paper"]["forwards_per_step"]) / 2
     assert "| cfg_free_sliding |" in (out / "recipes.md").read_text()
+
+
+def test_step_flops_reads_the_meters_phases_per_sample_up_to_a_step(tmp_path):
+    mod = _load_script()
+    f = tmp_path / "metrics.jsonl"
+    recs = [{"step": s, "perf/rollout_tflop": 0.002 * s, "perf/anchor_tflop": 0.0, "perf/update_tflop": 0.006,
+             "perf/step_tflop": 0.002 * s + 0.006} for s in (1, 2, 3)]
+    f.write_text("\n".join(json.dumps(r) for r in recs) + "\n{\"step\": 3, \"reward/total_mean\": 1.0}\n")
+    got = mod.step_flops(f, 2, batch_size=4)
+    # steps 1 and 2: rollout (2 + 4) / 2 GFLOP per step, / 4 samples
+    assert got["gflop_rollout"] == pytest.approx(3.0 / 4) and got["gflop_update"] == pytest.approx(6.0 / 4)
+    assert got["gflop_step"] == pytest.approx(got["gflop_rollout"] + got["gflop_update"])
+    with pytest.raises(SageGRPOError, match="no perf/step_tflop"):
+        mod.step_flops(f, 0, batch_size=4)
+
+
+def test_a_run_evaluated_before_covers_the_same_settings_and_fewer_steps(tmp_path):
+    """read_result: the same resolved settings (flags in another order, another --output_dir) and at least the
+    steps asked for -> the rows up to them; other settings or too few steps -> None (the run is done again)."""
+    mod = _load_script()
+    args = mod.parse_args(["--recipes", "paper", "--steps", "4", "--eval_every", "2", "--out", str(tmp_path)])
+    run = tmp_path / "runs" / "paper_s0"
+    run.mkdir(parents=True)
+    from sage_grpo.recipes import recipe_flags
+
+    argv = mod.run_argv(args, run, recipe_flags("paper", 10), 0)
+    rows = [{"recipe": "paper", "seed": 0, "steps": s, "drift": 0.1 * s} for s in (2, 4)]
+    mod.write_result(run, argv, rows, [{"recipe": "paper", "seed": 0, "step": s, "reward": 0.1} for s in (1, 2, 3, 4)])
+    flipped = mod.run_argv(args, tmp_path / "elsewhere", [x for pair in reversed(list(zip(
+        recipe_flags("paper", 10)[::2], recipe_flags("paper", 10)[1::2]))) for x in pair], 0)
+    got = mod.read_result(run, flipped, 2)
+    assert [r["steps"] for r in got["rows"]] == [2] and [c["step"] for c in got["curves"]] == [1, 2]
+    assert mod.read_result(run, argv, 4)["rows"] == rows
+    assert mod.read_result(run, argv, 3) is None  # no evaluated step 3
+    assert mod.read_result(run, mod.run_argv(args, run, recipe_flags("cfg_free", 10), 0), 4) is None
+    assert mod.read_result(run, argv + ["--learning_rate", "1e-3"], 4) is None

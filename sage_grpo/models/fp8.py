@@ -5,7 +5,8 @@ quantized layers (its `TorchaoLoraLinear`) and trains the adapters on top.
 Compute: each layer's weight is dequantized to the dtype it was loaded in as the layer runs (any device), or, with
 `--fp8_matmul`, the activations are quantized per row too and the product runs as an FP8 matrix product (torchao's
 `Float8DynamicActivationFloat8WeightConfig`, PerRow; CUDA GPUs of compute capability 8.9 and above, bf16). That
-product (torch._scaled_mm) has no derivative: `_FP8Product` gives the input's gradient from the dequantized weight.
+product (torch._scaled_mm) has no derivative. On either path `_FP8Linear` gives the input's gradient from the weight
+dequantized again in the backward, so that no dequantized copy is held from the forward to the backward.
 
 Only the linears of the 54 double-stream blocks (8.15B of the 8.33B parameters) are quantized: the embedders, the
 text refiner, norm_out and proj_out (the velocity comes straight out of it) keep their weights, 0.35 GB in bf16.
@@ -39,7 +40,7 @@ from torch import nn
 from sage_grpo.errors import SageGRPOError
 
 __all__ = ["FP8_MATMUL_CAPABILITY", "FP8Linear", "check_fp8_matmul", "quantized_config", "quantize_base",
-           "quantize_rows", "fp8_meta_base", "fp8_row_reader", "is_quantized", "quantized_bytes"]
+           "quantize_rows", "fp8_meta_base", "fp8_row_reader", "dequantize_base", "is_quantized", "quantized_bytes"]
 
 FP8_MATMUL_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores (torch._scaled_mm)
 DATA, SCALE = "fp8_data", "fp8_scale_bits"  # FP8Linear's parameter names; the file holds `weight`
@@ -82,12 +83,20 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     configs quantize the weight alike (`Float8Tensor.from_hp`, e4m3, PerRow, the same kernel preference); the FP8
     products' config adds only how the layer runs (`_layout`), and would leave rows that are no multiple of 16
     unquantized, which a rank's share of a weight need not be. Per row: the rows of a weight quantize as they would
-    inside the whole weight."""
+    inside the whole weight.
+
+    A row whose scale comes out 0 (all zeros; torchao 0.18 divides it by its absolute maximum, 0 / 0) would hold NaN
+    bytes (0xFF) and make its output channel NaN for every input, where the unquantized layer gives the bias: its
+    bytes are written 0 and its scale 1, which dequantize to the row's zeros exactly (any positive scale would).
+    Every other row keeps torchao's bytes and scale."""
     q = _torchao()
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     layer.weight = nn.Parameter(weight, requires_grad=False)
     q.quantize_(layer, quantized_config(False))
-    return layer.weight.qdata.view(torch.uint8), layer.weight.scale.to(torch.float32).view(torch.int32)
+    data, scale = layer.weight.qdata.view(torch.uint8), layer.weight.scale.to(torch.float32)
+    empty = scale == 0  # [rows, 1]
+    data, scale = data.masked_fill(empty, 0), scale.masked_fill(empty, 1.0)
+    return data, scale.view(torch.int32)
 
 
 @functools.cache
@@ -118,21 +127,31 @@ def _float8(data: torch.Tensor, scale_bits: torch.Tensor, dtype: torch.dtype, la
                         block_size=[1, data.shape[1]], dtype=dtype, **layout)
 
 
-class _FP8Product(torch.autograd.Function):
-    """x W^T + b as torchao's FP8 matrix product (x quantized per row, torch._scaled_mm), with dL/dx = dL/dy W from
-    the dequantized weight: torch._scaled_mm has no derivative, and a frozen base needs no other gradient (the LoRA
+class _FP8Linear(torch.autograd.Function):
+    """x W^T + b on FP8Linear's two parameters, torchao's product of the layout (weight-only: x @ dequantize(W)^T;
+    --fp8_matmul: x quantized per row, torch._scaled_mm), saving only those parameters (the FP8 bytes and scales,
+    storage the layer holds anyway) for the backward, where dL/dx = dL/dy W comes from the weight dequantized again.
+
+    Why: run through autograd, torchao's weight-only product keeps each layer's dequantized weight (the compute dtype,
+    twice the FP8 bytes) from the forward to the backward for every layer whose input needs a gradient: 0.19 GiB a
+    block at the real width, all 54 blocks' without activation checkpointing. Dequantizing again costs one pass over
+    the bytes. torch._scaled_mm has no derivative at all. No weight or bias gradient: the base is frozen (the LoRA
     adapters beside the layer get theirs on their own path)."""
 
     @staticmethod
     def forward(ctx, x, data, scale_bits, bias, dtype, layout):
         ctx.save_for_backward(data, scale_bits)
-        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        ctx.dtype, ctx.x_dtype, ctx.layout = dtype, x.dtype, layout
         return F.linear(x, _float8(data, scale_bits, dtype, layout), bias)
 
     @staticmethod
     def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
         data, scale_bits = ctx.saved_tensors
-        weight = _float8(data, scale_bits, ctx.dtype, _layout(False)).dequantize()  # [out, in]
+        # the layer's own layout (read once, free of lookups that torch.compile cannot trace): dequantize reads only
+        # the bytes, the scales and the dtype
+        weight = _float8(data, scale_bits, ctx.dtype, ctx.layout).dequantize()  # [out, in], freed on return
         return (grad.to(weight.dtype) @ weight).to(ctx.x_dtype), None, None, None, None, None
 
 
@@ -180,10 +199,8 @@ class FP8Linear(nn.Linear):
         return _float8(getattr(self, DATA), getattr(self, SCALE), self.compute_dtype, self.layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_matmul:
-            return _FP8Product.apply(x, getattr(self, DATA), getattr(self, SCALE), self.bias, self.compute_dtype,
-                                     self.layout)
-        return F.linear(x, self.weight, self.bias)
+        return _FP8Linear.apply(x, getattr(self, DATA), getattr(self, SCALE), self.bias, self.compute_dtype,
+                                self.layout)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -245,11 +262,28 @@ def fp8_row_reader(rows: Callable[[str, int, int], torch.Tensor], dtype: torch.d
     return read
 
 
+def dequantize_base(transformer: nn.Module) -> int:
+    """Replace every FP8Linear of `transformer` by a plain nn.Linear holding its weight dequantized to the layer's
+    compute dtype (torchao's dequantize: the weight each forward of the layer computes with) and its bias, in place
+    -> the number of layers replaced. An FP8 run trained its adapter beside this base, Q(W), not beside the
+    unquantized W: scripts/export_checkpoint.py merges the adapter into it, so that the export is the trained model."""
+    layers = [(parent, name, child) for parent in transformer.modules() for name, child in parent.named_children()
+              if isinstance(child, FP8Linear)]
+    for parent, name, layer in layers:
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        plain.weight = nn.Parameter(layer.weight.dequantize(), requires_grad=False)
+        if layer.bias is not None:
+            plain.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
+        setattr(parent, name, plain)
+    return len(layers)
+
+
 def is_quantized(transformer: nn.Module) -> bool:
     """Whether `transformer` holds FP8Linear layers."""
     return any(isinstance(m, FP8Linear) for m in transformer.modules())
 
 
 def quantized_bytes(numel_out: int, numel_in: int) -> int:
-    """Bytes of one quantized [out, in] weight: one byte per element plus an fp32 scale per output channel."""
+    """Bytes of one quantized [out, in] weight: one byte per element plus an fp32 scale per output channel (what an
+    FP8Linear stores, tested against its parameters: the count a memory plan of an FP8 base needs)."""
     return numel_out * numel_in + 4 * numel_out

@@ -129,10 +129,11 @@ def check_reference_images(records, source: str = "") -> None:
             open_reference_image(p, f"{source}, {what}" if source else what)
 
 
-def check_task(task: str, records, source: str) -> None:
+def check_task(task: str, records, source: str, image_flag: str = "") -> None:
     """The prompts fit the checkpoint's task: an I2V checkpoint needs a reference image for every prompt, a T2V one
     takes none (it has no image encoder; silently ignoring the images would train text-to-video). source: where the
-    prompts come from, for the message (a prompt file, a flag)."""
+    prompts come from, for the message (a prompt file, a flag); image_flag: the command's flag that gives an image
+    beside a prompt, if it has one (generate.py's --image; post_train.py has none)."""
     with_image = [r for r in records if getattr(r, "ref_image_path", None)]
     if task == "t2v" and with_image:
         raise SageGRPOError(f"{source} gives reference images (ref_image_path, e.g. {with_image[0].ref_image_path}) "
@@ -142,7 +143,8 @@ def check_task(task: str, records, source: str) -> None:
         missing = next(r for r in records if not getattr(r, "ref_image_path", None))
         raise SageGRPOError(f"the checkpoint is image-to-video but {source} gives no reference image for "
                             f"{missing.prompt[:60]!r}: give every prompt a ref_image_path column (CSV/JSONL, relative "
-                            "to the prompt file) or --image, or use a text-to-video checkpoint")
+                            f"to the prompt file){' or ' + image_flag if image_flag else ''}, or use a text-to-video "
+                            "checkpoint")
 
 
 def bucket_size(height: int, width: int, target_size: int, patch: int) -> tuple[int, int]:

@@ -45,6 +45,23 @@ def base_model_id(config: dict, layout: str, task: str = "t2v") -> str:
     return DIFFUSERS_REPO.format(version=version) if layout == "diffusers" else AUTHORS_REPO
 
 
+def card_base(folder: str | Path) -> dict[str, str]:
+    """The base model an exported folder's README.md (written by `model_card`) names, as generate.py's base flags:
+    the community diffusers conversion -> {"pretrained_transformer_version": its version} (found under
+    --pretrained_model_root, where download_weights.sh puts it), the model at a folder (not the released one) ->
+    {"model_path": that folder}; {} when the card names none (or the authors' repository: the default root)."""
+    import re
+
+    card = Path(folder) / "README.md"
+    text = card.read_text(errors="replace") if card.is_file() else ""
+    hub = re.search(r"^base_model: (\S+)$", text, re.M)
+    if hub:
+        version = re.fullmatch(re.escape(DIFFUSERS_REPO).replace(re.escape("{version}"), r"(\w+)"), hub[1])
+        return {"pretrained_transformer_version": version[1]} if version else {}
+    local = re.search(r"Post-trained from the model at `([^`]+)`", text)
+    return {"model_path": local[1]} if local and local[1] != "?" else {}
+
+
 # the transformer config keys that tell HunyuanVideo-1.5's released architecture from a smaller model
 ARCHITECTURE_KEYS = ("num_layers", "num_refiner_layers", "num_attention_heads", "attention_head_dim", "text_embed_dim")
 
@@ -150,6 +167,8 @@ def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_
     if lora_settings:
         out.append(f"- LoRA: r {lora_settings['r']}, alpha {_fmt(lora_settings['lora_alpha'])}, "
                    f"{len(lora_settings['target_modules'])} target modules")
+    if m.get("use_lora") and m.get("fp8_base"):
+        out.append(_fp8_line(kind, files, bool(m.get("fp8_matmul"))))
     out += ["", "Key flags (from the checkpoint's train_state.json):", "", "| flag | value |", "|---|---|"]
     for group, key in KEY_FLAGS:
         if key in config.get(group, {}):
@@ -165,6 +184,27 @@ def model_card(config: dict, *, step: int, kind: str, files: list[str], metrics_
     out += ["", "## Files", "", *[f"- `{f}`" for f in files], "", "## How to load", ""]
     out += _how_to_load(kind, files, base, task, released)
     return "\n".join(out) + "\n"
+
+
+def _fp8_line(kind: str, files: list[str], fp8_matmul: bool) -> str:
+    """What an --fp8_base run's export is: the run trained its adapter beside the FP8 quantization Q(W) of the base,
+    so the trained model is Q(W) + BA; the released weights with the adapter, W + BA, differ from it by the base's
+    quantization error (scripts/export_checkpoint.py merges into the dequantized Q(W))."""
+    line = ("- FP8 base (`--fp8_base`): the adapter was trained beside the FP8 quantization of the base's "
+            "transformer-block linears (float8_e4m3fn, one scale per output channel). ")
+    if kind == "merged":
+        beside = any(f.startswith("lora/") for f in files)
+        line += ("These base weights are that FP8 base dequantized, "
+                 + ("the adapter beside them in `lora/`" if beside else "with the adapter merged")
+                 + ": the model the run trained and validated (the adapter on the unquantized base weights gives "
+                 "another model, by the base's quantization error).")
+    else:
+        line += ("On the unquantized base weights it gives another model than the trained one (by the base's "
+                 "quantization error): `generate.py --fp8_base True` runs the trained one, and "
+                 "`scripts/export_checkpoint.py` without `--lora_format` merges it into the dequantized FP8 base.")
+    if fp8_matmul:
+        line += " The run's `--fp8_matmul` also quantized the activations per row, which no weights hold."
+    return line
 
 
 def _how_to_load(kind: str, files: list[str], base: str, task: str = "t2v", released: bool = True) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from sage_grpo.config import REWARD_MAX_PIXELS, REWARD_SAMPLE_FPS, VIDEO_FPS
+from sage_grpo.errors import SageGRPOError
 from sage_grpo.rewards import builtin, clip_metrics, judge, remote, videoalign, world  # noqa: F401 - registers them
 from sage_grpo.rewards.base import (
     CompositeReward,
@@ -39,6 +40,7 @@ __all__ = [
     "Reward",
     "build_reward",
     "build_reward_from_config",
+    "missing_reward_files",
     "check_first_call",
     "is_import_path",
     "get_reward_builder",
@@ -104,8 +106,30 @@ def build_reward(
 def build_reward_from_config(cfg, device: str | torch.device = "cpu") -> CompositeReward:
     """`build_reward` with every setting taken from a resolved `sage_grpo.config.Config` (the one source of
     defaults): the reward group, the model root and the video frame rate."""
+    return build_reward(**_config_kwargs(cfg, device))
+
+
+def missing_reward_files(cfg, names) -> list[str]:
+    """What the rewards `names` would not find on disk with `cfg`'s paths, one message each, without loading a
+    model: each builder's optional ``check_files(**kwargs) -> list[str]`` (the keyword arguments `build_reward`
+    gives it). The preflight's, so that every missing file is said in one round."""
+    kwargs = _config_kwargs(cfg, "cpu")
+    for k in ("reward_model", "reward_weights", "reward_optional"):
+        kwargs.pop(k)
+    problems: list[str] = []
+    for name in dict.fromkeys(reward_key(n) for n in names if n.strip()):
+        try:
+            check = getattr(get_reward_builder(name), "check_files", None)
+        except SageGRPOError:
+            continue  # an unknown name: the caller's get_reward_builder says so
+        if check is not None:
+            problems += [p for p in check(**kwargs) if p not in problems]
+    return problems
+
+
+def _config_kwargs(cfg, device: str | torch.device) -> dict:
     r = cfg.reward
-    return build_reward(
+    return dict(
         reward_model=r.reward_model,
         reward_model_path=r.reward_model_path,
         reward_base_model_path=r.reward_base_model_path,

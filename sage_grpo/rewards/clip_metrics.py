@@ -95,12 +95,9 @@ class ClipVideoScore:
         self.default_weights = {self.components[0]: 1.0}
         model_path = Path(model_path)
         processor_path = Path(processor_path) if processor_path else model_path
-        for p, what, hub in ((model_path, "model", HUB_IDS[kind][0]), (processor_path, "processor", HUB_IDS[kind][1])):
-            if not (p / "config.json").is_file() and not (p / "tokenizer_config.json").is_file():
-                raise SageGRPOError(
-                    f"{kind} {what} directory {p} has no config/tokenizer files: download {hub} there "
-                    f"(hf download {hub} --local-dir {p}; ./download_weights.sh metrics fetches all three into ckpts/)"
-                )
+        problems = _missing_clip_files(kind, model_path, processor_path)
+        if problems:
+            raise SageGRPOError(problems[0])
         self.device = torch.device(device)
         self.dtype = dtype
         self.num_frames = int(num_frames)
@@ -144,6 +141,20 @@ class ClipVideoScore:
         return {self.components[0]: per_frame.mean(dim=1).to(videos.device)}
 
 
+def _missing_clip_files(kind: str, model_path: str | Path, processor_path: str | Path | None) -> list[str]:
+    model_path = Path(model_path)
+    processor_path = Path(processor_path) if processor_path else model_path
+    problems = []
+    for p, what, hub in ((model_path, "model", HUB_IDS[kind][0]), (processor_path, "processor", HUB_IDS[kind][1])):
+        if what == "processor" and p == model_path:
+            continue  # one folder for both: said once
+        if not (p / "config.json").is_file() and not (p / "tokenizer_config.json").is_file():
+            problems.append(f"{kind} {what} directory {p} has no config/tokenizer files: download {hub} there "
+                            f"(hf download {hub} --local-dir {p}; ./download_weights.sh metrics fetches all three "
+                            "into ckpts/)")
+    return problems
+
+
 @register_reward("clipscore")
 def build_clipscore(
     clip_model_path: str | Path = "",
@@ -171,3 +182,12 @@ def build_pickscore(
     model = pickscore_model_path or root / "PickScore_v1"
     proc = pickscore_processor_path or root / "CLIP-ViT-H-14-laion2B-s32B-b79K"
     return ClipVideoScore(model, proc, "pickscore", device, num_frames=clip_num_frames)
+
+
+# what post_train.py's preflight asks (sage_grpo.rewards.missing_reward_files): the directories, no model loaded
+build_clipscore.check_files = lambda clip_model_path="", pretrained_model_root="ckpts", **_: _missing_clip_files(
+    "clipscore", clip_model_path or Path(pretrained_model_root) / "clip-vit-large-patch14", None)
+build_pickscore.check_files = (
+    lambda pickscore_model_path="", pickscore_processor_path="", pretrained_model_root="ckpts", **_:
+    _missing_clip_files("pickscore", pickscore_model_path or Path(pretrained_model_root) / "PickScore_v1",
+                        pickscore_processor_path or Path(pretrained_model_root) / "CLIP-ViT-H-14-laion2B-s32B-b79K"))

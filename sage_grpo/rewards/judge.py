@@ -13,9 +13,10 @@ The API key goes only where the user pointed it (`api_key_for`): ``SAGE_JUDGE_AP
 https or to this machine by its spelling (``localhost``, a literal loopback address; plain http to another host only
 with ``--judge_allow_http_key``); ``OPENAI_API_KEY`` only to https://api.openai.com, never to another server.
 
-The score, in [0, 1] (component ``judge``), is read at the answer's score, in the answer after a reasoning block
-(``<think>...</think>``): the labelled number ("Score: 7", "Rating (1-10): 8", "7/10", "7 out of 10"), else the
-answer's last number (so "On a scale of 1 to 10, 7" is 7), or the first "yes" / "no" for ``--judge_scale yes_no``.
+The score, in [0, 1] (component ``judge``), is read at the answer's score, in the answer after the last reasoning
+block (``<think>...</think>``): the labelled number ("Score: 7", "Rating (1-10): 8", "7/10", "7 out of 10"), else the
+answer's last number, a number of a stated scale never (so "On a scale of 1 to 10, 7", "7 (out of 10)" and "7, where
+10 is best" are 7), or the first "yes" / "no" for ``--judge_scale yes_no``.
 An answer cut off at ``--judge_max_tokens`` (``finish_reason`` "length") has no score: its last number is whatever
 came last. The score is read
 
@@ -43,6 +44,7 @@ refuses such a request or cuts its answer off at ``--judge_max_tokens`` is one e
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 import ipaddress
 import json
@@ -66,7 +68,7 @@ from sage_grpo.rewards.base import _one_line, register_reward
 from sage_grpo.rewards.remote import apply_read, deadline_client
 
 __all__ = ["DEFAULT_TEMPLATES", "JUDGE_KEY_ENV", "MAX_ANSWER_BYTES", "OPENAI_KEY_ENV", "Reading", "VLMJudge",
-           "api_key_for", "load_template", "read_answer", "render", "score_span"]
+           "api_key_for", "check_installed", "load_template", "read_answer", "render", "score_span"]
 
 JUDGE_KEY_ENV = "SAGE_JUDGE_API_KEY"  # the judge server's key: sent to --judge_url
 OPENAI_KEY_ENV = "OPENAI_API_KEY"  # OpenAI's key: sent to OpenAI's API only
@@ -111,6 +113,21 @@ _OUT_OF = re.compile(_NUM + r"\s*(?:/|out\s+of)\s*10(?![0-9])", re.IGNORECASE)
 # then ":" or "=", then the number
 _LABELLED = re.compile(r"\b(?:score|rating|grade)\b[^:=\n]{0,40}[:=][\s*]*" + _NUM, re.IGNORECASE)
 _ANY = re.compile(_NUM)
+# where the answer states its scale, the numbers of that statement are the scale's, no score: "8 (on a scale of 1-10)",
+# "7 (out of 10)", "a 6, where 10 is best", "on a 10-point scale". Read by the last number, each of these scored the
+# scale's 10 (1.000), and a chatty judge pushed every reward to the top. The ends of a range from 0 or 1 to 10 (a
+# parenthesised word may follow the first: the template's "1 (very poor) to 10 (excellent)"), "/10" and "out of
+# (a possible) 10" (the number before them is the score, `_OUT_OF`), an end that "is" / "being" / "=" / "means" a
+# best or worst, "10-point", "scale of 10"
+_SCALE = re.compile(
+    r"(?<![0-9.])[01]\s*(?:\([^()\n]{0,40}\)\s*)?(?:-|–|—|to\b|through\b)\s*10(?!\.?[0-9])"
+    r"|\bbetween\s+[01]\s+and\s+10(?!\.?[0-9])"
+    r"|(?:/|\bout\s+of)\s*(?:a\s+(?:possible|maximum\s+of)\s+)?10(?!\.?[0-9])"
+    r"|(?<![0-9.])(?:[01]|10)\s*(?:\bis\b|\bbeing\b|=|\bmeans\b|\brepresents\b)\s*(?:the\s+)?(?:very\s+)?"
+    r"(?:best|worst|highest|lowest|top|bottom|max(?:imum)?|min(?:imum)?|perfect|excellent|poor|terrible)\b"
+    r"|(?<![0-9.])10\s*-?\s*points?\b"
+    r"|\bscale\s+of\s+10(?!\.?[0-9])",
+    re.IGNORECASE)
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 # a reasoning judge (Qwen3-VL Thinking, DeepSeek-R1 style) thinks in <think>...</think> before it answers; its chat
 # template may open the block itself, so the answer may hold only the closing tag
@@ -176,14 +193,20 @@ def score_span(text: str, scale: str = "1-10") -> tuple[float, int] | None:
     """(the score the answer ``text`` gives, the index of its first character), or None when it gives none.
 
     1-10: the number before "/10" or "out of 10", else the first labelled one ("score: 7", "Rating (1-10): 8"),
-    else the last number (a template's scale quoted back, "1 to 10 ... 7", is not the score). yes_no: the first
-    "yes" or "no" (1 / 0)."""
+    else the last number; a number of a stated scale (`_SCALE`: "1 to 10", "(out of 10)", "where 10 is best") is
+    never the score, so "7 on a scale of 1 to 10" is 7, as is "On a scale of 1 to 10, 7". yes_no: the first "yes"
+    or "no" (1 / 0)."""
     if scale == "yes_no":
         m = _YES_NO.search(text)
         return None if m is None else (float(m.group(1).lower() == "yes"), m.start(1))
-    m = _OUT_OF.search(text) or _LABELLED.search(text)
+    stated = [s.span() for s in _SCALE.finditer(text)]
+
+    def free(found: re.Match) -> bool:  # a number outside every statement of the scale
+        return not any(a <= found.start(1) < b for a, b in stated)
+
+    m = next(filter(free, _OUT_OF.finditer(text)), None) or next(filter(free, _LABELLED.finditer(text)), None)
     if m is None:
-        found = list(_ANY.finditer(text))
+        found = [n for n in _ANY.finditer(text) if free(n)]
         m = found[-1] if found else None
     return None if m is None else (float(m.group(1)), m.start(1))
 
@@ -594,6 +617,20 @@ class VLMJudge:
         return {"judge": torch.tensor([s for s, _ in results], dtype=torch.float32, device=videos.device)}
 
 
+def check_installed() -> None:
+    """One SageGRPOError line naming the pip command when a package the judge imports is missing: the openai client,
+    and httpx, which `deadline_client` builds the client's transport on. openai 3 depends on httpx2, not httpx (and
+    so does huggingface_hub 2), so an install of openai alone has no httpx: the judge then died in setup with a
+    ModuleNotFoundError traceback, after the run folder was made. post_train.py's preflight calls this (the
+    builder's ``check_installed``) before either."""
+    for module in ("openai", "httpx"):
+        try:
+            importlib.import_module(module)
+        except ImportError as err:  # missing, or broken (what it lacks is named)
+            raise SageGRPOError(f"the vlm_judge reward needs the openai and httpx packages ({_one_line(err)}): "
+                                "pip install 'sage-grpo[judge]'") from None
+
+
 @register_reward("vlm_judge")
 def build_vlm_judge(judge_url: str = _DEFAULTS.judge_url, judge_model: str = _DEFAULTS.judge_model,
                     judge_template: str = _DEFAULTS.judge_template, judge_scale: str = _DEFAULTS.judge_scale,
@@ -604,12 +641,11 @@ def build_vlm_judge(judge_url: str = _DEFAULTS.judge_url, judge_model: str = _DE
                     reward_timeout: float = _DEFAULTS.reward_timeout, reward_retries: int = _DEFAULTS.reward_retries,
                     video_fps: float = VIDEO_FPS, **_: object) -> VLMJudge:
     """Builder of the VLM judge (the reward flags of the same names)."""
-    try:
-        import openai  # noqa: F401
-    except ImportError:
-        raise SageGRPOError("--reward_model vlm_judge needs the openai package: pip install 'sage-grpo[judge]'") \
-            from None
+    check_installed()
     return VLMJudge(check_judge_url(judge_url), model=judge_model,
                     template=load_template(judge_template, judge_scale), scale=judge_scale, frames=judge_frames,
                     video=judge_video, concurrency=judge_concurrency, timeout=reward_timeout, retries=reward_retries,
                     video_fps=video_fps, allow_http_key=judge_allow_http_key, max_tokens=judge_max_tokens)
+
+
+build_vlm_judge.check_installed = check_installed  # what post_train.py's preflight asks before the run starts

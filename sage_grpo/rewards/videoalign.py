@@ -135,11 +135,9 @@ class VideoAlignReward:
         files = find_checkpoint(model_path, checkpoint_step, weights_form)
         self.files = files
         base = Path(base_model_path)
-        if not (base / "config.json").is_file():
-            raise SageGRPOError(
-                f"no config.json in the reward base model directory {base}: download Qwen/Qwen2-VL-2B-Instruct "
-                "there (hf download Qwen/Qwen2-VL-2B-Instruct --local-dir ...) or set --reward_base_model_path"
-            )
+        problem = _base_model_problem(base)
+        if problem:
+            raise SageGRPOError(problem)
         tok_dir = files.checkpoint_dir if (files.checkpoint_dir / "tokenizer_config.json").is_file() else base
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -268,6 +266,28 @@ class VideoAlignReward:
         return {k: v.to(videos.device) for k, v in out.items()}
 
 
+def _base_model_problem(base: Path) -> str:
+    if (base / "config.json").is_file():
+        return ""
+    return (f"no config.json in the reward base model directory {base}: download Qwen/Qwen2-VL-2B-Instruct "
+            "there (hf download Qwen/Qwen2-VL-2B-Instruct --local-dir ...) or set --reward_base_model_path")
+
+
+def check_videoalign_files(reward_model_path: str | Path = "", reward_base_model_path: str | Path = "",
+                           pretrained_model_root: str | Path = "ckpts", reward_checkpoint_step: int | None = None,
+                           **_: object) -> list[str]:
+    """The preflight's look at the files `build_videoalign` would load (nothing is read but the directory listing
+    and model_config.json): what is missing, one message each, the VideoReward checkpoint and its base model."""
+    root = Path(pretrained_model_root)
+    problems = []
+    try:
+        find_checkpoint(reward_model_path or root / "VideoReward", reward_checkpoint_step)
+    except SageGRPOError as e:
+        problems.append(str(e))
+    problem = _base_model_problem(Path(reward_base_model_path or root / "Qwen2-VL-2B-Instruct"))
+    return problems + ([problem] if problem else [])
+
+
 @register_reward("videoalign_local")
 def build_videoalign(
     reward_model_path: str | Path = "",
@@ -301,3 +321,6 @@ def build_videoalign(
         batch_size=batch_size,
         attn_implementation=attn_implementation,
     )
+
+
+build_videoalign.check_files = check_videoalign_files  # post_train.py's preflight asks it
