@@ -30,7 +30,7 @@ RECIPES = ("paper", "cfg_free", "window", "sliding", "sliding_shared", "cfg_free
 SLIDE_EVERY = 2  # updates between two moves of the recipes' sliding window (short runs: MixGRPO moves every 25)
 ODE_TAIL_STEPS = 4  # UniPC steps of the ODE after the window (tests/test_rollout.py: on the tiny world model, without
 # CFG, 4 of them end within 15 % of the schedule's 8 Euler steps' distance from a 200-step reference)
-# Model FLOPs per step against the paper's at the real size, `real_size_flop_ratios()` (the defaults of
+# Model FLOPs per step against the paper's at the real size, `real_size_flop_ratios(Config())` (the defaults of
 # sage_grpo.config: T 20, 2 videos a rank, CFG 6, full fine-tuning; 81x352x624, 256 text tokens; mean over 100
 # steps). Kept as numbers so that --help can show them without building a Config; tests/test_recipes.py checks them
 # against the computation.
@@ -148,14 +148,15 @@ def step_flops(cfg, steps: int, *, latent: tuple[int, int, int] = (21, 22, 39), 
     return out
 
 
-def real_size_flop_ratios(steps: int = 100) -> dict[str, float]:
-    """Each recipe's model FLOPs per step over the paper's at the real size, on sage_grpo.config's defaults (the
-    authors' T 20, 2 videos a rank, CFG): what RECIPE_FLOP_RATIOS holds."""
-    from sage_grpo.config import Config, _apply
+def real_size_flop_ratios(defaults, steps: int = 100) -> dict[str, float]:
+    """Each recipe's model FLOPs per step over the paper's at the real size, from `defaults` (sage_grpo.config.Config()
+    for what RECIPE_FLOP_RATIOS holds: the authors' T 20, 2 videos a rank, CFG) with the recipe's keys set."""
+    import copy
 
     def flops(name: str) -> float:
-        cfg = Config()
-        _apply(cfg, recipe_settings(name, cfg.rollout.grpo_sampling_steps))
+        cfg = copy.deepcopy(defaults)
+        for key, value in recipe_settings(name, cfg.rollout.grpo_sampling_steps).items():
+            setattr(cfg.rollout if hasattr(cfg.rollout, key) else cfg.optim, key, value)
         return step_flops(cfg, steps)["step"]
 
     paper = flops("paper")

@@ -66,7 +66,9 @@ def test_flash_trains_one_step_of_the_window_per_group_and_the_solver_tail():
 def test_the_help_lists_the_real_size_flop_ratios_the_model_gives():
     """RECIPE_FLOP_RATIOS (shown by --help) are sage_grpo.flops' model FLOPs per step at 81x352x624 on the
     defaults, and they are what an independent sum over the phases gives for the paper's and cfg_free's recipes."""
-    ratios = real_size_flop_ratios()
+    from sage_grpo.config import Config
+
+    ratios = real_size_flop_ratios(Config())
     assert ratios == pytest.approx(RECIPE_FLOP_RATIOS, abs=5e-4)
     assert ratios["cfg_free"] == pytest.approx(0.5)  # one forward instead of a CFG pair, in every phase
     assert ratios["flash"] < 0.25  # the target's budget
