@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --recipes: also evaluate the checkpoints every this many steps (post_train's "
                         "--save_interval), one table row per recipe and evaluated step: the curve of reward gain "
                         "against drift through the run's steps (the equal-drift comparison); 0 = the last step only")
+    p.add_argument("--report_only", action="store_true",
+                   help="run nothing: the tables and figures of the runs --out holds already (runs not there yet are "
+                        "left out and named)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     args = p.parse_args(argv)
     args.seeds = (1 if args.quick else 3) if args.seeds is None else args.seeds
@@ -378,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += done["rows"]
             curves += done["curves"]
             print(f"[video_lab] {i + 1}/{len(jobs)} {name}: evaluated before ({RESULT_FILE})", flush=True)
+            continue
+        if args.report_only:
+            print(f"[video_lab] {i + 1}/{len(jobs)} {name}: not run yet, left out (--report_only)", flush=True)
             continue
         c0, w0 = time.process_time(), time.perf_counter()
         _, base_reward, base_metrics = ev.base(seed)  # first use: sampled and timed with the first cell

@@ -17,8 +17,8 @@ def test_read_along_interpolates_at_the_first_crossing_and_extends_the_last_segm
     path = [(0.0, 0.0), (0.1, 0.02), (0.2, 0.06)]
     assert read_along(path, 0, 1, 0.15) == (pytest.approx(0.04), False)
     assert read_along(path, 1, 0, 0.01) == (pytest.approx(0.05), False)  # drift where the gain is 0.01
-    v, ext = read_along(path, 0, 1, 0.3)  # past the last point: the last segment's slope 0.4
-    assert ext and v == pytest.approx(0.10)
+    v, ext = read_along(path, 0, 1, 0.3)  # past the last point: the line through the origin and (0.2, 0.06)
+    assert ext and v == pytest.approx(0.09)
     assert read_along([(0.0, 0.0), (0.1, 0.03), (0.2, 0.01)], 1, 0, 0.02) == (pytest.approx(0.1 * 2 / 3), False)
 
 

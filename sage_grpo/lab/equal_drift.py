@@ -6,7 +6,7 @@ A recipe's curve is its runs' (drift, gain) at increasing strength of one trust-
 reference point is the reference recipe (the paper's) at its full strength, mean over seeds: (D_ref, G_ref). Per seed
 (the same captions and noise in every recipe), each curve is read at D_ref (the gain, and the held-out change, at
 the reference's drift) and at G_ref (the drift at the reference's gain) by linear interpolation along the path; past
-its last point the path's last segment is extended (counted in `extrapolated`). Means and standard errors are over
+its last point on the line from the base model through that point (counted in `extrapolated`). Means and standard errors are over
 seeds; `gain_vs_reference` pairs each seed's gain at D_ref with the reference's own gain on that seed.
 """
 
@@ -27,18 +27,17 @@ def curve_of(rows: Sequence[dict], keys: Sequence[str] = ("drift", "reward_gain"
 
 
 def read_along(path: Sequence[tuple], x: int, y: int, at: float) -> tuple[float, bool]:
-    """The value of coordinate `y` where the path first reaches x = `at` (linear between the two points around the
-    crossing) -> (value, extrapolated). A path that never reaches `at` extends its last segment (extrapolated True);
-    a path whose last segment does not move in x gives the last point's y, extrapolated."""
+    """The value of coordinate `y` where the path (from the base model at the origin) first reaches x = `at` (linear
+    between the two points around the crossing) -> (value, extrapolated). A path that never reaches `at` is read on
+    the line from the origin through its last point, y_last * at / x_last (extrapolated True): steadier than its
+    last segment, whose slope two noisy points decide; a last point at x = 0 gives its own y."""
     for a, b in zip(path[:-1], path[1:]):
         lo, hi = sorted((a[x], b[x]))
         if lo <= at <= hi and b[x] != a[x]:
             w = (at - a[x]) / (b[x] - a[x])
             return a[y] + w * (b[y] - a[y]), False
-    a, b = path[-2], path[-1]
-    if b[x] == a[x]:
-        return b[y], True
-    return b[y] + (at - b[x]) * (b[y] - a[y]) / (b[x] - a[x]), True
+    last = path[-1]
+    return (last[y] * at / last[x] if last[x] else last[y]), True
 
 
 def _mean_se(values: Sequence[float]) -> tuple[float, float]:
