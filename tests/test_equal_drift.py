@@ -69,3 +69,14 @@ def test_the_reference_needs_its_rows_and_step():
         equal_drift(_rows("cheap", 0, {5: (0.1, 0.01, 0.0)}))
     with pytest.raises(ValueError, match="no evaluated step 7"):
         equal_drift(_rows("paper", 0, {5: (0.1, 0.01, 0.0)}), ref_steps=7)
+
+
+def test_a_curve_that_ends_below_zero_never_reaches_a_positive_gain():
+    path = [(0.0, 0.0), (0.05, 0.01), (0.09, -0.004)]  # (drift, gain): the gain fell below zero
+    value, ext = read_along(path, 1, 0, 0.02)
+    assert ext and math.isnan(value)
+    rows = _rows("paper", 0, {5: (0.05, 0.02, 0.0)}) + _rows("paper", 1, {5: (0.05, 0.02, 0.0)})
+    rows += _rows("x", 0, {5: (0.05, 0.01, 0.0), 10: (0.09, -0.004, 0.0)}) + _rows("x", 1, {5: (0.04, 0.04, 0.0)})
+    out = {r["recipe"]: r for r in equal_drift(rows)}
+    assert out["x"]["unreached_drift"] == 1
+    assert out["x"]["drift_at_ref_gain"][0] == pytest.approx(0.02)  # seed 1 alone, between (0, 0) and (0.04, 0.04)

@@ -212,6 +212,8 @@ def format_equal_drift_table(results: Sequence[dict], recipes: Sequence[str], re
             continue
         ext_g = f" ({r['extrapolated_gain']} extrapolated)" if r["extrapolated_gain"] else ""
         ext_d = f" ({r['extrapolated_drift']} extrapolated)" if r["extrapolated_drift"] else ""
+        if r.get("unreached_drift"):
+            ext_d += f" ({r['unreached_drift']} never reached, left out)"
         lines.append(f"| {name} | {real_ratios.get(name, math.nan):.2f} | {r['seeds']} | "
                      f"{_pm(r['gain_at_ref_drift'], 3)}{ext_g} | {_pm(r['gain_vs_reference'], 3)} | "
                      f"{_pm(r['heldout_at_ref_drift'], 3)} | {_pm(r['drift_at_ref_gain'], 4)}{ext_d} |")
