@@ -152,6 +152,8 @@ authors_layout() {
   # Glyph-SDXL-v2 (checkpoints/byt5_model.pt + assets/*.json) is published on ModelScope.
   if [ "$dry_run" = 1 ] || command -v modelscope >/dev/null; then
     run modelscope download --model AI-ModelScope/Glyph-SDXL-v2 --local_dir "$CKPTS/text_encoder/Glyph-SDXL-v2"
+  elif [ -f "$CKPTS/text_encoder/Glyph-SDXL-v2/checkpoints/byt5_model.pt" ]; then
+    echo "note: Glyph-SDXL-v2 is already in $CKPTS/text_encoder/Glyph-SDXL-v2 (modelscope not installed: not refreshed)" >&2
   else
     echo "note: install modelscope (pip install modelscope) or fetch Glyph-SDXL-v2 by hand into $CKPTS/text_encoder/Glyph-SDXL-v2" >&2
     not_fetched+=("Glyph-SDXL-v2 into $CKPTS/text_encoder/Glyph-SDXL-v2 (needs modelscope: pip install modelscope, then run this again)")

@@ -756,7 +756,7 @@ def test_a_resume_on_another_layout_records_both_layouts(tiny_model, tmp_path, c
                                 {"world_size": 1, "dp": 1, "videos": 4, "prompts": 1, **layout}]
 
 
-def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_path, monkeypatch, tiny_model):
     """A full fine-tuning checkpoint resumed with --use_lora, or a LoRA one without it: one line naming the
     mismatch, before setup loads anything; the matching flag gets through to setup."""
     from sage_grpo.checkpoint import TRAIN_STATE
@@ -771,7 +771,7 @@ def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_pa
     monkeypatch.setattr(pt, "setup", setup)
     for saved_lora in (False, True):
         out = tmp_path / f"lora_{saved_lora}"
-        args = _args("unused", out, "--max_steps", "4", "--resume_from_checkpoint", "latest")
+        args = _args(str(tiny_model), out, "--max_steps", "4", "--resume_from_checkpoint", "latest")
         cfg = config_to_dict(load_config(args))
         cfg["model"]["use_lora"] = saved_lora
         (out / "checkpoint-3").mkdir(parents=True)
@@ -787,7 +787,8 @@ def test_resuming_the_other_kind_of_run_is_refused_before_any_model_loads(tmp_pa
             pt.main(args)
 
 
-def test_a_pending_update_that_could_never_be_taken_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+def test_a_pending_update_that_could_never_be_taken_is_refused_before_any_model_loads(tmp_path, monkeypatch,
+                                                                                     tiny_model):
     """A checkpoint written inside an accumulation (3 of 4 rounds) resumed with --gradient_accumulation_steps 2:
     the update is taken when the pending rounds reach it, which they never would; refused in one line before setup.
     With 4 (or more) it gets through."""
@@ -801,7 +802,7 @@ def test_a_pending_update_that_could_never_be_taken_is_refused_before_any_model_
         raise Loaded
 
     monkeypatch.setattr(pt, "setup", setup)
-    args = _args("unused", tmp_path / "run", "--max_steps", "8", "--resume_from_checkpoint", "latest")
+    args = _args(str(tiny_model), tmp_path / "run", "--max_steps", "8", "--resume_from_checkpoint", "latest")
     cfg = config_to_dict(load_config(args))
     cfg["optim"]["gradient_accumulation_steps"] = 4
     (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)
