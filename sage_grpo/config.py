@@ -31,6 +31,7 @@ import yaml
 from .errors import SageGRPOError
 from .recipes import RECIPE_FLOP_RATIOS, RECIPES, recipe_settings
 from .sde import CPS_LOGPROB_MODES, SAGE_SIGMA_CLAMP, SAMPLERS, check_sage_schedule
+from .window import ODE_SOLVERS
 
 __all__ = [
     "ModelConfig",
@@ -85,7 +86,6 @@ _FALSE = {"false", "0", "no", "off", "n", "f"}
 # _native_cudnn), flex attention, flash-attn 2 / 3 from their packages or from the Hub (`kernels`), flash 4 from the
 # Hub, SageAttention (no backward: generation only) and xformers. Which of them this machine runs is probed, not
 # assumed (`check_attention_backend`).
-ODE_SOLVERS = ("euler", "unipc")  # --ode_solver: the rollout's ODE steps after the SDE window (sage_grpo.rollout)
 ATTENTION_BACKENDS = ("auto", "native", "_native_math", "_native_flash", "_native_efficient", "_native_cudnn", "flex",
                       "flash", "flash_hub", "_flash_3", "_flash_3_hub", "flash_4_hub", "sage", "sage_hub", "xformers")
 

@@ -40,9 +40,7 @@ from sage_grpo.models.text_cache import TextConditioning
 from sage_grpo.schedule import sigma_schedule
 from sage_grpo.sde import SAGE_SIGMA_CLAMP, SDEStepOutput, check_sampler, sde_step
 from sage_grpo.seeding import derive_seed
-from sage_grpo.window import prefix_steps, tail_sigmas, tail_start
-
-ODE_SOLVERS = ("euler", "unipc")  # sage_grpo.config.ODE_SOLVERS, the flag's choices
+from sage_grpo.window import ODE_SOLVERS, prefix_steps, tail_sigmas, tail_start
 
 __all__ = [
     "SamplerSettings",

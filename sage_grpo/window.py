@@ -22,8 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["window_bounds", "window_index", "window_positions", "window_mask", "window_masks", "prefix_steps",
-           "tail_start", "tail_steps", "tail_sigmas"]
+ODE_SOLVERS = ("euler", "unipc")  # --ode_solver: the solvers of the ODE tail (sage_grpo.rollout.ode_tail)
+
+__all__ = ["ODE_SOLVERS", "window_bounds", "window_index", "window_positions", "window_mask", "window_masks",
+           "prefix_steps", "tail_start", "tail_steps", "tail_sigmas"]
 
 
 def window_positions(num_steps: int, start: int, size: int, stride: int) -> list[int]:
