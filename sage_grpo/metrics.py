@@ -150,6 +150,17 @@ def _series(rows: list[dict], key: str, keep=lambda row, value: True) -> tuple[l
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _line_styles(n: int) -> list[tuple]:
+    """`n` (colour, line style) pairs, no two alike: matplotlib's default cycle has 10 colours, and a world run logs
+    more held-out metrics than that (the 11th line was drawn in the 1st one's blue). tab10 up to 10 lines, tab20's 20
+    colours beyond, then the same colours dashed, dotted and dash-dotted."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    styles = ("-", "--", ":", "-.")
+    return [(cmap(i % cmap.N), styles[(i // cmap.N) % len(styles)]) for i in range(n)]
+
+
 def curves_figure(rows: list[dict]):
     """The figure of `plot_curves` for metrics rows (matplotlib Figure; the caller closes it).
 
@@ -219,8 +230,9 @@ def curves_figure(rows: list[dict]):
     xs, ys = _series(rows, "val_shift/reward_total")
     if xs:
         ax_h.plot(xs, ys, "o-", color="black", linewidth=2.5, label="trained reward")
-    for key in shifts:
-        ax_h.plot(*_series(rows, key), ".-" if len(rows) <= 60 else "-", linewidth=1.2, label=key.split("/", 1)[1])
+    for key, (colour, dashes) in zip(shifts, _line_styles(len(shifts))):
+        ax_h.plot(*_series(rows, key), marker="." if len(rows) <= 60 else None, color=colour, linestyle=dashes,
+                  linewidth=1.2, label=key.split("/", 1)[1])
     count = 0
     for r in rows:
         n = r.get("val/hacking_warnings")

@@ -17,8 +17,19 @@
 #     on the held-out colour-shape pairs; then before/after on 32 training prompts with the same first frames and
 #     noise (strip, paired change, direction share and first-frame fidelity in summary.json; the same verdict);
 #  6. the world model's quality on held-out captions (scripts/eval_tiny.py): a frame grid and the detectors' shares.
+#
+# THREADS (default 1): torch's CPU threads in every step (OMP_NUM_THREADS). docs/world_model.md measured the demo's
+# figures at one thread, and one thread does not stall when other jobs share the cores: at torch's default (all
+# cores) each operation waits for its slowest thread, and a loaded 2-core machine took 63 min. THREADS=0 keeps
+# torch's default, the faster choice on a quiet machine (the times: docs/world_model.md, "Time").
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+threads="${THREADS:-1}"
+if ! [[ "$threads" =~ ^[0-9]+$ ]]; then
+  echo "demo.sh: THREADS must be a whole number of threads (0 = torch's default), got '$threads'" >&2
+  exit 2
+fi
+if [ "$threads" != 0 ]; then export OMP_NUM_THREADS="$threads"; fi
 source scripts/_setup.sh "plot,lora"
 out=outputs/demo
 tiny=outputs/tiny_ckpts
@@ -46,19 +57,22 @@ python scripts/score_videos.py --videos "$out/videos" --out "$out/scores" \
 cat "$out/scores.csv"
 echo "== 4. GRPO training of the world model (configs/tiny_world.yaml, world_size reward) -> $out/train"
 rm -rf "$out/train"
-python post_train.py --config configs/tiny_world.yaml --output_dir "$out/train"
+python post_train.py --config configs/tiny_world.yaml --output_dir "$out/train" --report_to tensorboard
 python scripts/demo_compare.py --run "$out/train" --out "$out/before_after" --prompts 32 --strip_prompts 4 \
   --expect t2v
 echo "== 5. image-to-video: GRPO teaches motion direction (configs/tiny_world_i2v_motion.yaml) -> $out/i2v_train"
 rm -rf "$out/i2v_train"
-python post_train.py --config configs/tiny_world_i2v_motion.yaml --output_dir "$out/i2v_train"
+python post_train.py --config configs/tiny_world_i2v_motion.yaml --output_dir "$out/i2v_train" \
+  --report_to tensorboard
 python scripts/demo_compare.py --run "$out/i2v_train" --out "$out/i2v_before_after" --prompts 32 \
   --strip_prompts 4 --expect i2v
 echo "== 6. the world model on 12 held-out captions (scripts/eval_tiny.py) -> $out/world_eval"
 python scripts/eval_tiny.py --num_captions 12 --out "$out/world_eval"
 echo "== all demo steps done; outputs in $out"
 echo "   metrics:      $out/train/metrics.jsonl"
-echo "   curves:       $out/train/curves.png (trained reward beside the held-out metrics)"
+echo "   curves:       $out/train/curves.png (trained reward beside the held-out metrics; redrawn from"
+echo "                 metrics.jsonl by python scripts/plot_curves.py --run $out/train)"
+echo "   dashboards:   tensorboard --logdir $out (both trainings' scalars, validation strips and configs)"
 echo "   checkpoint:   $(ls -d "$out"/train/checkpoint-* | tail -1)"
 echo "   videos:       $out/before_after/before/ and $out/before_after/after/"
 echo "   frame strip:  $out/before_after/strip.png (before / after rows per prompt)"

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -128,6 +129,8 @@ def main(argv=None) -> dict:
                    help="a run of scripts/demo.sh's part (t2v: configs/tiny_world.yaml, i2v: "
                         "configs/tiny_world_i2v_motion.yaml): also print whether the paired change lies inside "
                         "the range the demo was measured to print, and the hacking check beside the measured one")
+    p.add_argument("--verbose", action="store_true",
+                   help="show the libraries' warnings and progress bars (hidden by default, as in post_train.py)")
     args = p.parse_args(argv)
     if args.prompts < 1 or args.strip_prompts < 1:
         raise SageGRPOError(f"--prompts and --strip_prompts must be >= 1, got {args.prompts} and {args.strip_prompts}")
@@ -135,6 +138,9 @@ def main(argv=None) -> dict:
     if not (run / "config.yaml").is_file():
         raise SageGRPOError(f"--run {args.run!r} holds no config.yaml: pass a post_train.py output_dir")
     from sage_grpo.checkpoint import list_checkpoints
+    from sage_grpo.cli import quiet_libraries
+
+    quiet_libraries(args.verbose)
 
     ckpts = list_checkpoints(run)
     if not ckpts:
@@ -205,9 +211,10 @@ def main(argv=None) -> dict:
 
 
 def _world_metrics(frames: dict, prompts: list[str]) -> dict:
-    """On world captions (configs/tiny_world.yaml): the held-out metrics of the before and after samples (what the
-    reward does not name: caption attributes, shape fidelity, background, temporal consistency) and the after
-    samples' distance from the before ones (same noise). Empty for other prompts."""
+    """On world captions (configs/tiny_world.yaml): on the compared training prompts, the metrics the reward does not
+    name (caption attributes, shape fidelity, background, temporal consistency) of the before and after samples,
+    the direction share (caption_motion: the object moves the caption's way) and the after samples' distance from
+    the before ones (same noise). Empty for other prompts."""
     import torch
 
     from sage_grpo.errors import SageGRPOError
@@ -222,8 +229,12 @@ def _world_metrics(frames: dict, prompts: list[str]) -> dict:
     before, after = torch.stack(frames["before"]), torch.stack(frames["after"])
     mean = {tag: {k: round(float(v.mean()), 4) for k, v in heldout_metrics(x, prompts).items()}
             for tag, x in (("before", before), ("after", after))}
-    return {"heldout_before": mean["before"], "heldout_after": mean["after"],
-            "drift_from_base": round(float(reference_distance(after, before).mean()), 4)}
+    # measured on the compared prompts (training ones), so not "held-out": those are validation's val/<name>
+    out = {"unrewarded_before": mean["before"], "unrewarded_after": mean["after"],
+           "drift_from_base": round(float(reference_distance(after, before).mean()), 4)}
+    # the share of videos whose object moves the caption's way: what the I2V part teaches (world_motion's aim)
+    out.update({f"direction_share_{tag}": mean[tag]["caption_motion"] for tag in ("before", "after")})
+    return out
 
 
 def _first_frame_fidelity(frames: dict, records: list) -> dict:
@@ -260,8 +271,8 @@ def _write_strip(frames: dict, scores: dict, prompts: list[str], path: Path) -> 
                 ax.set_yticks([])
                 if c == 0:
                     ax.set_ylabel(f"{tag}\n{scores[tag][i]:.3f}", fontsize=7)
-            if j == 0:
-                axes[2 * i][0].set_title(prompts[i][:40], fontsize=7, loc="left")
+            if j == 0:  # the whole caption over the row (a caption cut at 40 characters lost its background)
+                axes[2 * i][0].set_title(textwrap.fill(prompts[i], 75), fontsize=7, loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -13,9 +13,13 @@ figures (with matplotlib installed, the "plot" extra). Pre-trained base models a
 --out/base/.
 
 --recipes: instead of that grid, the cheaper-steps recipes of sage_grpo.recipes that apply to the unconditional lab
-(paper, window, sliding, sliding_shared: the CFG recipes need a conditional model) at sage_grpo, equalizer on, dual
-KL; recipes.md gives per-sample policy forwards per iteration (rollout + update + anchor, counted in the run) and
-the final metrics' gains over the base model as mean ± standard error over seeds.
+(paper, window, sliding, sliding_shared: the CFG recipes need a conditional model, and the lab has neither a
+higher-order ODE tail nor group timesteps) at sage_grpo, equalizer on, dual KL; recipes.md gives per dimension the
+model FLOPs per sample and iteration by phase (rollout / anchor / update, counted in the run) beside the forwards,
+their ratio to the paper's recipe (and at 8.3B), the final gains over the base model as mean ± standard error over
+seeds, and the recipes at equal drift: each run is evaluated every 5 iterations (drift = RMS distance of its ODE
+samples from the base model's on the same noise), and each recipe's curve is read at the paper recipe's final drift
+(sage_grpo.lab.equal_drift); equal_drift_d{D}.png draws the curves.
 
 Each grid cell runs single-threaded (tiny MLPs gain nothing from intra-op threads and lose to their
 synchronisation) and --workers cells run side by side in spawned processes (--workers 1: in this process).
@@ -36,7 +40,7 @@ from sage_grpo.cli import CLIParser, at_least, check_writable_dir
 from sage_grpo.errors import run_cli
 from sage_grpo.lab import KL_VARIANTS, LAB_SAMPLERS, LabConfig
 from sage_grpo.lab.ablation import init_worker, pretrain_job, run_job
-from sage_grpo.lab.report import aggregate, draw_figures, format_recipe_table, format_table, plot_all, write_csv
+from sage_grpo.lab.report import aggregate, draw_figures, format_table, plot_all, write_csv
 from sage_grpo.recipes import RECIPES, recipe_settings
 
 
@@ -96,6 +100,72 @@ def _progress(done: int, total: int, t0: float) -> None:
         print(f"[lab] {done}/{total} runs ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
+def recipe_rows(results: list[dict], names: list[str], iterations: int) -> tuple[list[dict], list[dict]]:
+    """The runs of --recipes -> (one summary row per run: the final gains over the base model and the model MFLOP
+    per sample and iteration by phase; one row per run and evaluated iteration > 0: its drift from the base model's
+    samples and its gains, the points of the equal-drift curves, sage_grpo.lab.equal_drift)."""
+    summary, points = [], []
+    for res, name in zip(results, names, strict=True):
+        row = {**res["summary"], "recipe": name, "steps": iterations}
+        for k in ("reward", "off_manifold", "mode_entropy"):
+            row[f"gain_{k}"] = row[f"final_{k}"] - row[f"base_{k}"]
+        for phase in ("rollout", "anchor", "update"):
+            row[f"mflop_{phase}"] = row[f"flop_{phase}_iter"] / 1e6
+        row["mflop_step"] = row["flop_iter"] / 1e6
+        summary.append(row)
+        for h in res["curves"]:
+            if h["iteration"] > 0 and "eval/drift" in h:
+                points.append({"dim": row["dim"], "recipe": name, "seed": row["seed"], "steps": h["iteration"],
+                               "drift": h["eval/drift"], "reward_gain": h["eval/reward"] - row["base_reward"],
+                               "heldout_change": h["eval/mode_entropy"] - row["base_mode_entropy"],
+                               "off_manifold_change": h["eval/off_manifold"] - row["base_off_manifold"],
+                               "mflop_step": row["mflop_step"]})
+    return summary, points
+
+
+def report_recipes(args, out: Path, results: list[dict], names: list[str], recipes: list[str], t0: float) -> int:
+    """--recipes: summary.csv, points.csv (every evaluated iteration), recipes.md (per dimension the FLOP table and
+    the equal-drift table: each recipe read at the paper recipe's drift after its --iterations, along its
+    evaluations every LabConfig.eval_every iterations) and equal_drift_d{D}.png."""
+    from sage_grpo.lab.equal_drift import equal_drift
+    from sage_grpo.lab.report import format_equal_drift_table, format_flop_table, plot_equal_drift
+    from sage_grpo.recipes import RECIPE_FLOP_RATIOS
+
+    summary, points = recipe_rows(results, names, args.iterations)
+    write_csv(out / "summary.csv", summary)
+    write_csv(out / "points.csv", points)
+    seeds = sorted({int(r["seed"]) for r in summary})
+    parts, figures = [], []
+    for dim in args.dims:
+        final = aggregate([r for r in summary if r["dim"] == dim], keys=("dim", "recipe", "steps"))
+        pts = [p for p in points if p["dim"] == dim]
+        text = (f"D = {dim}: model FLOPs per sample and iteration (matrix products, sage_grpo.lab.model.mlp_flops) and "
+                "the final gains over the base model:\n\n"
+                + format_flop_table(final, recipes, RECIPE_FLOP_RATIOS, RECIPE_COLUMNS, unit="MFLOP",
+                                    step="iteration", forwards_key="forwards_per_sample_iter"))
+        results_d = equal_drift(pts, "paper", ref_steps=args.iterations)
+        ref = results_d[0]
+        text += (f"\n\nD = {dim} at equal drift: each recipe read at the paper recipe's drift {ref['ref_drift']:.4f} "
+                 f"and gain {ref['ref_gain']:.3f} (its {args.iterations} iterations), along its curve through the "
+                 f"iterations {sorted({int(p['steps']) for p in pts})}, per seed:\n\n"
+                 + format_equal_drift_table(results_d, recipes, RECIPE_FLOP_RATIOS,
+                                            heldout_title="Mode-entropy change at the paper's drift"))
+        parts.append(text)
+        if not args.no_plots:
+            figures.append((dim, aggregate(pts, keys=("dim", "recipe", "steps")), results_d))
+    table = "\n\n".join(parts)
+    (out / "recipes.md").write_text(table + "\n")
+    print(f"\nLab recipes, mean ± standard error over seeds {seeds}, {args.iterations} iterations (ODE samples of "
+          "the policy against the base model's, same noise):\n\n" + table)
+    draw_figures("lab", out, lambda: [
+        plot_equal_drift(out / f"equal_drift_d{dim}.png", aggs, res, RECIPE_FLOP_RATIOS, unit="MFLOP",
+                         step="iteration", y_label="reward gain (ODE samples)", points="iterations",
+                         x_label="drift from the base model (RMS distance of ODE samples, same noise)")
+        for dim, aggs, res in figures])
+    print(f"[lab] total {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -107,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         recipes = [r for r in RECIPES if "cfg_scale" not in recipe_settings(r, base_cfg.num_steps)]
         jobs = [(out, dim, replace(base_cfg, seed=seed, **lab_recipe(r, base_cfg.num_steps)))
                 for dim in args.dims for seed in seeds for r in recipes]
-        names = [r for _dim in args.dims for _seed in seeds for r in recipes]
+        names = [r for _dim in args.dims for _seed in seeds for r in recipes]  # each job's recipe
         grid = f"{len(args.dims)} dims x {len(seeds)} seeds x {len(recipes)} recipes"
     else:
         jobs = [
@@ -140,25 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_job(job))
             _progress(len(results), len(jobs), t0)
 
-    summary = [r["summary"] for r in results]
     if args.recipes:
-        for row, name in zip(summary, names):
-            row["recipe"] = name
-            for k in ("reward", "off_manifold", "mode_entropy"):
-                row[f"gain_{k}"] = row[f"final_{k}"] - row[f"base_{k}"]
-        aggs = aggregate(summary, keys=("dim", "recipe"))
-        write_csv(out / "summary.csv", summary)
-        write_csv(out / "table.csv", aggs)
-        table = "\n\n".join(
-            f"D = {dim}\n\n" + format_recipe_table(
-                [a for a in aggs if a["dim"] == dim], recipes, RECIPE_COLUMNS, forwards_key="forwards_per_sample_iter",
-                forwards_title="Forwards / sample / iteration", forwards_decimals=1)
-            for dim in args.dims)
-        (out / "recipes.md").write_text(table + "\n")
-        print(f"\nLab recipes, mean ± standard error over {len(seeds)} seeds, {args.iterations} iterations (ODE "
-              "samples of the final policy against the base model's):\n" + table)
-        print(f"[lab] total {time.perf_counter() - t0:.1f} s")
-        return 0
+        return report_recipes(args, out, results, names, recipes, t0)
+    summary = [r["summary"] for r in results]
     curves = [row for r in results for row in r["curves"]]
     steps = [row for r in results for row in r["steps"]]
     write_csv(out / "summary.csv", summary)

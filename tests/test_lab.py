@@ -6,6 +6,7 @@ independent computation or a property the code must have, and can fail.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -24,6 +25,7 @@ from sage_grpo.lab import (
     train_grpo,
 )
 from sage_grpo.lab.grpo import summarize
+from sage_grpo.lab.model import mlp_flops
 from sage_grpo.lab.report import aggregate, format_table
 from sage_grpo.schedule import sigma_schedule
 from sage_grpo.sde import mean_sensitivity, sde_step, step_variance
@@ -170,6 +172,51 @@ def test_window_rollout_ode_outside_shared_prefix_and_forward_count(ring, base_f
     per = [h["forwards_per_sample"] for h in run.history if "forwards_per_sample" in h]
     # rollout 8 steps; 2 updates on 4 samples x 1 step; the anchor on the 3 updates after the first
     assert per == [8 + 1 + 0.5, 8 + 1 + 1]
+    # the same counts in model FLOPs by phase: forward F per rollout and anchor forward, F + B per trained pair
+    f = mlp_flops(base_flow)
+    rows = [h for h in run.history if "flop_rollout" in h]
+    assert [h["flop_rollout"] for h in rows] == [8 * f["forward"]] * 2
+    assert [h["flop_anchor"] for h in rows] == [0.5 * f["forward"], 1 * f["forward"]]
+    assert [h["flop_update"] for h in rows] == [1 * (f["forward"] + f["backward"])] * 2
+
+
+def test_mlp_flops_are_what_torch_counts_for_a_forward_and_a_trained_backward(base_flow):
+    """mlp_flops against torch.utils.flop_counter on the lab's real forward and the backward of a trained MLP (its
+    first layer's input gradient not computed: x and sigma need none)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = copy.deepcopy(base_flow).requires_grad_(True)
+    x, sigma = torch.randn(5, 2), torch.rand(5)
+    with FlopCounterMode(display=False) as fwd:
+        out = model(x, sigma)
+    with FlopCounterMode(display=False) as bwd:
+        out.pow(2).sum().backward()
+    f = mlp_flops(model)
+    assert fwd.get_total_flops() == 5 * f["forward"]
+    assert bwd.get_total_flops() == 5 * f["backward"]
+    assert f["backward"] < 2 * f["forward"]  # the first layer's input gradient is not computed
+
+
+def test_the_lab_drift_is_the_rms_distance_from_the_base_models_samples(ring, base_flow):
+    """eval/drift: 0 for the base model itself (every run's first evaluation); for another model, the RMS distance
+    over the coordinates of its ODE samples from the base model's on the same noise, mean over the samples,
+    recomputed here with numpy; a run's later evaluations have moved."""
+    import numpy as np
+
+    from sage_grpo.lab.grpo import _evaluate
+
+    cfg = LabConfig(sampler="sage_grpo", kl="none", iterations=3, eval_every=3, eval_samples=64, seed=2)
+    res = train_grpo(cfg, ring, base_flow)
+    assert res.base["drift"] == 0.0 and res.history[0]["eval/drift"] == 0.0 and res.final["drift"] > 0
+    noise = torch.randn(64, 2, generator=torch.Generator().manual_seed(7))
+    base = ode_sample(base_flow, noise, cfg.num_steps, cfg.shift)
+    moved = copy.deepcopy(base_flow)
+    with torch.no_grad():
+        moved.net[-1].bias += torch.tensor([0.3, -0.1])
+    got = _evaluate(moved, ring, noise, cfg, base)["drift"]
+    a, b = ode_sample(moved, noise, cfg.num_steps, cfg.shift).numpy(), base.numpy()
+    assert got == pytest.approx(float(np.sqrt(((a - b) ** 2).mean(axis=1)).mean()), rel=1e-6)
+    assert got > 0.05
 
 
 def test_short_grpo_run_raises_reward(ring, base_flow):

@@ -44,23 +44,38 @@ def test_ablation_script_writes_table_csv_and_cache(tmp_path, capsys):
     assert (tmp_path / "table_d2.md").read_text().startswith("| Method |")
 
 
-def test_recipes_table_reports_forwards_and_standard_errors(tmp_path, capsys):
-    """--recipes: the recipes an unconditional model can run, their counted forwards against the paper's recipe,
-    and the gains as mean ± standard error over seeds (recomputed here from summary.csv)."""
+def test_recipes_table_reports_flops_forwards_and_equal_drift(tmp_path, capsys):
+    """--recipes: the recipes an unconditional model can run, their model FLOPs by phase and counted forwards
+    against the paper's recipe, the gains as mean ± standard error over seeds (recomputed here from summary.csv),
+    and each recipe read at the paper recipe's drift along its evaluations (points.csv), with the figure."""
     import statistics
 
+    from sage_grpo.lab.equal_drift import equal_drift
+
     mod = _load_script()
-    assert mod.main(["--recipes", "--seeds", "2", "--dims", "2", "--iterations", "2", "--workers", "1", "--out",
+    assert mod.main(["--recipes", "--seeds", "2", "--dims", "2", "--iterations", "6", "--workers", "1", "--out",
                      str(tmp_path)]) == 0
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert sorted({r["recipe"] for r in rows}) == ["paper", "sliding", "sliding_shared", "window"]
     table = (tmp_path / "recipes.md").read_text()
     fwd = {r["recipe"]: float(r["forwards_per_sample_iter"]) for r in rows if r["seed"] == "0"}
     assert fwd["window"] < fwd["paper"] and fwd["sliding_shared"] < fwd["sliding"]  # the prefix runs once per group
+    flop = {name: statistics.mean(float(r["flop_iter"]) for r in rows if r["recipe"] == name) for name in fwd}
+    for r in rows:  # the total is the three phases
+        assert float(r["mflop_step"]) * 1e6 == pytest.approx(sum(float(r[f"flop_{k}_iter"])
+                                                                  for k in ("rollout", "anchor", "update")))
     gains = [float(r["gain_reward"]) for r in rows if r["recipe"] == "window"]
     mean, se = statistics.mean(gains), statistics.stdev(gains) / 2**0.5
-    line = next(x for x in table.splitlines() if x.startswith("| window |"))
-    assert f"{mean:.3f} ± {se:.3f}" in line and f"| {fwd['window'] / fwd['paper']:.2f} |" in line
+    line = next(x for x in table.splitlines() if x.startswith("| window | 6 |"))
+    assert f"{mean:.3f} ± {se:.3f}" in line and f"| {flop['window'] / flop['paper']:.2f} |" in line
+    assert f"| {fwd['window']:.2f} |" in line
+    # the equal-drift table: the paper's recipe at its 6 iterations, every recipe through its iterations 5 and 6
+    points = list(csv.DictReader((tmp_path / "points.csv").open()))
+    assert sorted({int(p["steps"]) for p in points}) == [5, 6] and len(points) == 2 * 4 * 2
+    got = next(r for r in equal_drift(points, "paper", ref_steps=6) if r["recipe"] == "sliding")
+    drift_line = next(x for x in table.split("at equal drift")[1].splitlines() if x.startswith("| sliding |"))
+    assert f"{got['gain_at_ref_drift'][0]:.3f} ± {got['gain_at_ref_drift'][1]:.3f}" in drift_line
+    assert (tmp_path / "equal_drift_d2.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("argv, message", [

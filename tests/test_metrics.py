@@ -112,6 +112,49 @@ def test_curves_put_the_held_out_metrics_beside_the_trained_reward():
         plt.close(fig)
 
 
+@pytest.mark.parametrize("n", [4, 14, 25])
+def test_no_two_held_out_lines_look_alike(n):
+    """A world run logs more held-out metrics than matplotlib's 10-colour cycle: every line of the bottom panel has
+    its own (colour, line style), none the trained reward's black."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    rows = _rows()
+    for step in (2, 6, 10):
+        rows[step - 1].update({"val_shift/reward_total": step / 10, "val/hacking_warnings": 0,
+                               **{f"val_shift/metric_{i:02d}": -i * step / 100 for i in range(n)}})
+    fig = curves_figure(rows)
+    try:
+        lines = [ln for ln in fig.axes[-1].lines if ln.get_label().startswith("metric_")]
+        looks = {(to_rgba(ln.get_color()), ln.get_linestyle()) for ln in lines}
+        assert len(lines) == n and len(looks) == n
+        assert (to_rgba("black"), "-") not in looks
+    finally:
+        plt.close(fig)
+
+
+def test_plot_curves_script_redraws_a_runs_curves_from_its_metrics(tmp_path, capsys):
+    """scripts/plot_curves.py: curves.png of a run folder (or a metrics.jsonl) drawn again, by default beside it;
+    a folder without metrics is one line."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import plot_curves as script
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    assert script.main(["--run", str(run)]) == run / "curves.png"
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    other = tmp_path / "other.png"
+    assert script.main(["--run", str(run / "metrics.jsonl"), "--out", str(other)]) == other and other.is_file()
+    assert str(other) in capsys.readouterr().out
+    with pytest.raises(SageGRPOError, match="no metrics.jsonl"):
+        script.main(["--run", str(tmp_path / "missing")])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(SageGRPOError, match="no rows"):
+        script.main(["--run", str(tmp_path / "empty")])
+
+
 def test_frame_strip_picks_evenly_spaced_frames_side_by_side():
     frames = torch.arange(20, dtype=torch.float32).div(19).view(20, 1, 1, 1).expand(20, 3, 320, 480)
     strip = frame_strip(frames)

@@ -52,7 +52,7 @@ from ..sde import check_sampler, sde_step
 from ..window import prefix_steps, window_index, window_masks, window_positions
 from .data import RingManifold
 from .metrics import log_spread, per_step_grad_norms, sample_metrics
-from .model import ode_sample
+from .model import mlp_flops, ode_sample
 
 __all__ = ["KL_VARIANTS", "LAB_SAMPLERS", "LabConfig", "Trajectory", "RunResult", "rollout", "train_grpo", "summarize"]
 
@@ -194,13 +194,19 @@ def rollout(
                       forwards=forwards)
 
 
-def _evaluate(model: nn.Module, data: RingManifold, noise: Tensor, cfg: LabConfig) -> dict[str, float]:
-    """ODE samples from fixed noise (the validation protocol of the video loop) -> sample_metrics."""
+def _evaluate(model: nn.Module, data: RingManifold, noise: Tensor, cfg: LabConfig,
+              base_samples: Tensor | None = None) -> dict[str, float]:
+    """ODE samples from fixed noise (the validation protocol of the video loop) -> sample_metrics, and with the base
+    model's samples of the same noise [n, D] their `drift` from them (the video lab's drift: the RMS difference
+    over the coordinates, mean over the samples)."""
     was_training = model.training
     model.eval()
-    x = ode_sample(model, noise, cfg.num_steps, cfg.shift)
+    x = ode_sample(model, noise, cfg.num_steps, cfg.shift)  # [n, D]
     model.train(was_training)
-    return sample_metrics(data, x)
+    out = sample_metrics(data, x)
+    if base_samples is not None:
+        out["drift"] = float((x - base_samples).pow(2).mean(dim=1).sqrt().mean())
+    return out
 
 
 def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> RunResult:
@@ -235,12 +241,14 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
 
     predicted = gradient_scale(cfg.sampler, sigmas, cfg.eta, cps_logprob=cfg.cps_logprob)  # [T]
     result = RunResult(config=asdict(cfg), equalizer=s_eq, predicted_scale=predicted)
-    result.base = _evaluate(policy, data, eval_noise, cfg)
+    base_samples = ode_sample(base_model.eval(), eval_noise, cfg.num_steps, cfg.shift)  # [n, D]
+    result.base = _evaluate(policy, data, eval_noise, cfg, base_samples)
+    flops = mlp_flops(policy)
     num_updates = 0
     for it in range(cfg.iterations):
         row: dict = {"iteration": it}
         if it % cfg.eval_every == 0:
-            row.update({f"eval/{k}": v for k, v in _evaluate(policy, data, eval_noise, cfg).items()})
+            row.update({f"eval/{k}": v for k, v in _evaluate(policy, data, eval_noise, cfg, base_samples).items()})
 
         # 1. rollout, 2. reward and advantages
         if cfg.same_noise:
@@ -250,6 +258,7 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
         w = window_index(len(windows), cfg.window_every, num_updates)  # the window of this rollout
         traj = rollout(policy, noise, sigmas, cfg, gen, windows[w])
         forwards = traj.forwards
+        trained_pairs = anchor_forwards = 0  # re-scored (forward + backward) pairs; the anchor's forwards
         rewards = data.reward(traj.latents[-1])  # [B]
         adv, valid = group_advantages(rewards, group_ids, adv_clip_max=cfg.adv_clip_max)  # [B], [B]
         if it == 0:
@@ -265,6 +274,8 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
             pairs = PairBatch(samples=mb.repeat_interleave(steps.shape[1]), steps=steps[mb].reshape(-1))
             opt.zero_grad(set_to_none=True)
             forwards += pairs.samples.numel() * (2 if cfg.uses_kl_pos and not anchor_synced else 1)  # + anchor's
+            trained_pairs += pairs.samples.numel()
+            anchor_forwards += pairs.samples.numel() if cfg.uses_kl_pos and not anchor_synced else 0
             mb_stats = grpo_backward(
                 pairs, lambda i, t, tr=traj: _rescore(policy, tr, sigmas, i, t, cfg),
                 logp_old=traj.log_probs.T, advantages=adv, valid=valid, step_weights=weights[w],
@@ -290,11 +301,15 @@ def train_grpo(cfg: LabConfig, data: RingManifold, base_model: nn.Module) -> Run
             _acc(stats_acc, "train/grad_norm", float(gnorm))
         row["reward/rollout"] = float(rewards.mean())
         row["forwards_per_sample"] = forwards / batch
+        # model FLOPs per sample by phase, as the video loop's meter splits them (perf/<phase>_tflop)
+        row["flop_rollout"] = traj.forwards * flops["forward"] / batch
+        row["flop_anchor"] = anchor_forwards * flops["forward"] / batch
+        row["flop_update"] = trained_pairs * (flops["forward"] + flops["backward"]) / batch
         row["off_manifold/rollout"] = float(data.distance_to_support(traj.latents[-1]).mean())
         row.update({k: sum(v) / len(v) for k, v in stats_acc.items()})
         result.history.append(row)
 
-    result.final = _evaluate(policy, data, eval_noise, cfg)
+    result.final = _evaluate(policy, data, eval_noise, cfg, base_samples)
     result.history.append({"iteration": cfg.iterations, **{f"eval/{k}": v for k, v in result.final.items()}})
     if cfg.grad_norms_at_end:
         traj = rollout(policy, torch.randn(batch, data.dim, generator=gen), sigmas, cfg, gen)
@@ -339,4 +354,8 @@ def summarize(result: RunResult) -> dict:
     row["wall_s"] = result.wall_s
     per_iter = [h["forwards_per_sample"] for h in result.history if "forwards_per_sample" in h]
     row["forwards_per_sample_iter"] = sum(per_iter) / len(per_iter)  # policy forwards: rollout, update, anchor
+    for phase in ("rollout", "anchor", "update"):  # model FLOPs per sample and iteration, mean over the run
+        per_iter = [h[f"flop_{phase}"] for h in result.history if f"flop_{phase}" in h]
+        row[f"flop_{phase}_iter"] = sum(per_iter) / len(per_iter)
+    row["flop_iter"] = sum(row[f"flop_{phase}_iter"] for phase in ("rollout", "anchor", "update"))
     return row

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["TABLE_METRICS", "aggregate", "format_table", "write_csv", "plot_all", "save_figure", "draw_figures",
-           "standard_error", "mean_se_cell"]
+           "standard_error", "mean_se_cell", "format_recipe_table", "format_flop_table", "format_equal_drift_table",
+           "plot_equal_drift"]
 
 # (column title, summary key, decimals). Off-manifold: lower is better; the others: see docs/labs.md.
 TABLE_METRICS = (
@@ -242,3 +243,100 @@ def format_recipe_table(aggs: Sequence[dict], recipes: Sequence[str], columns: S
         lines.append(f"| {name} | {fwd:.{forwards_decimals}f} | {ratio} | {a['n']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
+
+def _pm(mean_se: tuple[float, float], decimals: int) -> str:
+    mean, se = mean_se
+    return f"{mean:.{decimals}f}" if se != se else f"{mean:.{decimals}f} ± {se:.{decimals}f}"  # se NaN: one seed
+
+
+def format_flop_table(aggs: Sequence[dict], recipes: Sequence[str], real_ratios: Mapping[str, float],
+                      columns: Sequence[tuple[str, str, int]], *, unit: str, step: str, forwards_key: str) -> str:
+    """Markdown: one row per recipe (`aggs` of its last evaluated step, in `recipes` order): the model FLOPs in
+    `unit` (keys `<unit lowercased>_<phase>_mean`) per sample and `step` of each phase as the loop counted them
+    (rollout / anchor / update, mean over the run's steps and seeds), their total and its ratio to the paper's
+    recipe, the same ratio at the real size (`real_ratios`, sage_grpo.recipes.RECIPE_FLOP_RATIOS), the forwards per
+    sample and step (`forwards_key`), then `columns` (title, key, decimals) as mean ± standard error over seeds."""
+    cells = {a["recipe"]: a for a in aggs}
+    paper = cells.get("paper")
+    key = unit.lower()
+    head = ["Recipe", f"{step.capitalize()}s", f"{unit} / sample / {step}: rollout / anchor / update", "Total",
+            "vs paper", "vs paper, 8.3B at 81x352x624", f"Forwards / sample / {step}", "Seeds"]
+    head += [t for t, _, _ in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in recipes:
+        a = cells.get(name)
+        if a is None:
+            continue
+        total = a[f"{key}_step_mean"]
+        ratio = f"{total / paper[f'{key}_step_mean']:.2f}" if paper else "-"
+        phases = " / ".join(f"{a[f'{key}_{k}_mean']:.2f}" for k in ("rollout", "anchor", "update"))
+        vals = [mean_se_cell(a, k, d) for _, k, d in columns]
+        real = real_ratios.get(name, math.nan)
+        lines.append(f"| {name} | {a['steps']} | {phases} | {total:.2f} | {ratio} | {real:.2f}"
+                     f" | {a[f'{forwards_key}_mean']:.2f} | {a['n']} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def format_equal_drift_table(results: Sequence[dict], recipes: Sequence[str], real_ratios: Mapping[str, float], *,
+                             heldout_title: str) -> str:
+    """Markdown of sage_grpo.lab.equal_drift's results, in `recipes` order: each recipe's gain and held-out change at
+    the reference's drift, its gain minus the reference's (paired by seed), and its drift at the reference's gain,
+    mean ± standard error over seeds; a read past a recipe's last point is marked with the count of such seeds."""
+    cells = {r["recipe"]: r for r in results}
+    head = ["Recipe", "FLOPs vs paper (8.3B)", "Seeds", "Gain at the paper's drift", "Minus the paper's gain (paired)",
+            heldout_title, "Drift at the paper's gain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in recipes:
+        r = cells.get(name)
+        if r is None:
+            continue
+        ext_g = f" ({r['extrapolated_gain']} extrapolated)" if r["extrapolated_gain"] else ""
+        ext_d = f" ({r['extrapolated_drift']} extrapolated)" if r["extrapolated_drift"] else ""
+        if r.get("unreached_drift"):
+            ext_d += f" ({r['unreached_drift']} never reached, left out)"
+        lines.append(f"| {name} | {real_ratios.get(name, math.nan):.2f} | {r['seeds']} | "
+                     f"{_pm(r['gain_at_ref_drift'], 3)}{ext_g} | {_pm(r['gain_vs_reference'], 3)} | "
+                     f"{_pm(r['heldout_at_ref_drift'], 3)} | {_pm(r['drift_at_ref_gain'], 4)}{ext_d} |")
+    return "\n".join(lines)
+
+
+def plot_equal_drift(path: Path, aggs: Sequence[dict], results: Sequence[dict], real_ratios: Mapping[str, float], *,
+                     unit: str, step: str, x_label: str, y_label: str, points: str) -> Path:
+    """`path` (a PNG): reward gain against drift, one curve per recipe through its evaluated steps (mean over seeds,
+    error bars = standard errors in both), from the base model at (0, 0); each point labelled with its step count,
+    the legend with each recipe's FLOPs per `step` (in `unit` per sample) and its ratio at the real size; dotted
+    lines at the paper's drift and gain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    by_recipe: dict[str, list[dict]] = defaultdict(list)
+    for a in aggs:
+        by_recipe[a["recipe"]].append(a)
+    for i, (name, pts) in enumerate(by_recipe.items()):
+        pts = sorted(pts, key=lambda a: int(a["steps"]))
+        xs = [0.0] + [a["drift_mean"] for a in pts]
+        ys = [0.0] + [a["reward_gain_mean"] for a in pts]
+        cost = sum(a[f"{unit.lower()}_step_mean"] for a in pts) / len(pts)
+        label = f"{name}: {cost:.2f} {unit}/sample/{step}, {real_ratios.get(name, math.nan):.2f}x at 8.3B"
+        ax.plot(xs, ys, "-", color=f"C{i}", lw=1.2, label=label)
+        ax.errorbar(xs[1:], ys[1:], xerr=[standard_error(a, "drift") for a in pts],
+                    yerr=[standard_error(a, "reward_gain") for a in pts], fmt="o", color=f"C{i}", ms=4, capsize=2)
+        for a in pts:
+            ax.annotate(str(a["steps"]), (a["drift_mean"], a["reward_gain_mean"]), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points", color=f"C{i}")
+    if results:
+        ref = results[0]
+        ax.axvline(ref["ref_drift"], color="grey", ls=":", lw=0.8)
+        ax.axhline(ref["ref_gain"], color="grey", ls=":", lw=0.8)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlim(left=0)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.set_title(f"reward gain against drift; points = {points}, dotted = the paper's recipe at its last one",
+                 fontsize=8)
+    ax.legend(fontsize=6, loc="upper left")
+    fig.tight_layout()
+    return save_figure(fig, path, plt)

@@ -10,7 +10,6 @@ same captions and noise. Gains are trained minus base on that same noise, so the
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,7 +18,10 @@ import torch
 
 from .grpo import LAB_SAMPLERS
 from .report import aggregate, mean_se_cell, save_figure, standard_error
+from .report import format_equal_drift_table as report_equal_drift_table
+from .report import format_flop_table as report_flop_table
 from .report import format_recipe_table as report_recipe_table
+from .report import plot_equal_drift as report_plot_equal_drift
 
 __all__ = [
     "VIDEO_SAMPLERS",
@@ -168,98 +170,24 @@ def format_recipe_table(aggs: Sequence[dict], recipes: Sequence[str]) -> str:
                                forwards_title="Forwards / sample / step", forwards_decimals=2)
 
 
-def _pm(mean_se: tuple[float, float], decimals: int) -> str:
-    mean, se = mean_se
-    return f"{mean:.{decimals}f}" if se != se else f"{mean:.{decimals}f} ± {se:.{decimals}f}"  # se NaN: one seed
-
-
 def format_flop_table(aggs: Sequence[dict], recipes: Sequence[str], real_ratios: Mapping[str, float]) -> str:
-    """Markdown: one row per recipe (`aggs` of its last evaluated step, in `recipes` order): the model GFLOP per
-    sample and step of each phase as the loop's FLOP meter counted them (rollout / anchor / update, mean over the
-    run's steps and seeds), their total and its ratio to the paper's recipe, the same ratio at the real size
-    (`real_ratios`, sage_grpo.recipes.RECIPE_FLOP_RATIOS), the forwards per sample and step, then the learning columns
-    as mean ± standard error over seeds."""
-    cells = {a["recipe"]: a for a in aggs}
-    paper = cells.get("paper")
-    head = ["Recipe", "Steps", "GFLOP / sample / step: rollout / anchor / update", "Total", "vs paper",
-            "vs paper, 8.3B at 81x352x624", "Forwards / sample / step", "Seeds"] + [t for t, _, _ in RECIPE_COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in recipes:
-        a = cells.get(name)
-        if a is None:
-            continue
-        total = a["gflop_step_mean"]
-        ratio = f"{total / paper['gflop_step_mean']:.2f}" if paper else "-"
-        phases = " / ".join(f"{a[f'gflop_{k}_mean']:.2f}" for k in ("rollout", "anchor", "update"))
-        vals = [mean_se_cell(a, k, d) for _, k, d in RECIPE_COLUMNS]
-        real = real_ratios.get(name, math.nan)
-        lines.append(f"| {name} | {a['steps']} | {phases} | {total:.2f} | {ratio} | {real:.2f}"
-                     f" | {a['forwards_per_step_mean']:.2f} | {a['n']} | " + " | ".join(vals) + " |")
-    return "\n".join(lines)
+    """report.format_flop_table of the video lab: GFLOP per sample and GRPO step, RECIPE_COLUMNS."""
+    return report_flop_table(aggs, recipes, real_ratios, RECIPE_COLUMNS, unit="GFLOP", step="step",
+                             forwards_key="forwards_per_step")
 
 
 def format_equal_drift_table(results: Sequence[dict], recipes: Sequence[str], real_ratios: Mapping[str, float]) -> str:
-    """Markdown of sage_grpo.lab.equal_drift's results, in `recipes` order: each recipe's gain and held-out change at
-    the reference's drift, its gain minus the reference's (paired by seed), and its drift at the reference's gain,
-    mean ± standard error over seeds; a read past a recipe's last point is marked with the count of such seeds."""
-    cells = {r["recipe"]: r for r in results}
-    head = ["Recipe", "FLOPs vs paper (8.3B)", "Seeds", "Gain at the paper's drift", "Minus the paper's gain (paired)",
-            "Held-out change at the paper's drift", "Drift at the paper's gain"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in recipes:
-        r = cells.get(name)
-        if r is None:
-            continue
-        ext_g = f" ({r['extrapolated_gain']} extrapolated)" if r["extrapolated_gain"] else ""
-        ext_d = f" ({r['extrapolated_drift']} extrapolated)" if r["extrapolated_drift"] else ""
-        if r.get("unreached_drift"):
-            ext_d += f" ({r['unreached_drift']} never reached, left out)"
-        lines.append(f"| {name} | {real_ratios.get(name, math.nan):.2f} | {r['seeds']} | "
-                     f"{_pm(r['gain_at_ref_drift'], 3)}{ext_g} | {_pm(r['gain_vs_reference'], 3)} | "
-                     f"{_pm(r['heldout_at_ref_drift'], 3)} | {_pm(r['drift_at_ref_gain'], 4)}{ext_d} |")
-    return "\n".join(lines)
+    """report.format_equal_drift_table of the video lab (held-out change: the 4 fidelity metrics' mean)."""
+    return report_equal_drift_table(results, recipes, real_ratios, heldout_title="Held-out change at the paper's drift")
 
 
 def plot_equal_drift(out_dir: Path, aggs: Sequence[dict], results: Sequence[dict],
                      real_ratios: Mapping[str, float]) -> Path:
-    """equal_drift.png: reward gain against drift, one curve per recipe through its evaluated steps (mean over seeds,
-    error bars = standard errors in both), from the base model at (0, 0); each point labelled with its step count,
-    the legend with each recipe's FLOPs per step (meter, GFLOP per sample) and its ratio at the real size; dotted
-    lines at the paper's drift and gain."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    by_recipe: dict[str, list[dict]] = defaultdict(list)
-    for a in aggs:
-        by_recipe[a["recipe"]].append(a)
-    for i, (name, pts) in enumerate(by_recipe.items()):
-        pts = sorted(pts, key=lambda a: int(a["steps"]))
-        xs = [0.0] + [a["drift_mean"] for a in pts]
-        ys = [0.0] + [a["reward_gain_mean"] for a in pts]
-        gflop = sum(a["gflop_step_mean"] for a in pts) / len(pts)
-        label = f"{name}: {gflop:.2f} GFLOP/sample/step, {real_ratios.get(name, math.nan):.2f}x at 8.3B"
-        ax.plot(xs, ys, "-", color=f"C{i}", lw=1.2, label=label)
-        ax.errorbar(xs[1:], ys[1:], xerr=[standard_error(a, "drift") for a in pts],
-                    yerr=[standard_error(a, "reward_gain") for a in pts], fmt="o", color=f"C{i}", ms=4, capsize=2)
-        for a in pts:
-            ax.annotate(str(a["steps"]), (a["drift_mean"], a["reward_gain_mean"]), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points", color=f"C{i}")
-    if results:
-        ref = results[0]
-        ax.axvline(ref["ref_drift"], color="grey", ls=":", lw=0.8)
-        ax.axhline(ref["ref_gain"], color="grey", ls=":", lw=0.8)
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.set_xlim(left=0)
-    ax.set_xlabel("drift from the base model (RMSE of held-out samples, same noise)")
-    ax.set_ylabel("trained reward gain (held-out captions)")
-    ax.set_title("reward gain against drift; points = GRPO steps, dotted = the paper's recipe at its last step",
-                 fontsize=8)
-    ax.legend(fontsize=6, loc="upper left")
-    fig.tight_layout()
-    return save_figure(fig, out_dir / "equal_drift.png", plt)
+    """report.plot_equal_drift of the video lab -> out_dir/equal_drift.png."""
+    return report_plot_equal_drift(
+        out_dir / "equal_drift.png", aggs, results, real_ratios, unit="GFLOP", step="step",
+        x_label="drift from the base model (RMSE of held-out samples, same noise)",
+        y_label="trained reward gain (held-out captions)", points="GRPO steps")
 
 
 def plot_video_lab(out_dir: Path, rows: Sequence[dict], aggs: Sequence[dict], curves: Sequence[dict]) -> list[Path]:
