@@ -12,6 +12,9 @@ the peers' ways, each a set of post_train.py flags relative to the schedule's T 
   cfg_free_sliding cfg_free + sliding_shared
   cfg_free_sliding_unipc  cfg_free_sliding with the ODE after the window in ODE_TAIL_STEPS UniPC steps
                    (MixGRPO-Flash's higher-order solver, diffusers' UniPCMultistepScheduler on the schedule's sigmas)
+  cfg_free_wide_unipc  cfg_free_sliding_unipc with a window of 2T/5 steps (4 of 10 on the world model, 8 of 20 at
+                   the authors' T): more of the schedule explored and trained, still under a quarter of the paper's
+                   FLOPs at the real size
   flash            cfg_free_sliding_unipc training one step of the window per sample, the same step for the G
                    samples of a group (Flash-GRPO's grouping: one timestep per group, 1 trained step a trajectory)
 
@@ -26,7 +29,7 @@ __all__ = ["RECIPES", "RECIPE_FLOP_RATIOS", "ODE_TAIL_STEPS", "recipe_settings",
            "forwards_per_sample_step", "step_flops", "real_size_flop_ratios"]
 
 RECIPES = ("paper", "cfg_free", "window", "sliding", "sliding_shared", "cfg_free_sliding", "cfg_free_sliding_unipc",
-           "flash")
+           "cfg_free_wide_unipc", "flash")
 SLIDE_EVERY = 2  # updates between two moves of the recipes' sliding window (short runs: MixGRPO moves every 25)
 ODE_TAIL_STEPS = 4  # UniPC steps of the ODE after the window (tests/test_rollout.py: on the tiny world model, without
 # CFG, 4 of them end within 15 % of the schedule's 8 Euler steps' distance from a 200-step reference)
@@ -35,14 +38,16 @@ ODE_TAIL_STEPS = 4  # UniPC steps of the ODE after the window (tests/test_rollou
 # steps). Kept as numbers so that --help can show them without building a Config; tests/test_recipes.py checks them
 # against the computation.
 RECIPE_FLOP_RATIOS = {"paper": 1.0, "cfg_free": 0.5, "window": 0.403, "sliding": 0.403, "sliding_shared": 0.365,
-                      "cfg_free_sliding": 0.182, "cfg_free_sliding_unipc": 0.161, "flash": 0.082}
+                      "cfg_free_sliding": 0.182, "cfg_free_sliding_unipc": 0.161, "cfg_free_wide_unipc": 0.232,
+                      "flash": 0.082}
 
 
 def recipe_settings(name: str, num_steps: int) -> dict:
     """The rollout settings of recipe `name` for a schedule of `num_steps` steps (post_train.py's rollout keys; the
-    window is T/4 steps, at least 1). Every recipe sets the window and the initial-noise keys, so a recipe means the
-    same on any config (configs/tiny_world.yaml, for one, trains an SDE window from one noise per group; "paper" on it
-    is still every step SDE from independent noise). The toy lab reads the same dict."""
+    window is T/4 steps, at least 1, cfg_free_wide_unipc's 2T/5). Every recipe sets the window and the initial-noise
+    keys, so a recipe means the same on any config (configs/tiny_world.yaml, for one, trains an SDE window from one
+    noise per group; "paper" on it is still every step SDE from independent noise). The toy lab reads the same
+    dict."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
     size = max(1, num_steps // 4)
@@ -64,6 +69,7 @@ def recipe_settings(name: str, num_steps: int) -> dict:
         "sliding_shared": shared,
         "cfg_free_sliding": cfg_free_sliding,
         "cfg_free_sliding_unipc": unipc,
+        "cfg_free_wide_unipc": {**unipc, "sde_window_size": max(1, 2 * num_steps // 5)},
         "flash": {**unipc, "timestep_fraction": 1.0 / size, "group_timesteps": True},
     }[name]
 

@@ -63,6 +63,15 @@ def test_flash_trains_one_step_of_the_window_per_group_and_the_solver_tail():
     assert recipe_settings("paper", 20)["ode_steps"] == 0  # every recipe sets the solver keys
 
 
+def test_the_wide_recipe_explores_two_fifths_of_the_schedule_under_a_quarter_of_the_flops():
+    wide, narrow = recipe_settings("cfg_free_wide_unipc", 10), recipe_settings("cfg_free_sliding_unipc", 10)
+    assert (wide["sde_window_size"], narrow["sde_window_size"]) == (4, 2)
+    assert recipe_settings("cfg_free_wide_unipc", 20)["sde_window_size"] == 8
+    assert {k: v for k, v in wide.items() if k != "sde_window_size"} == {
+        k: v for k, v in narrow.items() if k != "sde_window_size"}
+    assert RECIPE_FLOP_RATIOS["cfg_free_sliding_unipc"] < RECIPE_FLOP_RATIOS["cfg_free_wide_unipc"] < 0.25
+
+
 def test_the_help_lists_the_real_size_flop_ratios_the_model_gives():
     """RECIPE_FLOP_RATIOS (shown by --help) are sage_grpo.flops' model FLOPs per step at 81x352x624 on the
     defaults, and they are what an independent sum over the phases gives for the paper's and cfg_free's recipes."""
