@@ -152,13 +152,14 @@ def _series(rows: list[dict], key: str, keep=lambda row, value: True) -> tuple[l
 
 def _line_styles(n: int) -> list[tuple]:
     """`n` (colour, line style) pairs, no two alike: matplotlib's default cycle has 10 colours, and a world run logs
-    more held-out metrics than that (the 11th line was drawn in the 1st one's blue). tab10 up to 10 lines, tab20's 20
-    colours beyond, then the same colours dashed, dotted and dash-dotted."""
+    more held-out metrics than that (the 11th line was drawn in the 1st one's blue). tab20's 10 dark colours first,
+    then its 10 light ones (each the pale twin of a dark one), then the same 20 dashed, dotted and dash-dotted."""
     import matplotlib
 
-    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    cmap = matplotlib.colormaps["tab20"]
+    order = [*range(0, 20, 2), *range(1, 20, 2)]  # dark, then light
     styles = ("-", "--", ":", "-.")
-    return [(cmap(i % cmap.N), styles[(i // cmap.N) % len(styles)]) for i in range(n)]
+    return [(cmap(order[i % 20]), styles[(i // 20) % len(styles)]) for i in range(n)]
 
 
 def curves_figure(rows: list[dict]):
