@@ -300,7 +300,7 @@ def report_recipes(args, out: Path, rows: list[dict], curves: list[dict], steps:
             "captions (ODE); gains and drift against the base model on the same noise; FLOPs from the loop's meter:\n\n"
             + format_flop_table(final, args.recipes, RECIPE_FLOP_RATIOS) + "\n")
     results = []
-    if args.eval_every and "paper" in args.recipes:
+    if args.eval_every and any(r["recipe"] == "paper" for r in rows):  # the reference point: the paper's runs
         results = equal_drift(rows, "paper", ref_steps=steps)
         ref = results[0]
         text += (f"\nAt equal drift: each recipe read at the paper recipe's drift {ref['ref_drift']:.4f} and gain "
@@ -416,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[video_lab] {i + 1}/{len(jobs)} {run_dir.name}: reward gain {last['reward_gain']:+.3f}, drift "
               f"{last['drift']:.4f} ({t_train + t_eval:.0f} s; total {time.perf_counter() - t0:.0f} s)", flush=True)
 
+    if not rows:  # only --report_only gets here without rows: every other path ran its jobs
+        raise SageGRPOError(f"--report_only: {out} holds no finished run of these recipes and seeds; run the same "
+                            "command without --report_only first")
     write_csv(out / "summary.csv", rows)
     write_csv(out / "curves.csv", curves)
     if args.recipes:

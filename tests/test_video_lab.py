@@ -271,6 +271,12 @@ def test_recipes_run_end_to_end_with_their_forward_counts(tmp_path, tiny_model, 
     assert "At equal drift" in text and "| flash |" in text and (out / "equal_drift.png").is_file()
     mod.run_cell = lambda *a, **k: pytest.fail("a run evaluated before ran again")
     assert mod.main(argv) == 0  # the second call reads every run's result.json
+    # --report_only: the tables of what --out holds; without the paper's runs no equal-drift table, without any run
+    # one line
+    only = [a for a in argv if a != "paper"] + ["--report_only"]
+    assert mod.main(only) == 0 and "At equal drift" not in (out / "recipes.md").read_text()
+    with pytest.raises(SageGRPOError, match="holds no finished run"):
+        mod.main([a if a != str(out) else str(tmp_path / "empty") for a in argv] + ["--report_only"])
     del rows["flash"]
     for name, r in rows.items():
         cfg = load_config(["--config", str(config), *recipe_flags(name, load_config(
