@@ -58,6 +58,9 @@ def test_equal_drift_against_numpy_interpolation_per_seed():
     assert out["cheap"]["gain_vs_reference"][0] == pytest.approx(np.mean(paired))
     assert out["cheap"]["drift_at_ref_gain"][0] == pytest.approx(np.mean(drifts))
     assert out["cheap"]["heldout_at_ref_drift"][0] == pytest.approx(0.5 * np.mean(reads))
+    # the paper's held-out change on that seed at its last step is -its gain
+    paired_held = [0.5 * reads[s] + paper_final[s][1] for s in (0, 1)]
+    assert out["cheap"]["heldout_vs_reference"][0] == pytest.approx(np.mean(paired_held))
     assert out["cheap"]["extrapolated_gain"] == 0 and out["cheap"]["extrapolated_drift"] == 0
     # the reference read at its own point gives its own mean back when its seeds agree in drift (here: within
     # interpolation of each seed's path at the mean drift)

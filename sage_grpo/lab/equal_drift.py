@@ -8,7 +8,7 @@ reference point is the reference recipe (the paper's) at its full strength, mean
 the reference's drift) and at G_ref (the drift at the reference's gain) by linear interpolation along the path;
 past its last point on the line from the base model through that point (counted in `extrapolated`). Means and
 standard errors are over seeds; `gain_vs_reference` pairs each seed's gain at D_ref with the reference's own gain on
-that seed.
+that seed, and `heldout_vs_reference` its held-out change at D_ref with the reference's own held-out change.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def equal_drift(rows: Sequence[dict], reference: str = "paper", *, ref_steps: in
     """Rows {recipe, seed, steps, drift, reward_gain, heldout_change, ...} of every evaluated checkpoint -> one dict
     per recipe (the reference's first): seeds, the reference point (ref_drift, ref_gain: the reference recipe at
     `ref_steps`, default its most steps, mean over its seeds) and, as (mean, standard error) over seeds,
-    gain_at_ref_drift, heldout_at_ref_drift, gain_vs_reference (paired by seed, where the reference ran that seed),
+    gain_at_ref_drift, heldout_at_ref_drift, gain_vs_reference and heldout_vs_reference (paired by seed, where the
+    reference ran that seed),
     drift_at_ref_gain, with the count of seeds each read extrapolated past the recipe's last point
     (unreached_drift: the seeds whose gain never reaches the reference's on any line, left out of the mean)."""
     runs: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
@@ -78,7 +79,7 @@ def equal_drift(rows: Sequence[dict], reference: str = "paper", *, ref_steps: in
     g_ref = sum(float(r["reward_gain"]) for r in ref.values()) / len(ref)
     out = []
     for recipe in sorted(runs, key=lambda n: (n != reference, n)):
-        gains, held, paired, drifts, ext_g, ext_d = [], [], [], [], 0, 0
+        gains, held, paired, paired_held, drifts, ext_g, ext_d = [], [], [], [], [], 0, 0
         for seed, rs in sorted(runs[recipe].items()):
             path = curve_of([r for r in rs if recipe != reference or int(r["steps"]) <= ref_steps])
             g, e = read_along(path, 0, 1, d_ref)
@@ -90,9 +91,11 @@ def equal_drift(rows: Sequence[dict], reference: str = "paper", *, ref_steps: in
             ext_g, ext_d = ext_g + e, ext_d + f
             if seed in ref:
                 paired.append(g - float(ref[seed]["reward_gain"]))
+                paired_held.append(h - float(ref[seed]["heldout_change"]))
         out.append({"recipe": recipe, "seeds": len(gains), "ref_steps": ref_steps, "ref_drift": d_ref,
                     "ref_gain": g_ref, "gain_at_ref_drift": _mean_se(gains), "heldout_at_ref_drift": _mean_se(held),
                     "gain_vs_reference": _mean_se(paired) if paired else (math.nan, math.nan),
+                    "heldout_vs_reference": _mean_se(paired_held) if paired_held else (math.nan, math.nan),
                     "drift_at_ref_gain": _mean_se(drifts), "extrapolated_gain": ext_g, "extrapolated_drift": ext_d,
                     "unreached_drift": sum(not math.isfinite(d) for d in drifts)})
     return out

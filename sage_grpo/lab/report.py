@@ -280,11 +280,11 @@ def format_flop_table(aggs: Sequence[dict], recipes: Sequence[str], real_ratios:
 def format_equal_drift_table(results: Sequence[dict], recipes: Sequence[str], real_ratios: Mapping[str, float], *,
                              heldout_title: str) -> str:
     """Markdown of sage_grpo.lab.equal_drift's results, in `recipes` order: each recipe's gain and held-out change at
-    the reference's drift, its gain minus the reference's (paired by seed), and its drift at the reference's gain,
+    the reference's drift, each minus the reference's own (paired by seed), and its drift at the reference's gain,
     mean ± standard error over seeds; a read past a recipe's last point is marked with the count of such seeds."""
     cells = {r["recipe"]: r for r in results}
     head = ["Recipe", "FLOPs vs paper (8.3B)", "Seeds", "Gain at the paper's drift", "Minus the paper's gain (paired)",
-            heldout_title, "Drift at the paper's gain"]
+            heldout_title, "Minus the paper's (paired)", "Drift at the paper's gain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in recipes:
         r = cells.get(name)
@@ -296,7 +296,8 @@ def format_equal_drift_table(results: Sequence[dict], recipes: Sequence[str], re
             ext_d += f" ({r['unreached_drift']} never reached, left out)"
         lines.append(f"| {name} | {real_ratios.get(name, math.nan):.2f} | {r['seeds']} | "
                      f"{_pm(r['gain_at_ref_drift'], 3)}{ext_g} | {_pm(r['gain_vs_reference'], 3)} | "
-                     f"{_pm(r['heldout_at_ref_drift'], 3)} | {_pm(r['drift_at_ref_gain'], 4)}{ext_d} |")
+                     f"{_pm(r['heldout_at_ref_drift'], 3)} | {_pm(r['heldout_vs_reference'], 3)} | "
+                     f"{_pm(r['drift_at_ref_gain'], 4)}{ext_d} |")
     return "\n".join(lines)
 
 
