@@ -153,6 +153,7 @@ def tiny_i2v_pipe(tiny_i2v_dir):
 LONGEST_FIRST = (
     "tests/test_world_model.py",
     "tests/test_post_train.py",
+    "tests/test_parallel_fsdp.py",  # the fast tier's one torchrun launch: 55 s in one fixture
     "tests/test_launch.py",
     "tests/test_download_weights_hub.py",
     "tests/test_slurm.py",
@@ -166,7 +167,6 @@ LONGEST_FIRST = (
     "tests/test_reward_overlap.py",
     "tests/test_bench_reward_balance.py",
     "tests/test_judge_learning.py",
-    "tests/test_parallel_fsdp.py",
     "tests/test_i2v.py",
     "tests/test_generate.py",
 )

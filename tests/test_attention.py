@@ -231,6 +231,7 @@ def test_a_backend_without_backward_is_refused_for_training_only(monkeypatch):
         check_attention_backend("native", "cpu", torch.float32, training=True)
 
 
+@pytest.mark.slow
 def test_a_backend_this_machine_lacks_is_one_line_before_any_model_loads(tmp_path):
     import subprocess
     import sys

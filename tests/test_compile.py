@@ -65,6 +65,7 @@ def test_compiled_blocks_equal_eager(checkpointing, backend, tmp_path, monkeypat
     assert errors[worst] < 1e-5, (worst, errors[worst])
 
 
+@pytest.mark.slow
 def test_blocks_share_graphs_and_recompilations_are_bounded_across_text_lengths():
     """Eight prompt-length pairs, batch 2 and 1, no_grad (rollout) and grad (update): the count of compiled graphs
     stays at the few that grad mode, batch 1 and the order of the lengths in a pair need, whatever the lengths and the

@@ -444,6 +444,7 @@ def test_fp8_refusals(argv, world, message):
         validate(load_config(["--use_lora", "--fp8_base", "--enable_fsdp", fsdp, "--train_video_csv", "p.csv"]), 2)
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_with_fp8_base_is_one_line_and_exit_code_2(tiny_model, tmp_path):
     argv = _args(tiny_model, tmp_path / "run", "--fp8_base")
     r = subprocess.run([sys.executable, str(ROOT / "post_train.py"), *argv], capture_output=True, text=True, cwd=ROOT)
@@ -479,6 +480,7 @@ def test_fp8_matmul_needs_an_fp8_gpu(tiny_model, tmp_path, monkeypatch):
         generate.main([*common, "--fp8_base", "True", "--fp8_matmul", "True"])
 
 
+@pytest.mark.slow
 def test_the_24gb_recipe_fits_24_gib_by_the_plan_and_only_with_the_fp8_base():
     from helpers import load_script
 
@@ -494,6 +496,7 @@ def test_the_24gb_recipe_fits_24_gib_by_the_plan_and_only_with_the_fp8_base():
     assert 7.5 < saved < 7.7, saved  # 8.15B block-linear weights: 2 bytes -> 1 (+ scales)
 
 
+@pytest.mark.slow
 def test_the_plan_of_a_sharded_fp8_base_shards_and_gathers_its_bytes():
     """Under FSDP2 on 8 GPUs the FP8 base saves on every rank an eighth of what it saves on one GPU, and each gather
     (two blocks in flight; the whole model per forward, 7/8 of it from the other ranks) moves FP8 bytes."""

@@ -44,6 +44,7 @@ def test_ablation_script_writes_table_csv_and_cache(tmp_path, capsys):
     assert (tmp_path / "table_d2.md").read_text().startswith("| Method |")
 
 
+@pytest.mark.slow
 def test_recipes_table_reports_flops_forwards_and_equal_drift(tmp_path, capsys):
     """--recipes: the recipes an unconditional model can run, their model FLOPs by phase and counted forwards
     against the paper's recipe, the gains as mean ± standard error over seeds (recomputed here from summary.csv),

@@ -18,6 +18,7 @@ def _check(*args, cwd=ROOT):
                           text=True, cwd=cwd, timeout=120)
 
 
+@pytest.mark.slow
 def test_check_launch_passes_a_good_launch_silently():
     """The script as the launchers run it (a subprocess): exit 0 and nothing on stderr (no library noise)."""
     r = _check("--nnodes", "1", "--nproc_per_node", "8", *TINY)

@@ -652,6 +652,7 @@ def test_fsdp_keeps_bf16_master_weights(two_rank_runs):
     assert dtypes == {torch.bfloat16}
 
 
+@pytest.mark.slow
 def test_a_run_folder_is_never_silently_overwritten(tiny_model, tmp_path, capsys):
     """Re-running a finished command refuses in one line (a subprocess, as a user runs it) before anything loads;
     --overwrite_output_dir starts over (old checkpoints gone); latest on an empty folder says it starts at 0; a
@@ -737,6 +738,7 @@ def test_a_resume_trains_with_the_optimizer_settings_it_says_and_records(tiny_mo
             written["weight_decay"], (written["adam_beta1"], written["adam_beta2"]), written["adam_eps"])
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_layout_records_both_layouts(tiny_model, tmp_path, capsys):
     """A run of 2 processes x 4 videos (its checkpoint's train state says world size 2: the one-process run's
     checkpoint rewritten so) resumed in one process trains 4 videos a step, not 8: said on one line, and recorded in

@@ -782,7 +782,8 @@ runpy.run_path("post_train.py", run_name="__main__")
 
 
 @pytest.mark.parametrize("flags", [("--reward_model", "vlm_judge", "--reward_weights", '{"judge":1}'),
-                                   ("--validation_metrics", "auto", "vlm_judge", "--validation_interval", "1")],
+                                   pytest.param(("--validation_metrics", "auto", "vlm_judge", "--validation_interval",
+                                                 "1"), marks=pytest.mark.slow)],
                          ids=["trained", "validation-only"])
 def test_a_judge_without_httpx_is_one_line_before_the_run_folder_is_made(tiny_model, tmp_path, flags):
     """Before, the judge died in setup with a ModuleNotFoundError traceback (a judge for validation only: after the

@@ -99,6 +99,7 @@ def test_nan_gradients_skip_the_update_and_are_counted(tiny_model, tmp_path, mon
     assert all(torch.equal(base[k], trained[k]) for k in base)
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_checkpoint_time_keeps_the_previous_checkpoint(tiny_model, tmp_path, monkeypatch):
     import sage_grpo.checkpoint as ck
 
@@ -121,7 +122,7 @@ def test_a_full_disk_at_checkpoint_time_keeps_the_previous_checkpoint(tiny_model
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_stop_signal_finishes_the_step_checkpoints_and_returns(tiny_model, tmp_path, monkeypatch, capsys, sig):
     orig = pt.backward_phase
 
@@ -139,7 +140,7 @@ def test_a_stop_signal_finishes_the_step_checkpoints_and_returns(tiny_model, tmp
     assert signal.getsignal(sig) is not None and signal.getsignal(sig) != pt.StopRequest._handle  # restored
 
 
-@pytest.mark.parametrize("gap", [0.02, 0.5])
+@pytest.mark.parametrize("gap", [0.02, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_a_repeated_signal_within_the_window_is_the_same_request(tiny_model, tmp_path, monkeypatch, capsys, gap):
     """SLURM signals every process of the step and torchrun forwards a copy: two SIGTERMs 20 ms or 500 ms apart
     still finish the step and write the checkpoint (the second was read as "stop now" before)."""

@@ -230,6 +230,7 @@ def _tail_run(pipe, cache, solver, ode_steps, *, prompts, cfg_scale=1.0, num_ste
                 **({"size": size} if size else {}))
 
 
+@pytest.mark.slow
 def test_unipc_tail_reaches_the_many_step_end_point_in_half_the_steps():
     """On the tiny world model (no CFG, as the recipes that use it), the ODE after a window [0, 2) of T 10 in 4 UniPC
     steps ends within 20 % of the schedule's 8 Euler steps' distance from a 200-step Euler reference (measured: 0.095

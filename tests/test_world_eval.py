@@ -113,6 +113,7 @@ def _eval_script():
     return script
 
 
+@pytest.mark.slow
 def test_eval_tiny_missing_model_file_is_one_line(tiny_diffusers_dir, tmp_path):
     """As a user runs it (one process): exit 2, the `error:` line and the folder's listing, no traceback."""
     broken = tmp_path / "model"

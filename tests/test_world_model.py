@@ -69,6 +69,7 @@ def test_committed_model_draws_heldout_captions(world_pipe):
         assert q[k] >= floor, (k, q)
 
 
+@pytest.mark.slow
 def test_committed_i2v_model_animates_a_given_first_frame(tmp_path):
     """The image-to-video checkpoint, each held-out caption's rendered first frame given: the video starts from it
     and moves as the caption says (floors under the measured values, I2V_FLOOR)."""

@@ -220,6 +220,7 @@ def test_object_weight_reaches_the_transformer_loss():
     assert not torch.allclose(train(marked), plain)
 
 
+@pytest.mark.slow
 def test_transformer_training_mixes_first_frame_conditioned_batches(monkeypatch):
     """With first-frame images, a share i2v_prob of the batches reaches the forward with the image conditioning of
     exactly the batch's clips (condition latents and SigLIP embeds, also for a caption dropped for CFG); the others
