@@ -84,6 +84,7 @@ def test_check_launch_names_every_missing_file_in_one_message(tmp_path, monkeypa
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_launcher_refuses_before_torchrun_with_one_line(tmp_path):
     """A typo'd geometry through run_post_train.sh: one error line, exit 2, no worker started (no traceback)."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "NGPU": "2",

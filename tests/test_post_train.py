@@ -143,6 +143,7 @@ def _warned(text: str) -> list[str]:
     return re.findall(r"possible reward hacking at step \d+: .* while held-out (\w+) (?:fell|rose)", text)
 
 
+@pytest.mark.slow
 def test_validation_reports_held_out_metrics_and_warns_on_a_brightness_hack(tiny_model, tmp_path, capsys):
     """The brightness reward with KL off, validated before the first update and after step 2: the videos get
     brighter and greyer, flatter and stiller; validation reports the held-out metrics beside the reward
@@ -302,6 +303,7 @@ def _count_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_anchor_refresh_cadence_and_skipped_forwards(tiny_model, tmp_path, monkeypatch):
     calls = _count_calls(monkeypatch)
     pt.main(_args(tiny_model, tmp_path, "--max_steps", "5", "--update_ref_model_step", "2"))
@@ -314,6 +316,7 @@ def test_anchor_refresh_cadence_and_skipped_forwards(tiny_model, tmp_path, monke
     assert [c[2] for c in calls if c[0] != "rollout_phase"] == [0] * 5  # the update never runs the anchor itself
 
 
+@pytest.mark.slow
 def test_gradient_does_not_depend_on_micro_batch_size(tiny_model, tmp_path, monkeypatch):
     grads = {}
 
@@ -341,6 +344,7 @@ def test_gradient_does_not_depend_on_micro_batch_size(tiny_model, tmp_path, monk
     assert any(float(g.abs().max()) > 0 for g in grads[1])
 
 
+@pytest.mark.slow
 def test_accumulation_counts_updates(tiny_model, tmp_path):
     pt.main(_args(tiny_model, tmp_path, "--max_steps", "4", "--gradient_accumulation_steps", "2",
                   "--update_ref_model_step", "2", "--kl_warmup_updates", "4"))

@@ -126,6 +126,7 @@ def test_a_first_call_with_missing_components_or_wrong_shapes_is_one_line(tmp_pa
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_post_train_refuses_a_broken_plugin_in_one_line_before_any_model_loads(tmp_path):
     """The CLI: exit 2, one `error:` message, no traceback (preflight imports the file); the missing model of the
     same launch is named in the same message, a bullet each (one round of errors)."""

@@ -68,6 +68,7 @@ def test_scores_through_the_server_equal_local_scores(server):
             assert got[k].dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_videoalign_scores_through_the_server_equal_local_ones_and_only_its_frames_travel(tiny_dirs):
     flags = ["--model_path", str(tiny_dirs["old"]), "--base_model_path", str(tiny_dirs["base"]), "--dtype", "fp32",
              "--min_pixels", str(TINY_MIN_PIXELS), "--video_fps", "24"]
