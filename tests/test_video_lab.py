@@ -72,18 +72,20 @@ def test_recipe_flags_are_real_post_train_flags_with_the_recipe_values(recipe):
         assert (cfg.rollout.sde_window_start, cfg.rollout.sde_window_size, cfg.rollout.use_same_noise) == (0, 0, False)
 
 
-def test_recipe_table_gives_forwards_against_the_paper_and_standard_errors():
+def test_flop_table_gives_phases_and_forwards_against_the_paper_and_standard_errors():
     from sage_grpo.lab.report import aggregate
-    from sage_grpo.lab.video import format_recipe_table
+    from sage_grpo.lab.video import format_flop_table
 
-    rows = [{"recipe": r, "seed": s, "forwards_per_step": f, "reward_gain": g, "rollout_gain": 0.0,
-             "heldout_change": 0.0, "drift": 0.0}
+    rows = [{"recipe": r, "seed": s, "steps": 20, "forwards_per_step": f, "gflop_rollout": f / 10,
+             "gflop_anchor": 1.0, "gflop_update": f / 5, "gflop_step": f / 10 + 1.0 + f / 5, "reward_gain": g,
+             "rollout_gain": 0.0, "heldout_change": 0.0, "drift": 0.0}
             for r, f, gains in (("paper", 60.0, (0.1, 0.3, 0.2)), ("sliding", 30.0, (0.0, 0.4, 0.2)))
             for s, g in enumerate(gains)]
-    table = format_recipe_table(aggregate(rows, keys=("recipe",)), ["paper", "sliding"])
+    table = format_flop_table(aggregate(rows, keys=("recipe", "steps")), ["paper", "sliding"], {"sliding": 0.4})
     line = next(x for x in table.splitlines() if x.startswith("| sliding |"))
-    # mean 0.2, sample std 0.2, standard error 0.2 / sqrt(3) = 0.115
-    assert line.startswith("| sliding | 30.00 | 0.50 | 3 | 0.200 ± 0.115 |"), line
+    # FLOPs 3 + 1 + 6 = 10 against the paper's 19; gain mean 0.2, sample std 0.2, standard error 0.2 / sqrt(3)
+    assert line.startswith(f"| sliding | 20 | 3.00 / 1.00 / 6.00 | 10.00 | {10 / 19:.2f} | 0.40 | 30.00 | 3 | "
+                           "0.200 ± 0.115 |"), line
 
 
 def test_cell_flags_refuse_what_they_cannot_run():

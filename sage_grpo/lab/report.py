@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["TABLE_METRICS", "aggregate", "format_table", "write_csv", "plot_all", "save_figure", "draw_figures",
-           "standard_error", "mean_se_cell", "format_recipe_table", "format_flop_table", "format_equal_drift_table",
+           "standard_error", "mean_se_cell", "format_flop_table", "format_equal_drift_table",
            "plot_equal_drift"]
 
 # (column title, summary key, decimals). Off-manifold: lower is better; the others: see docs/labs.md.
@@ -222,26 +222,6 @@ def draw_figures(tag: str, out: Path, draw: Callable[[], Iterable[Path]]) -> lis
         return []
     print(f"\n[{tag}] figures in {out}: {', '.join(sorted({p.name for p in paths}))}")
     return paths
-
-
-def format_recipe_table(aggs: Sequence[dict], recipes: Sequence[str], columns: Sequence[tuple[str, str, int]], *,
-                        forwards_key: str, forwards_title: str, forwards_decimals: int) -> str:
-    """Markdown of the cheaper-steps recipes (the toy lab's and the video lab's): one row per recipe in `recipes`
-    order with its forwards (`<forwards_key>_mean`), their ratio to the paper's recipe when it ran, the seeds, and
-    `columns` (title, key, decimals) as mean ± standard error over seeds."""
-    cells = {a["recipe"]: a for a in aggs}
-    paper = cells.get("paper")
-    head = ["Recipe", forwards_title, "vs paper", "Seeds"] + [t for t, _, _ in columns]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in recipes:
-        a = cells.get(name)
-        if a is None:
-            continue
-        fwd = a[f"{forwards_key}_mean"]
-        ratio = f"{fwd / paper[f'{forwards_key}_mean']:.2f}" if paper else "-"
-        vals = [mean_se_cell(a, k, d) for _, k, d in columns]
-        lines.append(f"| {name} | {fwd:.{forwards_decimals}f} | {ratio} | {a['n']} | " + " | ".join(vals) + " |")
-    return "\n".join(lines)
 
 
 def _pm(mean_se: tuple[float, float], decimals: int) -> str:

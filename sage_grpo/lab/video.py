@@ -20,7 +20,6 @@ from .grpo import LAB_SAMPLERS
 from .report import aggregate, mean_se_cell, save_figure, standard_error
 from .report import format_equal_drift_table as report_equal_drift_table
 from .report import format_flop_table as report_flop_table
-from .report import format_recipe_table as report_recipe_table
 from .report import plot_equal_drift as report_plot_equal_drift
 
 __all__ = [
@@ -34,7 +33,6 @@ __all__ = [
     "run_row",
     "aggregate_runs",
     "format_video_table",
-    "format_recipe_table",
     "format_flop_table",
     "format_equal_drift_table",
     "plot_video_lab",
@@ -161,13 +159,6 @@ RECIPE_COLUMNS = (
     ("Held-out change", "heldout_change", 3),
     ("Drift", "drift", 4),
 )
-
-
-def format_recipe_table(aggs: Sequence[dict], recipes: Sequence[str]) -> str:
-    """Markdown: one row per recipe (in `recipes` order): per-sample transformer forwards per step, their ratio to
-    the paper's recipe (when it ran), seeds, and the learning columns as mean ± standard error over seeds."""
-    return report_recipe_table(aggs, recipes, RECIPE_COLUMNS, forwards_key="forwards_per_step",
-                               forwards_title="Forwards / sample / step", forwards_decimals=2)
 
 
 def format_flop_table(aggs: Sequence[dict], recipes: Sequence[str], real_ratios: Mapping[str, float]) -> str:
